@@ -1,0 +1,466 @@
+"""Typed configuration: one dataclass tree, loaded from YAML plus ``dotted.key=value`` overrides.
+
+To add a section, write ``@dataclass class FooConfig(Section)`` whose fields use :func:`_field`
+(default, help text, optional bounds ``min``/``gt``/``lt``) and add
+``foo: FooConfig = field(default_factory=FooConfig, metadata={"help": ...})`` to :class:`MarsConfig`.
+Loading, overrides, type checks (driven by the type hints, ``Literal`` choices included), unknown-key
+errors, dumping and :func:`describe_config` are generic. Cross-field checks go in the section's
+``validate()``, raising :class:`ConfigError` with paths relative to the section; the loader prefixes them.
+"""
+
+import copy
+import dataclasses
+import difflib
+import functools
+import operator
+import re
+import textwrap
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. ``str(err)`` is ``[source: ]dotted.path: message``."""
+
+    def __init__(self, message: str, path: str = "", source: str | None = None) -> None:
+        self.message, self.path, self.source = message, path, source
+        super().__init__(": ".join(part for part in (source, path, message) if part))
+
+    def within(self, prefix: str) -> "ConfigError":
+        """The same error with ``prefix`` prepended to its dotted path."""
+        return ConfigError(self.message, _join(prefix, self.path), self.source)
+
+    def from_source(self, source: str | None) -> "ConfigError":
+        """The same error attributed to ``source`` (a file name or an override)."""
+        return ConfigError(self.message, self.path, source)
+
+
+def _join(prefix: str, key: str) -> str:
+    if not prefix or not key:
+        return prefix or key
+    return prefix + key if key.startswith("[") else f"{prefix}.{key}"
+
+
+def _field(default: Any, help: str, **bounds: float) -> Any:
+    """A leaf field: its default, a help text (what it is, why, which unit) and optional numeric bounds."""
+    if isinstance(default, list | dict):  # mutable defaults need a factory; copy so instances never share
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help, **bounds})
+    return field(default=default, metadata={"help": help, **bounds})
+
+
+class Section:
+    """Base of every config section: type/bound checks of all fields, then :meth:`validate`."""
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in fields(self):
+            value = _convert(getattr(self, f.name), hints[f.name], f.name)
+            _check_bounds(value, f.metadata, f.name)
+            setattr(self, f.name, value)
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-field checks; raise ConfigError naming the field relative to this section."""
+
+
+@dataclass
+class ModelConfig(Section):
+    hf_dir: str | None = _field(
+        None, "HF checkpoint directory holding config.json: the source of the architecture (and weights)."
+    )
+    mcore_dir: str | None = _field(
+        None, "Megatron distributed checkpoint to start from instead of hf_dir weights."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = _field(
+        "float32", "Parameter/compute dtype. bfloat16 for GPUs; float32 for CPU tests."
+    )
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = _field(
+        "auto", "Layer implementation: auto = transformer_engine when CUDA and TE are present, else local."
+    )
+    vocab_pad_multiple: int = _field(
+        128,
+        "The embedding/output vocab is padded to a multiple of this, independent of tp, so checkpoints "
+        "load under any layout. Must be divisible by parallel.tp.",
+        min=1,
+    )
+    fp8: Literal["e4m3", "hybrid"] | None = _field(
+        None, "FP8 GEMMs via Transformer Engine (hybrid = E4M3 forward, E5M2 gradients); null = off."
+    )
+
+    def validate(self) -> None:
+        if self.fp8 is not None and self.transformer_impl == "local":
+            raise ConfigError(
+                f"{self.fp8!r} needs Transformer Engine, but transformer_impl is 'local'", "fp8"
+            )
+
+
+@dataclass
+class ParallelConfig(Section):
+    tp: int = _field(1, "Tensor-parallel size: ranks that split each layer's weights.", min=1)
+    pp: int = _field(1, "Pipeline-parallel size: ranks that split the layer stack into stages.", min=1)
+    ep: int = _field(1, "Expert-parallel size: ranks that split the experts of each MoE layer.", min=1)
+    etp: int | None = _field(
+        1, "Expert tensor-parallel size: ranks that split each expert's weights; null = same as tp.", min=1
+    )
+    sequence_parallel: bool | None = _field(
+        None, "Shard activations along the sequence inside the TP region; null = on when tp > 1."
+    )
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = _field(
+        "allgather", "How MoE tokens reach their experts: allgather (simple) or alltoall (scales with ep)."
+    )
+    use_distributed_optimizer: bool = _field(
+        True, "Shard fp32 master weights and Adam state across data-parallel ranks (ZeRO-1)."
+    )
+
+    @property
+    def effective_etp(self) -> int:
+        """Expert tensor-parallel size with ``null`` resolved to ``tp``."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def effective_sequence_parallel(self) -> bool:
+        """Sequence parallelism with ``null`` resolved (on when tp > 1)."""
+        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    def validate(self) -> None:
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("true requires tp > 1 (use null for auto)", "sequence_parallel")
+        if self.sequence_parallel is False and self.tp > 1 and self.ep > 1:
+            raise ConfigError(
+                f"must be on when tp > 1 and ep > 1 (Megatron's rule), got tp={self.tp}, ep={self.ep}",
+                "sequence_parallel",
+            )
+
+    def check_world_size(self, world_size: int) -> int:
+        """Check Megatron's layout rules for ``world_size`` ranks and return the data-parallel size.
+
+        world = tp * pp * dp, and within a pipeline stage the same tp * dp ranks are laid out as
+        etp * ep * edp for the experts, so tp * dp must be divisible by etp * ep.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world size must be a positive int, got {world_size!r}")
+        tp, pp, ep, etp = self.tp, self.pp, self.ep, self.effective_etp
+        if world_size % (tp * pp):
+            raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
+        dp = world_size // (tp * pp)
+        if (tp * dp) % (etp * ep):
+            raise ConfigError(
+                f"world size {world_size} gives tp*dp = {tp}*{dp} = {tp * dp} ranks per pipeline stage, "
+                f"not divisible by etp*ep = {etp}*{ep} = {etp * ep}"
+            )
+        return dp
+
+
+@dataclass
+class OptimizerConfig(Section):
+    lr: float = _field(1e-6, "Adam learning rate (constant; MarsRL uses 1e-6).", gt=0)
+    weight_decay: float = _field(0.0, "Decoupled (AdamW) weight decay.", min=0)
+    adam_beta1: float = _field(0.9, "Adam first-moment decay.", min=0, lt=1)
+    adam_beta2: float = _field(0.999, "Adam second-moment decay.", min=0, lt=1)
+    adam_eps: float = _field(1e-8, "Adam denominator epsilon.", gt=0)
+    clip_grad: float = _field(1.0, "Global gradient-norm clip; 0 = no clipping.", min=0)
+
+
+@dataclass
+class TrainConfig(Section):
+    steps: int = _field(1, "Optimizer steps to run.", min=1)
+    micro_batch: int = _field(1, "Sequences per forward/backward pass on one data-parallel rank.", min=1)
+    global_batch: int = _field(
+        1, "Sequences per optimizer step over all data-parallel ranks; a multiple of micro_batch * dp.", min=1
+    )
+    seq_length: int = _field(2048, "Maximum tokens per sequence (prompt + response).", min=2)
+    seed: int = _field(1234, "Random seed for initialisation, sampling and data order.", min=0)
+
+    def validate(self) -> None:
+        if self.global_batch < self.micro_batch or self.global_batch % self.micro_batch:
+            raise ConfigError(
+                f"must be a multiple of micro_batch ({self.micro_batch}), got {self.global_batch}",
+                "global_batch",
+            )
+
+
+@dataclass
+class CheckpointConfig(Section):
+    save_dir: str | None = _field(None, "Directory for Megatron distributed checkpoints; null = never save.")
+    save_interval: int = _field(0, "Save every this many steps; 0 = only at the end of training.", min=0)
+    keep_last: int = _field(2, "Keep only this many most recent checkpoints in save_dir.", min=1)
+
+    def validate(self) -> None:
+        if self.save_interval and self.save_dir is None:
+            raise ConfigError(
+                f"is {self.save_interval} but save_dir is null, so nothing is saved", "save_interval"
+            )
+
+
+@dataclass
+class LoggingConfig(Section):
+    run_dir: str = _field("runs/default", "Directory for logs, metrics and the resolved config of this run.")
+    tensorboard: bool = _field(False, "Also write TensorBoard event files under run_dir.")
+    log_interval: int = _field(1, "Log metrics every this many steps.", min=1)
+
+    def validate(self) -> None:
+        if not self.run_dir:
+            raise ConfigError("must not be empty", "run_dir")
+
+
+@dataclass
+class MarsConfig(Section):
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model source and precision."})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "Parallel layout."})
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"help": "Adam optimizer."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Steps and batch sizes."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
+    logging: LoggingConfig = field(
+        default_factory=LoggingConfig, metadata={"help": "Logs and run directory."}
+    )
+
+    def validate(self) -> None:
+        tp, pad = self.parallel.tp, self.model.vocab_pad_multiple
+        if pad % tp:
+            raise ConfigError(f"{pad} is not divisible by parallel.tp = {tp}", "model.vocab_pad_multiple")
+        seq = self.train.seq_length
+        if self.parallel.effective_sequence_parallel and seq % tp:
+            raise ConfigError(
+                f"{seq} is not divisible by parallel.tp = {tp} (sequence parallel)", "train.seq_length"
+            )
+
+    def check_world_size(self, world_size: int) -> int:
+        """:meth:`ParallelConfig.check_world_size` plus global_batch % (micro_batch * dp) == 0; returns dp."""
+        try:
+            dp = self.parallel.check_world_size(world_size)
+        except ConfigError as err:
+            raise err.within("parallel") from None
+        step = self.train.micro_batch * dp
+        if self.train.global_batch % step:
+            raise ConfigError(
+                f"{self.train.global_batch} is not divisible by micro_batch * dp = "
+                f"{self.train.micro_batch}*{dp} = {step} (world size {world_size})",
+                "train.global_batch",
+            )
+        return dp
+
+
+S = TypeVar("S", bound=Section)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _is_section(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, Section)
+
+
+def _type_str(hint: Any) -> str:
+    """The type as users read it: ``int or null``, ``one of 'a', 'b'``, ``list[str]``, ``ModelConfig``."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_str(arg) for arg in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(arg) for arg in args)
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_str(arg) for arg in args)}]"
+    if _is_section(hint):
+        return "a mapping (section)"
+    return "null" if hint is type(None) else getattr(hint, "__name__", repr(hint))
+
+
+def _convert(value: Any, hint: Any, path: str) -> Any:
+    """Check ``value`` against the type hint and normalise it (ints to float, mappings to sections)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if _is_section(hint):
+        if isinstance(value, hint):
+            return value
+        if value is None or isinstance(value, Mapping):  # an empty section in YAML reads as null
+            return _build(hint, value or {}, path)
+    elif origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as err:
+                if err.path != path:  # failed deeper inside (a section or list): that error is the useful one
+                    raise
+    elif origin is Literal:
+        if any(type(value) is type(choice) and value == choice for choice in args):
+            return value
+    elif origin is list:
+        if isinstance(value, list | tuple):
+            return [_convert(item, args[0], f"{path}[{i}]") for i, item in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+            return {key: _convert(item, args[1], _join(path, key)) for key, item in value.items()}
+    elif hint is Any:
+        return value
+    elif hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif hint in (int, str, bool, type(None)):
+        if type(value) is hint:
+            return value
+    else:
+        raise TypeError(f"{path}: config type hint {hint!r} is not supported by the loader")
+    raise ConfigError(f"expected {_type_str(hint)}, got {value!r} ({type(value).__name__})", path)
+
+
+_BOUNDS = {"min": (">=", operator.ge), "gt": (">", operator.gt), "lt": ("<", operator.lt)}
+
+
+def _check_bounds(value: Any, meta: Mapping[str, Any], path: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    for key, (symbol, ok) in _BOUNDS.items():
+        if key in meta and not ok(value, meta[key]):
+            want = f"{type(value).__name__} {symbol} {meta[key]}"
+            if (want, type(value)) == ("int >= 1", int):
+                want = "a positive int"
+            raise ConfigError(f"expected {want}, got {value!r}", path)
+
+
+def _bounds_str(meta: Mapping[str, Any]) -> str:
+    return "".join(f" {symbol} {meta[key]}," for key, (symbol, _) in _BOUNDS.items() if key in meta).rstrip(
+        ","
+    )
+
+
+def _unknown_key(key: Any, names: list[str], path: str) -> ConfigError:
+    where = f"'{path}'" if path else "the top level"
+    message = f"unknown key; valid keys in {where}: {', '.join(names)}"
+    close = difflib.get_close_matches(str(key), names, n=1)
+    if close:
+        message += f" (did you mean '{_join(path, close[0])}'?)"
+    return ConfigError(message, _join(path, str(key)))
+
+
+def _build(cls: type[S], data: Mapping[Any, Any], path: str) -> S:
+    names = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in names:
+            raise _unknown_key(key, names, path)
+    for f in fields(cls):
+        if f.name not in data and f.default is MISSING and f.default_factory is MISSING:
+            raise ConfigError("required key is missing", _join(path, f.name))
+    try:
+        return cls(**data)
+    except ConfigError as err:
+        raise err.within(path) from None
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 does."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_error(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"invalid YAML{where}: {getattr(err, 'problem', None) or err}"
+
+
+def _read_yaml(path: Path) -> dict[Any, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("config file not found", source=str(path)) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file: {err.strerror or err}", source=str(path)) from None
+    try:
+        data = yaml.load(text, Loader=_YamlLoader)
+    except yaml.YAMLError as err:
+        raise ConfigError(_yaml_error(err), source=str(path)) from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"expected a mapping of sections, got {type(data).__name__}", source=str(path))
+    return data or {}
+
+
+def _apply_override(raw: dict[Any, Any], text: str) -> str:
+    """Merge one ``dotted.key=value`` into ``raw``; returns the dotted key. Keys are checked by the build."""
+    key, sep, value_text = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"malformed override {text!r}: expected dotted.key=value, e.g. parallel.tp=2")
+    try:
+        value = yaml.load(value_text, Loader=_YamlLoader)
+    except yaml.YAMLError as err:
+        raise ConfigError(_yaml_error(err), ".".join(parts), f"override {text!r}") from None
+    node = raw
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    old = node.get(parts[-1])
+    node[parts[-1]] = {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
+    return ".".join(parts)
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """Whether dotted paths ``a`` and ``b`` are equal or one lies inside the other."""
+    return a == b or a.startswith((b + ".", b + "[")) or b.startswith((a + ".", a + "["))
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> MarsConfig:
+    """Load a YAML config (``None`` = all defaults), apply ``dotted.key=value`` overrides, validate."""
+    raw = _read_yaml(Path(path)) if path is not None else {}
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a sequence of 'key=value' strings, not one string")
+    origins = {_apply_override(raw, text): f"override {text!r}" for text in overrides}
+    try:
+        return _convert(raw, MarsConfig, "")
+    except ConfigError as err:
+        if err.source is not None:
+            raise
+        source = str(path) if path is not None else None
+        for key in sorted(origins, key=len):  # the most specific override that covers the failing field
+            if err.path and _overlaps(err.path, key):
+                source = origins[key]
+        raise err.from_source(source) from None
+
+
+def config_to_dict(cfg: Section) -> dict[str, Any]:
+    """Plain nested dict of the config (YAML/JSON-serialisable)."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Section, path: str | Path) -> Path:
+    """Write ``cfg`` as YAML (loads back to an equal config); creates parent directories."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
+    return path
+
+
+def describe_config(cls: type[Section] = MarsConfig) -> str:
+    """Help listing: every dotted field with its type, bounds, default and help text."""
+    lines: list[str] = []
+
+    def walk(section: type[Section], prefix: str) -> None:
+        hints = _hints(section)
+        for f in fields(section):
+            path, hint, help_text = _join(prefix, f.name), hints[f.name], f.metadata.get("help", "")
+            if _is_section(hint):
+                lines.append(f"[{path}] {help_text}")
+                walk(hint, path)
+                continue
+            if f.default is MISSING and f.default_factory is MISSING:
+                default = "(required)"
+            else:
+                value = f.default if f.default is not MISSING else f.default_factory()
+                default = yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+            lines.append(f"  {path}: {_type_str(hint)}{_bounds_str(f.metadata)}; default {default}")
+            lines.append(textwrap.fill(help_text, 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+
+    walk(cls, "")
+    return "\n".join(lines)
