@@ -1,0 +1,179 @@
+"""HF ↔ Megatron distributed checkpoints, run on every rank of any TP/PP/EP layout.
+
+A Megatron checkpoint written here is a directory::
+
+    mars_checkpoint.json   format tag, architecture, vocabulary padding, dtype
+    hf/                    the source's config.json, tokenizer and generation files
+    model/                 megatron dist_checkpointing (torch_dist) — loadable into any layout
+
+Both directions write into a temporary sibling directory and rename it into place only after every
+rank has finished, so an interrupted or failed conversion never leaves a half-written output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from checkpoints_conversion.hf_io import CheckpointError, HFReader, HFWriter, copy_assets
+from checkpoints_conversion.model_io import export_weights, load_weights, validate_hf_checkpoint
+from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
+from mars_megatron.config import ParallelConfig
+from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config
+from mars_megatron.training.model_provider import build_model
+
+FORMAT = "mars-mcore-v1"
+META = "mars_checkpoint.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_output_dir(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"{out}: output directory already exists; choose a new path or remove it")
+    if not out.parent.exists():
+        raise FileNotFoundError(f"{out.parent}: parent of the output directory does not exist")
+    return out
+
+
+def _staging_dir(out: Path) -> Path:
+    """Rank 0 makes a fresh temporary sibling of ``out`` and tells every rank its path."""
+    holder = [None]
+    if dist.get_rank() == 0:
+        check_output_dir(out)
+        tmp = out.parent / f".{out.name}.partial"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        holder = [str(tmp)]
+    dist.broadcast_object_list(holder, src=0)
+    return Path(holder[0])  # type: ignore[arg-type]
+
+
+def _finish(tmp: Path, out: Path, ok: bool) -> None:
+    """Every rank reports success; rank 0 renames on unanimous success, else removes the staging dir."""
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, ok)
+    if dist.get_rank() == 0:
+        if all(flags):
+            tmp.rename(out)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+
+
+def read_meta(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:
+    """Architecture and metadata of a checkpoint written by :func:`hf_to_mcore`."""
+    path = Path(mcore_dir) / META
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; {mcore_dir} is not a mars Megatron checkpoint")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
+    arch_fields = dict(meta["arch"])
+    arch_fields["moe_layers"] = tuple(arch_fields.get("moe_layers", ()))
+    return Qwen3Arch(**arch_fields), meta
+
+
+def save_mcore(model: torch.nn.Module, directory: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    directory.mkdir(exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(getattr(model, "module", model).sharded_state_dict(), str(directory))
+
+
+def load_mcore(model: torch.nn.Module, directory: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    inner = getattr(model, "module", model)
+    state = dist_checkpointing.load(inner.sharded_state_dict(), str(directory))
+    inner.load_state_dict(state)
+
+
+def hf_to_mcore(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    parallel: ParallelConfig,
+    *,
+    dtype: str | None = None,
+    vocab_pad_multiple: int = 128,
+    transformer_impl: str = "auto",
+) -> None:
+    """Convert an HF Qwen3 checkpoint to a Megatron distributed checkpoint (call on every rank)."""
+    arch = load_hf_config(hf_dir)
+    reader = HFReader(hf_dir)
+    validate_hf_checkpoint(reader, arch)
+    out = Path(out_dir)
+    tmp = _staging_dir(out)
+    ok = False
+    try:
+        model = build_model(
+            arch,
+            parallel,
+            dtype=dtype,
+            transformer_impl=transformer_impl,
+            vocab_pad_multiple=vocab_pad_multiple,
+        )
+        load_weights(model, reader, arch, arch.padded_vocab_size(vocab_pad_multiple))
+        save_mcore(model, tmp / "model")
+        if dist.get_rank() == 0:
+            (tmp / "hf").mkdir()
+            copy_assets(hf_dir, tmp / "hf")
+            meta = {
+                "format": FORMAT,
+                "arch": dataclasses.asdict(arch),
+                "dtype": dtype or arch.dtype,
+                "vocab_pad_multiple": vocab_pad_multiple,
+                "written_by_layout": {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep},
+            }
+            (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+        ok = True
+    finally:
+        _finish(tmp, out, ok)
+
+
+def mcore_to_hf(
+    mcore_dir: str | Path,
+    out_dir: str | Path,
+    parallel: ParallelConfig,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    transformer_impl: str = "auto",
+    progress: bool = True,
+) -> None:
+    """Convert a Megatron checkpoint from :func:`hf_to_mcore` back to HF safetensors (every rank)."""
+    arch, meta = read_meta(mcore_dir)
+    out = Path(out_dir)
+    tmp = _staging_dir(out)
+    ok = False
+    try:
+        model = build_model(
+            arch,
+            parallel,
+            dtype=meta["dtype"],
+            transformer_impl=transformer_impl,
+            vocab_pad_multiple=meta["vocab_pad_multiple"],
+        )
+        load_mcore(model, Path(mcore_dir) / "model")
+        writer = HFWriter(tmp, max_shard_bytes) if dist.get_rank() == 0 else None
+        total = len(expected_hf_tensors(arch))
+        bar = tqdm(total=total, desc="mcore→hf", unit="tensor", disable=not progress or dist.get_rank() != 0)
+        for name, tensor in export_weights(model, arch):
+            assert writer is not None
+            writer.add(name, tensor)
+            bar.update()
+        bar.close()
+        if writer is not None:
+            writer.close()
+            copy_assets(Path(mcore_dir) / "hf", tmp)
+        ok = True
+    finally:
+        _finish(tmp, out, ok)

@@ -1,0 +1,271 @@
+"""Move weights between HF tensors and a live, sharded Megatron model, in any TP/PP/EP layout.
+
+Loading: every rank reads only the HF tensors its parameters need, one at a time, and keeps its piece.
+Export: for each parameter of the whole model (a canonical order every rank agrees on), the ranks that
+hold it gather its pieces over their TP (or expert-TP) group, one holder sends it to global rank 0, and
+rank 0 yields full HF tensors one at a time. The same export feeds HF checkpoints and, later, rollout
+engines' weight updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from checkpoints_conversion.hf_io import CheckpointError
+from checkpoints_conversion.qwen3_mapping import (
+    ParamPlan,
+    expected_hf_tensors,
+    init_tensor,
+    plan_for,
+    shard,
+    unshard,
+)
+from mars_megatron.training.hf_config import Qwen3Arch
+
+
+class TensorSource(Protocol):
+    """Anything that hands out full HF tensors by name."""
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+@dataclass
+class SeededInit:
+    """A :class:`TensorSource` of freshly initialised weights that depend only on (seed, tensor name)."""
+
+    arch: Qwen3Arch
+    seed: int
+    dtype: torch.dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        shape = expected_hf_tensors(self.arch)[name]
+        return init_tensor(name, shape, self.seed, self.arch.initializer_range, self.dtype)
+
+
+def validate_hf_checkpoint(reader: Any, arch: Qwen3Arch) -> None:
+    """Fail before touching the model if names or shapes differ from what ``arch`` implies."""
+    expected = expected_hf_tensors(arch)
+    present = set(reader.names())
+    missing = [n for n in expected if n not in present]
+    if missing:
+        raise CheckpointError(
+            f"{reader.dir}: {len(missing)} tensor(s) missing from the checkpoint, e.g. '{missing[0]}'"
+        )
+    unexpected = sorted(present - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"{reader.dir}: {len(unexpected)} tensor(s) not expected for {arch.architecture}, "
+            f"e.g. '{unexpected[0]}'"
+        )
+    for name, shape in expected.items():
+        got = reader.shape(name)
+        if got != shape:
+            raise CheckpointError(
+                f"{reader.file_of(name)}: tensor '{name}' has shape {list(got)}, "
+                f"config.json implies {list(shape)}"
+            )
+
+
+def _offsets(arch: Qwen3Arch) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    layer_offset = ps.get_pipeline_model_parallel_rank() * (
+        arch.num_layers // ps.get_pipeline_model_parallel_world_size()
+    )
+    expert_offset = 0
+    if arch.is_moe:
+        assert arch.num_experts is not None
+        expert_offset = ps.get_expert_model_parallel_rank() * (
+            arch.num_experts // ps.get_expert_model_parallel_world_size()
+        )
+    return layer_offset, expert_offset
+
+
+def _group_coords(plan: ParamPlan) -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    if plan.group == "tp":
+        return (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group(),
+        )
+    if plan.group == "etp":
+        return (
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_group(),
+        )
+    return 0, 1, None
+
+
+def _local_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    # DDP wraps the GPTModel as ``.module``; names are those of the bare model.
+    inner = getattr(model, "module", model)
+    yield from inner.named_parameters()
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, source: TensorSource, arch: Qwen3Arch, padded_vocab: int) -> int:
+    """Fill this rank's parameters from ``source``; returns how many parameters were set."""
+    layer_offset, expert_offset = _offsets(arch)
+    count = 0
+    for name, param in _local_params(model):
+        plan = plan_for(name, arch, layer_offset, expert_offset)
+        rank, size, _ = _group_coords(plan)
+        piece = shard(plan, [source.get(n) for n in plan.hf_names], rank, size, arch, padded_vocab)
+        if tuple(piece.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"tensor(s) {list(plan.hf_names)} give {name} shape {list(piece.shape)} on this rank, "
+                f"the model expects {list(param.shape)}"
+            )
+        param.copy_(piece)
+        count += 1
+    return count
+
+
+@dataclass(frozen=True)
+class _GlobalParam:
+    """One parameter of the whole model, named by where it lives, not by which rank holds it."""
+
+    stage: int
+    local_name: str  # name on the holding stage (layer index local to the stage)
+    expert: int | None  # global expert index, for expert weights
+
+
+def _global_params(arch: Qwen3Arch, pp: int, tied_on_last_stage: bool) -> list[_GlobalParam]:
+    per_stage = arch.num_layers // pp
+    out = [_GlobalParam(0, "embedding.word_embeddings.weight", None)]
+    for layer in range(arch.num_layers):
+        stage, local = divmod(layer, per_stage)
+        p = f"decoder.layers.{local}."
+        names = [
+            "input_layernorm.weight",
+            "self_attention.linear_qkv.weight",
+            *(["self_attention.linear_qkv.bias"] if arch.attention_bias else []),
+            "self_attention.linear_proj.weight",
+            "self_attention.q_layernorm.weight",
+            "self_attention.k_layernorm.weight",
+            "pre_mlp_layernorm.weight",
+        ]
+        out += [_GlobalParam(stage, p + n, None) for n in names]
+        if arch.is_moe and arch.moe_layers[layer]:
+            assert arch.num_experts is not None
+            out.append(_GlobalParam(stage, p + "mlp.router.weight", None))
+            for e in range(arch.num_experts):
+                out.append(_GlobalParam(stage, p + "mlp.experts.local_experts.{}.linear_fc1.weight", e))
+                out.append(_GlobalParam(stage, p + "mlp.experts.local_experts.{}.linear_fc2.weight", e))
+        else:
+            out += [
+                _GlobalParam(stage, p + n, None) for n in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+            ]
+    out.append(_GlobalParam(pp - 1, "decoder.final_layernorm.weight", None))
+    if not arch.tie_word_embeddings:
+        out.append(_GlobalParam(pp - 1, "output_layer.weight", None))
+    return out
+
+
+def _te_alias(name: str) -> list[str]:
+    """Local-spec name first, then the Transformer Engine spec's name for the same parameter."""
+    aliases = {
+        "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+        "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    }
+    for local, te in aliases.items():
+        if name.endswith(local):
+            return [name, name[: -len(local)] + te]
+    if ".mlp.experts.local_experts." in name:
+        head, rest = name.split(".mlp.experts.local_experts.", 1)
+        idx, tail = rest.split(".", 1)
+        return [name, f"{head}.mlp.experts.{tail.removesuffix('.weight')}.weight{idx}"]
+    return [name]
+
+
+@torch.no_grad()
+def export_weights(model: torch.nn.Module, arch: Qwen3Arch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for the whole model on global rank 0; other ranks yield nothing
+    but must iterate too (they take part in the gathers and sends)."""
+    from megatron.core import parallel_state as ps
+
+    params = dict(_local_params(model))
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    experts_per_rank = (arch.num_experts or 1) // ep
+    me = dist.get_rank()
+    coords = _all_coords()
+    for gp in _global_params(arch, pp, arch.tie_word_embeddings):
+        owner_ep = None if gp.expert is None else gp.expert // experts_per_rank
+        local_name = (
+            gp.local_name if gp.expert is None else gp.local_name.format(gp.expert % experts_per_rank)
+        )
+        plan = plan_for(
+            local_name,
+            arch,
+            gp.stage * (arch.num_layers // pp),
+            0 if gp.expert is None else gp.expert - gp.expert % experts_per_rank,
+        )
+        sender = _sender(coords, gp.stage, owner_ep, plan.group)
+        holds = pp_rank == gp.stage and (owner_ep is None or owner_ep == ep_rank)
+        dtype = _param_dtype(params)
+        full: list[torch.Tensor] | None = None
+        if holds and _in_sender_replica(coords[me], plan.group, coords[sender]):
+            name = next(n for n in _te_alias(local_name) if n in params)
+            piece = params[name].detach().cpu()
+            _, size, group = _group_coords(plan)
+            pieces = [piece]
+            if size > 1:
+                pieces = [torch.empty_like(piece) for _ in range(size)]
+                dist.all_gather(pieces, piece.contiguous(), group=group)
+            full = unshard(plan, pieces, arch) if me == sender else None
+        if sender != 0:
+            if me == sender:
+                assert full is not None
+                for t in full:
+                    dist.send(t.contiguous(), dst=0)
+            elif me == 0:
+                shapes = expected_hf_tensors(arch)
+                full = []
+                for n in plan.hf_names:
+                    t = torch.empty(shapes[n], dtype=dtype)
+                    dist.recv(t, src=sender)
+                    full.append(t)
+        if me == 0:
+            assert full is not None
+            yield from zip(plan.hf_names, full, strict=True)
+
+
+def _param_dtype(params: dict[str, torch.nn.Parameter]) -> torch.dtype:
+    return next(iter(params.values())).dtype
+
+
+def _all_coords() -> list[Any]:
+    from mars_megatron.training.parallel import all_rank_coords
+
+    return all_rank_coords()
+
+
+def _sender(coords: list[Any], stage: int, owner_ep: int | None, group: str) -> int:
+    """The lowest global rank that holds the parameter in TP/expert-TP rank 0 of data-parallel replica 0."""
+    for c in coords:
+        if c.pp != stage:
+            continue
+        if owner_ep is not None:
+            if c.ep == owner_ep and c.etp == 0 and c.edp == 0:
+                return c.rank
+        elif c.tp == 0 and c.dp == 0:
+            return c.rank
+    raise AssertionError(f"no rank holds stage {stage} expert {owner_ep}")
+
+
+def _in_sender_replica(me: Any, group: str, sender: Any) -> bool:
+    """True if this rank belongs to the (expert-)TP group whose rank 0 is the sender."""
+    if group == "etp":
+        return me.edp == sender.edp and me.ep == sender.ep
+    if group == "tp":
+        return me.dp == sender.dp
+    return me.rank == sender.rank

@@ -1,0 +1,257 @@
+"""Build Megatron-Core GPT models that compute the same function as an HF Qwen3 / Qwen3-MoE checkpoint.
+
+Two layer specs: the *local* spec (pure torch, runs on CPU, used by tests and small runs) and the
+Transformer Engine spec (fused kernels, THD packing, FP8) on GPUs. The local spec needs one change: its
+torch RMSNorm refuses sequence parallelism, which MoE with TP requires, so our own RMSNorm (which also
+normalises in fp32, exactly as HF Qwen3 does) is swapped into the spec tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from mars_megatron.config import ParallelConfig
+from mars_megatron.training import cpu_compat
+from mars_megatron.training.hf_config import Qwen3Arch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LayoutError(ValueError):
+    """The model cannot be split the way the parallel config asks; the message names the field."""
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm with HF Qwen3 numerics (fp32 statistics) that declares sequence-parallel params.
+
+    Marking the weight ``sequence_parallel`` makes ``finalize_model_grads`` all-reduce its gradient over
+    TP when activations are sequence-sharded, which megatron's own torch norm does not support.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def resolve_impl(transformer_impl: str) -> Literal["local", "transformer_engine"]:
+    """``auto`` picks Transformer Engine when CUDA and TE are both importable, else the local spec."""
+    if transformer_impl == "local":
+        return "local"
+    if transformer_impl == "transformer_engine":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "model.transformer_impl=transformer_engine needs a CUDA GPU; this machine has none "
+                "(use model.transformer_impl=local or auto)"
+            )
+        try:
+            import transformer_engine
+        except ImportError as e:
+            raise RuntimeError(
+                "model.transformer_impl=transformer_engine but transformer_engine is not installed "
+                "(pip install 'mars-megatron[gpu]')"
+            ) from e
+        return "transformer_engine"
+    if torch.cuda.is_available():
+        try:
+            import transformer_engine  # noqa: F401
+
+            return "transformer_engine"
+        except ImportError:
+            return "local"
+    return "local"
+
+
+def check_layout(arch: Qwen3Arch, parallel: ParallelConfig, vocab_pad_multiple: int) -> None:
+    """Reject layouts that cannot split this architecture, naming the field that does not divide."""
+    tp, pp, ep, etp = parallel.tp, parallel.pp, parallel.ep, parallel.effective_etp
+    checks = [
+        (
+            arch.num_attention_heads % tp == 0,
+            f"parallel.tp={tp} must divide num_attention_heads ({arch.num_attention_heads})",
+        ),
+        (
+            arch.num_key_value_heads % tp == 0,
+            f"parallel.tp={tp} must divide num_key_value_heads ({arch.num_key_value_heads})",
+        ),
+        (
+            arch.ffn_hidden_size % tp == 0,
+            f"parallel.tp={tp} must divide intermediate_size ({arch.ffn_hidden_size})",
+        ),
+        (
+            arch.padded_vocab_size(vocab_pad_multiple) % tp == 0,
+            f"parallel.tp={tp} must divide the padded vocabulary "
+            f"({arch.padded_vocab_size(vocab_pad_multiple)}; "
+            f"see model.vocab_pad_multiple)",
+        ),
+        (arch.num_layers % pp == 0, f"parallel.pp={pp} must divide num_hidden_layers ({arch.num_layers})"),
+    ]
+    if arch.is_moe:
+        assert arch.num_experts is not None and arch.moe_ffn_hidden_size is not None
+        checks += [
+            (arch.num_experts % ep == 0, f"parallel.ep={ep} must divide num_experts ({arch.num_experts})"),
+            (
+                arch.moe_ffn_hidden_size % etp == 0,
+                f"parallel.etp={etp} must divide moe_intermediate_size ({arch.moe_ffn_hidden_size})",
+            ),
+        ]
+    elif ep > 1:
+        checks.append((False, f"parallel.ep={ep} needs a MoE model; {arch.architecture} has no experts"))
+    for ok, message in checks:
+        if not ok:
+            raise LayoutError(message)
+
+
+def transformer_config(
+    arch: Qwen3Arch, parallel: ParallelConfig, *, dtype: str, impl: str, fp8: str | None = None
+) -> Any:
+    """The megatron ``TransformerConfig`` equivalent to ``arch`` in layout ``parallel``."""
+    from megatron.core.transformer import TransformerConfig
+
+    params_dtype = _DTYPES[dtype]
+    gpu = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.attention_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.initializer_range,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.effective_etp,
+        sequence_parallel=parallel.effective_sequence_parallel,
+        # Weights come from a checkpoint or from ``weights.init_weights``, never from megatron's per-rank
+        # initialisers, which depend on the layout.
+        perform_initialization=False,
+        use_cpu_initialization=not gpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+    if arch.is_moe:
+        kwargs.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            # HF renormalises the top-k softmax probabilities when norm_topk_prob is set, which equals a
+            # softmax over the top-k logits (megatron's post-softmax routing). Without it HF keeps the
+            # full-softmax probabilities of the chosen experts: megatron's pre-softmax routing.
+            moe_router_pre_softmax=not arch.norm_topk_prob,
+            moe_layer_freq=[1 if m else 0 for m in arch.moe_layers],
+            moe_router_load_balancing_type="aux_loss" if arch.router_aux_loss_coef > 0 else "none",
+            moe_aux_loss_coeff=arch.router_aux_loss_coef,
+            moe_token_dispatcher_type=parallel.moe_token_dispatcher,
+            moe_grouped_gemm=impl == "transformer_engine",
+            moe_router_dtype="fp32" if dtype != "float32" else None,
+        )
+    if fp8 is not None:
+        if impl != "transformer_engine":
+            raise LayoutError("model.fp8 needs model.transformer_impl=transformer_engine on a GPU")
+        kwargs.update(fp8=fp8, fp8_recipe="delayed")
+    return TransformerConfig(**kwargs)
+
+
+def _swap_module(spec: Any, old: type, new: type, seen: set[int] | None = None) -> Any:
+    """Replace ``old`` by ``new`` everywhere in a ModuleSpec tree (specs are data, so this is a rewrite)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    seen = set() if seen is None else seen
+    if spec is old:
+        return new
+    if id(spec) in seen:
+        return spec
+    seen.add(id(spec))
+    if isinstance(spec, ModuleSpec):
+        spec.module = _swap_module(spec.module, old, new, seen)
+        spec.submodules = _swap_module(spec.submodules, old, new, seen)
+        return spec
+    if isinstance(spec, list):
+        return [_swap_module(s, old, new, seen) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            setattr(spec, f.name, _swap_module(getattr(spec, f.name), old, new, seen))
+    return spec
+
+
+def layer_spec(config: Any, impl: str, pp_rank: int) -> Any:
+    """Decoder block spec for this pipeline stage, with our RMSNorm in the local spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    use_te = impl == "transformer_engine"
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank
+    )
+    if not use_te:
+        spec = _swap_module(spec, WrappedTorchNorm, RMSNorm)
+    return spec
+
+
+def build_model(
+    arch: Qwen3Arch,
+    parallel: ParallelConfig,
+    *,
+    dtype: str | None = None,
+    transformer_impl: str = "auto",
+    vocab_pad_multiple: int = 128,
+    fp8: str | None = None,
+) -> Any:
+    """This rank's pipeline stage of the model (megatron parallel state must be initialised).
+
+    Weights are left uninitialised: load a checkpoint or call ``weights.init_weights``.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    cpu_compat.install()
+    check_layout(arch, parallel, vocab_pad_multiple)
+    impl = resolve_impl(transformer_impl)
+    config = transformer_config(arch, parallel, dtype=dtype or arch.dtype, impl=impl, fp8=fp8)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, impl, pp_rank),
+        vocab_size=arch.padded_vocab_size(vocab_pad_multiple),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(arch.rope_theta),
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
