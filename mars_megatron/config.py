@@ -105,7 +105,10 @@ class ParallelConfig(Section):
     pp: int = _field(1, "Pipeline-parallel size: ranks that split the layer stack into stages.", min=1)
     ep: int = _field(1, "Expert-parallel size: ranks that split the experts of each MoE layer.", min=1)
     etp: int | None = _field(
-        1, "Expert tensor-parallel size: ranks that split each expert's weights; null = same as tp.", min=1
+        None,
+        "Expert tensor-parallel size: ranks that split each expert's weights; null = same as tp "
+        "(Megatron's default). With ep = 1 it must equal tp: Megatron then treats experts as dense weights.",
+        min=1,
     )
     sequence_parallel: bool | None = _field(
         None, "Shard activations along the sequence inside the TP region; null = on when tp > 1."
@@ -130,6 +133,10 @@ class ParallelConfig(Section):
     def validate(self) -> None:
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("true requires tp > 1 (use null for auto)", "sequence_parallel")
+        if self.ep == 1 and self.effective_etp != self.tp:
+            # Measured: with ep = 1 megatron marks expert weights as dense (allreduce over DP only), so
+            # experts replicated across TP ranks (etp < tp) would never sum their sequence-sharded grads.
+            raise ConfigError(f"must equal tp ({self.tp}) when ep = 1, got {self.etp} (use null)", "etp")
         if self.sequence_parallel is False and self.tp > 1 and self.ep > 1:
             raise ConfigError(
                 f"must be on when tp > 1 and ep > 1 (Megatron's rule), got tp={self.tp}, ep={self.ep}",

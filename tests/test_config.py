@@ -41,7 +41,8 @@ def test_defaults() -> None:
     assert cfg == MarsConfig()
     assert (cfg.model.hf_dir, cfg.model.dtype, cfg.model.transformer_impl) == (None, "float32", "auto")
     assert (cfg.model.vocab_pad_multiple, cfg.model.fp8) == (128, None)
-    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.etp) == (1, 1, 1, 1)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.etp) == (1, 1, 1, None)
+    assert cfg.parallel.effective_etp == 1
     assert cfg.parallel.sequence_parallel is None and cfg.parallel.effective_sequence_parallel is False
     assert cfg.parallel.moe_token_dispatcher == "allgather" and cfg.parallel.use_distributed_optimizer
     assert cfg.optimizer == OptimizerConfig(1e-6, 0.0, 0.9, 0.999, 1e-8, 1.0)
@@ -301,9 +302,9 @@ def test_cross_field_checks_pass_when_consistent() -> None:
         ({"tp": 2, "pp": 2}, 8, 2),  # 8 / (2*2)
         ({"ep": 4}, 8, 8),  # tp*dp = 8, 8 % (1*4) == 0
         ({"pp": 2, "ep": 4}, 8, 4),  # dp = 4, tp*dp = 4 % 4 == 0
-        ({"tp": 2, "ep": 8}, 8, 4),  # dp = 4, tp*dp = 8 % (etp 1 * ep 8) == 0
+        ({"tp": 2, "ep": 8, "etp": 1}, 8, 4),  # dp = 4, tp*dp = 8 % (etp 1 * ep 8) == 0
         ({"tp": 2, "ep": 4, "etp": None}, 8, 4),  # etp = tp = 2: tp*dp = 8 % (2*4) == 0
-        ({"tp": 4, "pp": 8, "ep": 8}, 64, 2),  # tp*dp = 8 % 8 == 0
+        ({"tp": 4, "pp": 8, "ep": 8, "etp": 1}, 64, 2),  # tp*dp = 8 % 8 == 0
     ],
 )
 def test_valid_world_sizes(layout: dict[str, int | None], world: int, dp: int) -> None:
@@ -315,7 +316,7 @@ def test_valid_world_sizes(layout: dict[str, int | None], world: int, dp: int) -
     [
         ({"tp": 2, "pp": 2}, 6, "world size 6 is not divisible by tp*pp = 2*2 = 4"),
         (
-            {"tp": 4, "pp": 8, "ep": 8},
+            {"tp": 4, "pp": 8, "ep": 8, "etp": 1},
             32,
             "tp*dp = 4*1 = 4 ranks per pipeline stage, not divisible by etp*ep = 1*8 = 8",
         ),
@@ -388,3 +389,11 @@ def test_describe_config_lists_every_field() -> None:
         for leaf in dataclasses.fields(section.type):  # type: ignore[arg-type]
             assert f"  {section.name}.{leaf.name}: " in text
             assert leaf.metadata["help"].split()[0] in text
+
+
+def test_ep1_requires_etp_equal_tp() -> None:
+    # Measured: with ep = 1 megatron reduces expert grads like dense ones, so etp < tp loses gradient.
+    assert ParallelConfig(tp=2).effective_etp == 2
+    with pytest.raises(ConfigError, match=r"etp: must equal tp \(2\) when ep = 1, got 1"):
+        ParallelConfig(tp=2, etp=1)
+    assert ParallelConfig(tp=2, ep=2, etp=1).effective_etp == 1

@@ -376,3 +376,8 @@ def build_qwen_tokenizer() -> PreTrainedTokenizerFast:
         have = hf_tok.convert_tokens_to_ids(content)
         assert have == _QWEN_NUM_BPE_TOKENS + offset, (content, have)
     return hf_tok
+
+
+def sample_text() -> str:
+    """The maths text the tiny tokenizer is trained on; the CPU demo trains the tiny models on it too."""
+    return _TINY_CORPUS

@@ -252,6 +252,43 @@ def build_model(
         rotary_percent=1.0,
         rotary_base=int(arch.rope_theta),
     )
+    mark_tensor_parallel_params(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def mark_tensor_parallel_params(model: torch.nn.Module) -> int:
+    """Tag TP-split weights the way megatron's initialisers do; returns how many were tagged.
+
+    megatron sets ``tensor_model_parallel``/``partition_dim`` inside its weight initialisers, so with
+    ``perform_initialization=False`` the tags are missing and the gradient norm (hence clipping) counts
+    only TP rank 0's shard of every split weight. Modules that already carry the tags (TE) are left alone.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    tagged = 0
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding | ColumnParallelLinear):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
+            tagged += 1
+        bias = getattr(module, "bias", None)
+        if (
+            dim == 0
+            and isinstance(bias, torch.nn.Parameter)
+            and not getattr(bias, "tensor_model_parallel", False)
+        ):
+            set_tensor_model_parallel_attributes(bias, True, 0, 1)
+    return tagged

@@ -1,0 +1,149 @@
+"""The ``mars`` command: argument parsing only; the work lives in :mod:`mars_megatron.jobs`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mars_megatron.config import ConfigError, ParallelConfig, describe_config, load_config
+
+
+def _add_layout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp)")
+    p.add_argument("--nproc", type=int, default=None, help="local processes (default: the layout's minimum)")
+    p.add_argument("--impl", default="auto", choices=["auto", "local", "transformer_engine"])
+
+
+def _layout(args: argparse.Namespace) -> ParallelConfig:
+    return ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mars", description="MarsRL multi-agent reasoning trainer")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("init-model", help="write a random tiny Qwen3 HF checkpoint with its tokenizer")
+    p.add_argument("--preset", required=True, choices=["tiny-dense", "tiny-moe"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+    p = sub.add_parser("convert", help="HF <-> Megatron distributed checkpoints")
+    conv = p.add_subparsers(dest="direction", required=True)
+    c = conv.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist checkpoint")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    _add_layout(c)
+    c = conv.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--max-shard-gb", type=float, default=5.0)
+    _add_layout(c)
+
+    p = sub.add_parser("score", help="per-token log-probs of token sequences under the Megatron model")
+    p.add_argument("--model-dir", required=True, help="HF directory or mars Megatron checkpoint")
+    p.add_argument("--input", required=True, help='JSONL, one {"tokens": [ids...]} per line')
+    p.add_argument("--output", required=True, help='JSONL, one {"logprobs": [...]} per line')
+    p.add_argument("--micro-batch", type=int, default=4)
+    _add_layout(p)
+
+    p = sub.add_parser("train", help="train (for now: language-model steps on Megatron)")
+    p.add_argument("config", help="YAML config (see examples/)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.add_argument("--nproc", type=int, default=None)
+
+    p = sub.add_parser("config", help="print the resolved config, or describe every field")
+    p.add_argument("config", nargs="?")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--describe", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from mars_megatron import jobs
+
+    try:
+        if args.command == "init-model":
+            from mars_megatron.models.presets import init_model
+
+            out = init_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+            print(f"wrote {args.preset} to {out}")
+        elif args.command == "convert":
+            from checkpoints_conversion.convert import check_output_dir
+
+            check_output_dir(args.dst)
+            layout = _layout(args)
+            if args.direction == "hf-to-mcore":
+                jobs.run(
+                    jobs.hf_to_mcore_job,
+                    layout,
+                    args.src,
+                    args.dst,
+                    layout,
+                    args.dtype,
+                    args.impl,
+                    nproc=args.nproc,
+                )
+            else:
+                max_bytes = int(args.max_shard_gb * 2**30)
+                jobs.run(
+                    jobs.mcore_to_hf_job,
+                    layout,
+                    args.src,
+                    args.dst,
+                    layout,
+                    max_bytes,
+                    args.impl,
+                    nproc=args.nproc,
+                )
+            print(f"wrote {args.dst}")
+        elif args.command == "score":
+            seqs = jobs.read_token_lines(args.input)
+            if not Path(args.output).parent.exists():
+                raise FileNotFoundError(f"{Path(args.output).parent}: output directory does not exist")
+            layout = _layout(args)
+            jobs.run(
+                jobs.score_job,
+                layout,
+                args.model_dir,
+                seqs,
+                args.output,
+                layout,
+                args.micro_batch,
+                args.impl,
+                nproc=args.nproc,
+            )
+            print(f"scored {len(seqs)} sequences -> {args.output}")
+        elif args.command == "train":
+            cfg = load_config(args.config, args.overrides)
+            jobs.run(jobs.train_job, cfg.parallel, cfg, nproc=args.nproc)
+        elif args.command == "config":
+            if args.describe:
+                print(describe_config())
+            else:
+                import yaml
+
+                from mars_megatron.config import config_to_dict
+
+                print(
+                    yaml.safe_dump(config_to_dict(load_config(args.config, args.overrides)), sort_keys=False)
+                )
+    except (ConfigError, ValueError, FileExistsError, FileNotFoundError) as e:
+        print(f"mars {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        # A failed rank: its traceback ends with the real error; show that line first.
+        last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+        print(f"mars {args.command}: error: {last}\n\n{e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

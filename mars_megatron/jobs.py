@@ -1,0 +1,202 @@
+"""The work behind each ``mars`` subcommand, as module-level functions that run on every rank.
+
+They are importable by spawned processes (``parallel.launch``) and equally runnable under torchrun or
+Slurm, where the environment already holds RANK/WORLD_SIZE: :func:`run` picks the right way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from mars_megatron.config import MarsConfig, ParallelConfig, dump_config
+from mars_megatron.training import parallel as par
+
+# megatron warns on every import that Apex/TE are missing; on CPU that is the expected state.
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed.*")
+warnings.filterwarnings("ignore", message=r"Apex is not installed.*")
+
+
+def run(fn: Callable[..., Any], parallel: ParallelConfig, *args: Any, nproc: int | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on every rank: in this process when launched by torchrun/Slurm, else on
+    ``nproc`` (default: the layout's minimum world) spawned local processes."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        par.init_distributed(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        try:
+            return [fn(*args)]
+        finally:
+            par.destroy()
+    return par.launch(fn, nproc or par.min_world_size(parallel), *args)
+
+
+def _is_writer() -> bool:
+    """The one rank that writes shared outputs: last pipeline stage, TP rank 0, DP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.is_pipeline_last_stage()
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+    )
+
+
+def load_engine(
+    model_dir: str, parallel: ParallelConfig, *, dtype: str | None, impl: str, optimizer: Any = None
+) -> Any:
+    """A :class:`MegatronEngine` with weights from an HF directory or a mars Megatron checkpoint."""
+    from checkpoints_conversion.convert import META, load_mcore, read_meta
+    from checkpoints_conversion.hf_io import HFReader
+    from checkpoints_conversion.model_io import load_weights, validate_hf_checkpoint
+    from mars_megatron.training.engine import MegatronEngine
+    from mars_megatron.training.hf_config import load_hf_config
+
+    if (Path(model_dir) / META).is_file():
+        arch, meta = read_meta(model_dir)
+        engine = MegatronEngine(
+            arch,
+            parallel,
+            dtype=dtype or meta["dtype"],
+            transformer_impl=impl,
+            vocab_pad_multiple=meta["vocab_pad_multiple"],
+            optimizer=optimizer,
+        )
+        load_mcore(engine.model, Path(model_dir) / "model")
+        return engine
+    arch = load_hf_config(model_dir)
+    reader = HFReader(model_dir)
+    validate_hf_checkpoint(reader, arch)
+    engine = MegatronEngine(arch, parallel, dtype=dtype, transformer_impl=impl, optimizer=optimizer)
+    load_weights(engine.model, reader, arch, engine.padded_vocab)
+    return engine
+
+
+def tokenizer_dir(model_dir: str) -> Path:
+    """HF directories carry their tokenizer; mars checkpoints keep it under ``hf/``."""
+    from checkpoints_conversion.convert import META
+
+    return Path(model_dir) / "hf" if (Path(model_dir) / META).is_file() else Path(model_dir)
+
+
+# ------------------------------------------------------------------------------------------------ convert
+def hf_to_mcore_job(
+    hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype: str | None, impl: str
+) -> None:
+    from checkpoints_conversion.convert import hf_to_mcore
+
+    par.init_model_parallel(parallel, seed=0)
+    hf_to_mcore(hf_dir, out_dir, parallel, dtype=dtype, transformer_impl=impl)
+
+
+def mcore_to_hf_job(
+    mcore_dir: str, out_dir: str, parallel: ParallelConfig, max_shard_bytes: int, impl: str
+) -> None:
+    from checkpoints_conversion.convert import mcore_to_hf
+
+    par.init_model_parallel(parallel, seed=0)
+    mcore_to_hf(mcore_dir, out_dir, parallel, max_shard_bytes=max_shard_bytes, transformer_impl=impl)
+
+
+# -------------------------------------------------------------------------------------------------- score
+def read_token_lines(path: str | Path) -> list[list[int]]:
+    """Parse ``{"tokens": [ids...]}`` lines; errors name the file and line."""
+    seqs = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+            tokens = record.get("tokens") if isinstance(record, dict) else None
+            if (
+                not isinstance(tokens, list)
+                or not tokens
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
+            ):
+                raise ValueError(f"{path}:{lineno}: field 'tokens' must be a non-empty list of token ids")
+            seqs.append(tokens)
+    if not seqs:
+        raise ValueError(f"{path}: no sequences")
+    return seqs
+
+
+def score_job(
+    model_dir: str, seqs: list[list[int]], output: str, parallel: ParallelConfig, micro_batch: int, impl: str
+) -> int:
+    par.init_model_parallel(parallel, seed=0)
+    engine = load_engine(model_dir, parallel, dtype=None, impl=impl)
+    too_large = [i for i, s in enumerate(seqs) if max(s) >= engine.arch.vocab_size]
+    if too_large:
+        raise ValueError(
+            f"line {too_large[0] + 1}: token id out of range for vocab_size {engine.arch.vocab_size}"
+        )
+    logprobs = engine.logprobs(seqs, micro_batch)
+    if logprobs is not None and _is_writer():
+        tmp = Path(output).with_name(f".{Path(output).name}.partial")
+        with open(tmp, "w") as f:
+            for lp in logprobs:
+                f.write(json.dumps({"logprobs": lp}) + "\n")
+        tmp.replace(output)
+    return len(seqs)
+
+
+# -------------------------------------------------------------------------------------------------- train
+def text_batches(tokenizer_path: Path, seq_length: int) -> list[list[int]]:
+    """Fixed-length windows of the tiny maths corpus: the CPU demo's language-modelling data."""
+    from transformers import AutoTokenizer
+
+    from mars_megatron.models.tokenizer import sample_text
+
+    ids = AutoTokenizer.from_pretrained(tokenizer_path)(sample_text())["input_ids"]
+    step = seq_length
+    return [ids[i : i + seq_length] for i in range(0, len(ids) - seq_length + 1, step)]
+
+
+def train_job(cfg: MarsConfig) -> list[dict[str, float]]:
+    """Language-model steps on Megatron (the foundation's smoke run; MarsRL builds on this engine)."""
+    par.init_model_parallel(cfg.parallel, cfg.train.seed)
+    model_dir = cfg.model.mcore_dir or cfg.model.hf_dir
+    if model_dir is None:
+        raise ValueError("model.hf_dir or model.mcore_dir must be set")
+    engine = load_engine(
+        model_dir,
+        cfg.parallel,
+        dtype=cfg.model.dtype,
+        impl=cfg.model.transformer_impl,
+        optimizer=cfg.optimizer,
+    )
+    data = text_batches(tokenizer_dir(model_dir), cfg.train.seq_length)
+    if not data:
+        raise ValueError(f"train.seq_length={cfg.train.seq_length} is longer than the demo corpus")
+    run_dir = Path(cfg.logging.run_dir)
+    writer = dist.get_rank() == 0
+    if writer:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, run_dir / "config.yaml")
+    history = []
+    for step in range(cfg.train.steps):
+        start = (step * cfg.train.global_batch) % len(data)
+        batch = [data[(start + i) % len(data)] for i in range(cfg.train.global_batch)]
+        t0 = time.perf_counter()
+        metrics = engine.train_step(batch, cfg.train.micro_batch)
+        metrics["step_s"] = time.perf_counter() - t0
+        metrics["step"] = step + 1
+        history.append(metrics)
+        if writer:
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            if (step + 1) % cfg.logging.log_interval == 0:
+                print(
+                    f"step {step + 1:4d}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
+                    f"tokens {int(metrics['tokens'])}  {metrics['step_s']:.2f}s",
+                    flush=True,
+                )
+    return history

@@ -1,0 +1,218 @@
+"""One rank's Megatron model with its optimizer: load weights, score sequences, take training steps.
+
+This is the only place that drives megatron's schedules. Every call is collective: all ranks of the world
+call it with the same arguments (the global batch); the engine takes its data-parallel share itself.
+Losses are token-level: each micro-batch returns (sum of token losses, token count), and
+``calculate_per_token_loss`` makes megatron divide gradients by the token count of the whole global batch,
+so any TP/PP/EP/DP layout computes the same update as one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mars_megatron.config import OptimizerConfig, ParallelConfig
+from mars_megatron.training.batches import MicroBatch, make_micro_batches
+from mars_megatron.training.hf_config import Qwen3Arch
+from mars_megatron.training.logprobs import vocab_parallel_logprobs
+from mars_megatron.training.model_provider import build_model
+
+# (per-token log-probs [b, s], micro-batch) -> (sum of token losses, number of tokens)
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, torch.Tensor]]
+
+
+def lm_loss(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy, summed over the masked tokens."""
+    return -(logprobs * mb.loss_mask).sum(), mb.loss_mask.sum()
+
+
+class MegatronEngine:
+    """Model chunk + (optionally) DDP and a distributed optimizer for this rank."""
+
+    def __init__(
+        self,
+        arch: Qwen3Arch,
+        parallel: ParallelConfig,
+        *,
+        dtype: str | None = None,
+        transformer_impl: str = "auto",
+        vocab_pad_multiple: int = 128,
+        optimizer: OptimizerConfig | None = None,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.arch = arch
+        self.parallel = parallel
+        self.padded_vocab = arch.padded_vocab_size(vocab_pad_multiple)
+        self.model = build_model(
+            arch,
+            parallel,
+            dtype=dtype,
+            transformer_impl=transformer_impl,
+            vocab_pad_multiple=vocab_pad_multiple,
+        )
+        self.config = self.model.config
+        self.config.calculate_per_token_loss = True
+        self.dp = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.optimizer: Any = None
+        if optimizer is not None:
+            self._setup_training(optimizer)
+
+    def _setup_training(self, opt: OptimizerConfig) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.parallel.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self.model)
+        self.optimizer = get_megatron_optimizer(
+            MegatronOptimizerConfig(
+                optimizer="adam",
+                lr=opt.lr,
+                min_lr=opt.lr,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.adam_beta1,
+                adam_beta2=opt.adam_beta2,
+                adam_eps=opt.adam_eps,
+                clip_grad=opt.clip_grad,
+                bf16=self.config.bf16,
+                fp16=self.config.fp16,
+                params_dtype=self.config.params_dtype,
+                use_distributed_optimizer=self.parallel.use_distributed_optimizer,
+            ),
+            [self.model],
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = opt.lr
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.no_sync_func = self.model.no_sync
+
+    # ------------------------------------------------------------------------------------------ schedules
+    def _seq_multiple(self) -> int:
+        return self.parallel.tp if self.config.sequence_parallel else 1
+
+    def _token_logprobs(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        local = output.shape[-1]
+        return vocab_parallel_logprobs(
+            output,
+            mb.targets,
+            vocab_start=tp_rank * local,
+            vocab_size=self.arch.vocab_size,
+            group=ps.get_tensor_model_parallel_group(),
+        )
+
+    def _forward_step(
+        self, loss_fn: LossFn, sink: list[torch.Tensor] | None, data: Iterator[MicroBatch], model: Any
+    ):
+        mb = next(data)
+        output = model(mb.tokens, mb.position_ids, attention_mask=None)
+
+        def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+            logprobs = self._token_logprobs(output_tensor, mb)
+            if sink is not None:
+                sink.append(logprobs.detach())
+            loss, tokens = loss_fn(logprobs, mb)
+            tokens = tokens.to(torch.int)
+            return loss, tokens, {"loss_sum": loss.detach().clone(), "tokens": tokens.detach().clone()}
+
+        return output, loss_func
+
+    def _run(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        *,
+        forward_only: bool,
+        sink: list | None = None,
+    ) -> list[dict[str, Any]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn, sink),
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=micro_batches[0].tokens.shape[1],
+            micro_batch_size=micro_batches[0].tokens.shape[0],
+            forward_only=forward_only,
+        )
+
+    def _on_last_stage(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage()
+
+    def _global_sum(self, values: list[float], contribute: bool) -> list[float]:
+        """Sum over data-parallel replicas, counted once per replica (last stage, TP rank 0)."""
+        from megatron.core import parallel_state as ps
+
+        own = contribute and self._on_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        t = torch.tensor(values if own else [0.0] * len(values), dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    # ------------------------------------------------------------------------------------------- public
+    @torch.no_grad()
+    def logprobs(self, seqs: Sequence[Sequence[int]], micro_batch: int = 1) -> list[list[float]] | None:
+        """Log-prob of every token given its prefix (the first token has none). Every rank scores every
+        sequence; ranks on the last pipeline stage return the values, the others ``None``."""
+        self.model.eval()
+        mbs = make_micro_batches(seqs, micro_batch, multiple=self._seq_multiple())
+        sink: list[torch.Tensor] = []
+        self._run(mbs, lm_loss, forward_only=True, sink=sink)
+        if not self._on_last_stage():
+            return None
+        out = []
+        for mb, lp in zip(mbs, sink, strict=True):
+            out += [lp[row, : n - 1].tolist() for row, n in enumerate(mb.lengths)]
+        return out
+
+    def train_step(
+        self, seqs: Sequence[Sequence[int]], micro_batch: int, loss_fn: LossFn = lm_loss
+    ) -> dict[str, float]:
+        """One optimizer step on the global batch ``seqs`` (this rank trains on its DP share).
+
+        Returns the token-mean loss over the whole global batch and the gradient norm, on every rank.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("engine was built without an optimizer config")
+        if len(seqs) % self.dp:
+            raise ValueError(f"global batch of {len(seqs)} sequences does not split over {self.dp} DP ranks")
+        share = len(seqs) // self.dp
+        if share % micro_batch:
+            raise ValueError(
+                f"each DP rank's {share} sequences must split into micro-batches of {micro_batch}"
+            )
+        mine = list(seqs[self.dp_rank * share : (self.dp_rank + 1) * share])
+        length = max(len(s) for s in seqs)
+        length = -(-length // self._seq_multiple()) * self._seq_multiple()
+        mbs = make_micro_batches(mine, micro_batch, multiple=self._seq_multiple(), seq_length=length)
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reduced = self._run(mbs, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        loss_sum = sum(float(r["loss_sum"]) for r in reduced) if reduced else 0.0
+        tokens = sum(float(r["tokens"]) for r in reduced) if reduced else 0.0
+        loss_sum, tokens = self._global_sum([loss_sum, tokens], contribute=True)
+        return {
+            "loss": loss_sum / max(tokens, 1.0),
+            "tokens": tokens,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "update_ok": float(bool(ok)),
+        }
