@@ -36,7 +36,7 @@ def vocab_parallel_logprobs(
     vocab_size: int,
     group: Any = None,
 ) -> torch.Tensor:
-    """log p(targets) from logits ``[..., V_local]`` holding vocabulary ids ``[vocab_start, vocab_start+V_local)``.
+    """log p(targets) from logits ``[..., V_local]`` holding ids ``[vocab_start, vocab_start+V_local)``.
 
     ``vocab_size`` is the true (unpadded) vocabulary; ids at or above it are excluded. ``group`` is the TP
     group (``None`` or a group of size 1 means the logits hold the whole vocabulary).
