@@ -70,7 +70,7 @@ def test_every_example_loads(path: Path) -> None:
 
 def test_example_layouts() -> None:
     tiny = load_config(EXAMPLES / "tiny_cpu.yaml")
-    assert (tiny.train.steps, tiny.train.micro_batch, tiny.train.global_batch) == (5, 2, 4)
+    assert (tiny.train.steps, tiny.train.micro_batch, tiny.train.global_batch) == (20, 2, 4)
     assert tiny.train.seq_length == 128 and tiny.model.hf_dir is None and tiny.check_world_size(1) == 1
     assert load_config(EXAMPLES / "tiny_moe_cpu.yaml").check_world_size(2) == 2
     q30 = load_config(EXAMPLES / "qwen3_30b_a3b.yaml")
@@ -107,7 +107,7 @@ def test_overrides_of_each_type() -> None:
     assert cfg.optimizer.lr == 3e-5 and type(cfg.optimizer.lr) is float  # 3e-5 without a dot is a float
     assert cfg.optimizer.clip_grad == 2.0 and type(cfg.optimizer.clip_grad) is float  # ints widen
     assert cfg.parallel.effective_sequence_parallel is True  # null = auto, on because tp > 1
-    assert cfg.train.steps == 5  # untouched file value
+    assert cfg.train.steps == 20  # untouched file value
 
 
 def test_override_section_mapping_merges_and_last_wins() -> None:
