@@ -70,13 +70,19 @@ class HFReader:
         file = self.weight_map.get(name)
         if file is None:
             raise CheckpointError(f"{self.dir}: tensor '{name}' is missing from the checkpoint")
-        return self._handle(file).get_tensor(name)
+        try:
+            return self._handle(file).get_tensor(name)
+        except Exception as e:  # safetensors names the tensor, not the file
+            raise CheckpointError(f"{self.dir / file}: cannot read tensor '{name}' ({e})") from e
 
     def shape(self, name: str) -> tuple[int, ...]:
         file = self.weight_map.get(name)
         if file is None:
             raise CheckpointError(f"{self.dir}: tensor '{name}' is missing from the checkpoint")
-        return tuple(self._handle(file).get_slice(name).get_shape())
+        try:
+            return tuple(self._handle(file).get_slice(name).get_shape())
+        except Exception as e:
+            raise CheckpointError(f"{self.dir / file}: cannot read tensor '{name}' ({e})") from e
 
     def file_of(self, name: str) -> Path:
         return self.dir / self.weight_map[name]

@@ -172,7 +172,10 @@ class MegatronEngine:
         """Log-prob of every token given its prefix (the first token has none). Every rank scores every
         sequence; ranks on the last pipeline stage return the values, the others ``None``."""
         self.model.eval()
-        mbs = make_micro_batches(seqs, micro_batch, multiple=self._seq_multiple())
+        # Pipeline stages exchange activations of one shape, so the last micro-batch is padded with
+        # one-token dummy sequences (no targets) and their outputs are dropped.
+        dummies = -len(seqs) % micro_batch
+        mbs = make_micro_batches([*seqs, *([[0]] * dummies)], micro_batch, multiple=self._seq_multiple())
         sink: list[torch.Tensor] = []
         self._run(mbs, lm_loss, forward_only=True, sink=sink)
         if not self._on_last_stage():
@@ -180,7 +183,7 @@ class MegatronEngine:
         out = []
         for mb, lp in zip(mbs, sink, strict=True):
             out += [lp[row, : n - 1].tolist() for row, n in enumerate(mb.lengths)]
-        return out
+        return out[: len(seqs)]
 
     def train_step(
         self, seqs: Sequence[Sequence[int]], micro_batch: int, loss_fn: LossFn = lm_loss

@@ -97,6 +97,10 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Qwen3Ar
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling in (None, {}) and isinstance(cfg.get("rope_parameters"), dict):
+        # transformers 5 nests the scaling type beside rope_theta in rope_parameters.
+        nested = {k: v for k, v in cfg["rope_parameters"].items() if k != "rope_theta"}
+        rope_scaling = nested or None
     if rope_scaling not in (None, {}) and not (
         isinstance(rope_scaling, dict)
         and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default"
@@ -114,7 +118,7 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Qwen3Ar
             f"{source}: field 'num_key_value_heads' ({kv_heads}) must divide num_attention_heads ({heads})"
         )
     dtype = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise HFConfigError(f"{source}: field 'torch_dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
     num_layers = _get(cfg, "num_hidden_layers", int, source)
     rope_theta = _get(cfg, "rope_theta", float, source, None)
@@ -128,7 +132,8 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Qwen3Ar
         num_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=_get(cfg, "head_dim", int, source, hidden // heads),
+        # transformers' defaults when config.json omits it: Qwen3Config 128, Qwen3-MoE hidden // heads.
+        head_dim=_get(cfg, "head_dim", int, source, 128 if arch == "Qwen3ForCausalLM" else hidden // heads),
         ffn_hidden_size=_get(cfg, "intermediate_size", int, source),
         rms_norm_eps=_get(cfg, "rms_norm_eps", float, source),
         rope_theta=rope_theta,
