@@ -1,0 +1,574 @@
+"""HF ↔ Megatron-Core checkpoint conversion with real megatron-core, transformers and gloo processes.
+
+Round trips HF → Megatron dist checkpoint → HF must reproduce every tensor bit for bit, in every TP/PP/EP
+layout and across layouts (write with one, read with another). Conversions are grouped into one
+``parallel.launch`` per world size, because starting the processes costs far more than converting tiny
+checkpoints; each test then checks its own outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from checkpoints_conversion.hf_io import INDEX
+from mars_megatron.config import ParallelConfig
+from mars_megatron.models.presets import init_model
+from mars_megatron.training import parallel
+from tests.dist_workers import Layout, Op, run_expecting_errors, run_ops
+
+LAUNCH_TIMEOUT_S = 600.0
+
+# ------------------------------------------------------------------------------------------ source models
+# name -> (preset, dtype, overrides). Seeds differ per source so no two sources share weights.
+SOURCES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "dense": ("tiny-dense", "float32", {}),
+    "moe": ("tiny-moe", "float32", {}),
+    "dense-bf16": ("tiny-dense", "bfloat16", {}),
+    "moe-bf16": ("tiny-moe", "bfloat16", {}),
+    "dense-tied": ("tiny-dense", "float32", {"vocab_size": 1000, "tie_word_embeddings": True}),
+    "moe-tied": ("tiny-moe", "float32", {"vocab_size": 1000, "tie_word_embeddings": True}),
+}
+# Tensors in each source: embed + 2 layers x (9 attention/norm tensors + mlp) + final norm (+ lm_head).
+# Dense mlp: gate/up/down = 3; MoE mlp: router + 4 experts x 3 = 13.
+TENSOR_COUNTS = {"dense": 25, "moe": 45, "dense-bf16": 25, "moe-bf16": 45, "dense-tied": 24, "moe-tied": 44}
+VOCAB = {"dense-tied": 1000, "moe-tied": 1000}  # others: the preset's 1024
+PADDED_VOCAB = 1024  # both 1000 and 1024 pad to a multiple of 128 → 1024
+HIDDEN = 128
+ASSETS = {
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+}
+
+
+def dtype_of(source: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[SOURCES[source][1]]
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+def fmt(layout: Layout) -> str:
+    tp, pp, ep, etp = layout
+    parts = [f"{k}{v}" for k, v in (("tp", tp), ("pp", pp), ("ep", ep)) if v > 1]
+    if etp is not None:
+        parts.append(f"etp{etp}")
+    return "x".join(parts) or "single"
+
+
+def pconfig(layout: Layout) -> ParallelConfig:
+    tp, pp, ep, etp = layout
+    return ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
+
+
+@dataclass(frozen=True)
+class Case:
+    """Convert ``source`` to Megatron in layout ``write``, then back to HF in layout ``read``, both on a
+    world of ``world`` ranks (ranks beyond a layout's minimum world are data-parallel)."""
+
+    source: str
+    world: int
+    write: Layout
+    read: Layout
+
+    @property
+    def id(self) -> str:
+        cross = "" if self.read == self.write else f"-read-{fmt(self.read)}"
+        return f"{self.source}-w{self.world}-{fmt(self.write)}{cross}"
+
+
+# (tp, pp, ep, etp); etp None = Megatron's default, expert tensor parallelism equal to tp.
+S, TP2, PP2, EP2 = (1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, None)
+PP2EP2, TP2PP2 = (1, 2, 2, None), (2, 2, 1, None)
+TP2EP2 = (2, 1, 2, None)  # experts split over ep=2 and etp=2: needs 4 ranks
+TP2EP2_ETP1 = (2, 1, 2, 1)  # whole experts, split over ep=2 only: fits 2 ranks
+TP2PP2EP2_ETP1 = (2, 2, 2, 1)
+
+CASES = [
+    # one process
+    *(Case(src, 1, S, S) for src in SOURCES),
+    # two processes: every TP/PP/EP value for both presets, data parallelism, cross-layout reads
+    Case("dense", 2, TP2, TP2),
+    Case("dense", 2, PP2, PP2),
+    Case("dense", 2, S, S),  # data-parallel size 2
+    Case("dense", 2, TP2, PP2),
+    Case("dense", 2, PP2, TP2),
+    Case("moe", 2, TP2, TP2),  # ep=1: experts split over TP (etp = tp)
+    Case("moe", 2, PP2, PP2),
+    Case("moe", 2, EP2, EP2),
+    Case("moe", 2, TP2EP2_ETP1, TP2EP2_ETP1),
+    Case("moe", 2, TP2EP2_ETP1, PP2),
+    Case("moe", 2, EP2, TP2),
+    Case("moe", 2, TP2, EP2),
+    Case("moe", 2, PP2, EP2),
+    Case("dense-bf16", 2, TP2, TP2),
+    Case("moe-bf16", 2, TP2EP2_ETP1, TP2EP2_ETP1),
+    Case("moe-bf16", 2, TP2EP2_ETP1, PP2),
+    Case("dense-tied", 2, TP2, TP2),
+    Case("dense-tied", 2, PP2, PP2),
+    Case("dense-tied", 2, TP2, PP2),
+    Case("moe-tied", 2, EP2, EP2),
+    Case("moe-tied", 2, TP2EP2_ETP1, PP2),
+    # four processes
+    Case("moe", 4, PP2EP2, PP2EP2),
+    Case("moe", 4, PP2EP2, TP2),  # read with data-parallel size 2
+    Case("moe", 4, PP2EP2, S),  # read with data-parallel size 4
+    Case("moe", 4, TP2EP2, TP2EP2),
+    Case("moe", 4, TP2EP2, PP2EP2),
+    Case("moe", 4, TP2PP2EP2_ETP1, TP2PP2EP2_ETP1),
+    Case("moe", 4, TP2PP2EP2_ETP1, EP2),
+    Case("dense", 4, TP2PP2, TP2PP2),
+    Case("dense", 4, TP2PP2, S),
+    Case("moe-bf16", 4, PP2EP2, TP2EP2),
+    Case("moe-tied", 4, PP2EP2, TP2),
+    Case("moe-tied", 4, TP2EP2, PP2),
+    Case("dense-tied", 4, TP2PP2, TP2PP2),
+]
+CASE_BY_ID = {c.id: c for c in CASES}
+assert len(CASE_BY_ID) == len(CASES), "case ids must be unique"
+for _c in CASES:  # every layout must be realisable on its world (data parallelism fills the rest)
+    assert all(_c.world % parallel.min_world_size(pconfig(x)) == 0 for x in (_c.write, _c.read)), _c.id
+
+
+def case_param(case: Case) -> Any:
+    marks = [pytest.mark.multiproc] if case.world > 1 else []
+    return pytest.param(case, id=case.id, marks=marks)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def read_hf(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint, checking that each shard holds exactly what the index says."""
+    weight_map: dict[str, str] = json.loads((model_dir / INDEX).read_text())["weight_map"]
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(set(weight_map.values())):
+        loaded = load_file(model_dir / file)
+        listed = sorted(n for n, f in weight_map.items() if f == file)
+        assert sorted(loaded) == listed, f"{model_dir / file} does not hold what {INDEX} lists"
+        tensors.update(loaded)
+    return tensors
+
+
+def shard_files(model_dir: Path) -> list[str]:
+    return sorted(set(json.loads((model_dir / INDEX).read_text())["weight_map"].values()))
+
+
+def assert_bit_identical(src: Path, out: Path) -> None:
+    a, b = read_hf(src), read_hf(out)
+    assert sorted(b) == sorted(a), f"tensor names differ: {sorted(set(a) ^ set(b))}"
+    meta_diff = [
+        (n, (a[n].dtype, tuple(a[n].shape)), (b[n].dtype, tuple(b[n].shape)))
+        for n in a
+        if (a[n].dtype, a[n].shape) != (b[n].dtype, b[n].shape)
+    ]
+    assert not meta_diff, f"dtype/shape differ (name, source, output): {meta_diff[:5]}"
+    value_diff = [
+        n
+        for n in a
+        if not torch.equal(a[n], b[n])
+        or not torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
+    ]
+    assert not value_diff, f"{len(value_diff)} tensor(s) not bit-identical, e.g. {value_diff[:5]}"
+
+
+def assert_assets_carried(src: Path, out: Path) -> None:
+    """Config, tokenizer and generation files arrive byte for byte; nothing else but weights is there."""
+    weights = {INDEX, *shard_files(out)}
+    out_files = {p.name for p in out.iterdir()}
+    assert out_files - weights == ASSETS, f"unexpected files: {sorted(out_files ^ (weights | ASSETS))}"
+    for name in sorted(ASSETS):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), f"{name} changed"
+
+
+def partial_of(out: Path) -> Path:
+    return out.parent / f".{out.name}.partial"
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert not out.exists(), f"{out} was left behind"
+    assert not partial_of(out).exists(), f"{partial_of(out)} was left behind"
+
+
+def dist_checkpoint_shapes(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Global shape and dtype of every tensor stored in a torch_dist checkpoint (read without processes)."""
+    metadata = FileSystemReader(str(model_dir)).read_metadata()
+    return {
+        key: (tuple(md.size), md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if hasattr(md, "size")
+    }
+
+
+# ----------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {
+        name: init_model(preset, root / name, seed=seed, dtype=dtype, overrides=overrides)
+        for seed, (name, (preset, dtype, overrides)) in enumerate(SOURCES.items())
+    }
+
+
+class Conversions:
+    """Runs all cases of a world size in one launch, the first time any of them is asked for."""
+
+    def __init__(self, sources: dict[str, Path], root: Path) -> None:
+        self.sources, self.root = sources, root
+        self.seconds: dict[int, list[float]] = {}
+
+    def mcore_dir(self, source: str, world: int, write: Layout) -> Path:
+        return self.root / f"w{world}" / f"{source}-{fmt(write)}.mcore"
+
+    def out_dir(self, case: Case) -> Path:
+        self._ensure(case.world)
+        return self.out_dir_path(case)
+
+    def _ensure(self, world: int) -> None:
+        if world in self.seconds:
+            return
+        (self.root / f"w{world}").mkdir()
+        cases = [c for c in CASES if c.world == world]
+        writes = sorted({(c.source, c.write) for c in cases}, key=lambda sw: (fmt(sw[1]), sw[0]))
+        ops = [Op("to_mcore", str(self.sources[s]), str(self.mcore_dir(s, world, w)), w) for s, w in writes]
+        ops += [
+            Op("to_hf", str(self.mcore_dir(c.source, world, c.write)), str(self.out_dir_path(c)), c.read)
+            for c in sorted(cases, key=lambda c: (fmt(c.read), c.id))
+        ]
+        self.seconds[world] = parallel.launch(run_ops, world, ops, timeout_s=LAUNCH_TIMEOUT_S)[0]
+
+    def out_dir_path(self, case: Case) -> Path:
+        return self.root / f"w{case.world}" / f"{case.id}.hf"
+
+
+@pytest.fixture(scope="module")
+def conversions(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Conversions:
+    return Conversions(sources, tmp_path_factory.mktemp("converted"))
+
+
+# ------------------------------------------------------------------------------------------------- tests
+def test_sources_are_what_the_cases_claim(sources: dict[str, Path]) -> None:
+    for name, path in sources.items():
+        tensors = read_hf(path)
+        assert len(tensors) == TENSOR_COUNTS[name], name
+        assert {t.dtype for t in tensors.values()} == {dtype_of(name)}, name
+        assert tensors["model.embed_tokens.weight"].shape == (VOCAB.get(name, 1024), HIDDEN), name
+        assert ("lm_head.weight" in tensors) == ("tied" not in name), name
+        assert len(shard_files(path)) > 1, f"{name}: source should be sharded to exercise the index"
+        assert ASSETS <= {p.name for p in path.iterdir()}, name
+
+
+@pytest.mark.parametrize("case", [case_param(c) for c in CASES])
+def test_round_trip_is_bit_identical(case: Case, sources: dict[str, Path], conversions: Conversions) -> None:
+    out = conversions.out_dir(case)
+    assert_bit_identical(sources[case.source], out)
+    # Rewritten into one shard (default 5 GiB limit), not copied: the source has several.
+    assert shard_files(out) == ["model-00001-of-00001.safetensors"]
+    assert_assets_carried(sources[case.source], out)
+    assert not partial_of(out).exists()
+
+
+@pytest.mark.parametrize(
+    "world", [1, pytest.param(2, marks=pytest.mark.multiproc), pytest.param(4, marks=pytest.mark.multiproc)]
+)
+def test_megatron_checkpoint_is_layout_free(
+    world: int, sources: dict[str, Path], conversions: Conversions
+) -> None:
+    """Whatever layout wrote it, the dist checkpoint holds whole tensors, the vocabulary padded to 1024."""
+    writes = sorted(
+        {(c.source, c.write) for c in CASES if c.world == world}, key=lambda sw: (sw[0], fmt(sw[1]))
+    )
+    conversions.out_dir(next(c for c in CASES if c.world == world))  # make sure this world ran
+    assert len(writes) >= 6
+    for source, write in writes:
+        mcore = conversions.mcore_dir(source, world, write)
+        meta = json.loads((mcore / "mars_checkpoint.json").read_text())
+        assert meta["format"] == "mars-mcore-v1"
+        assert meta["written_by_layout"] == dict(zip(("tp", "pp", "ep"), write[:3], strict=True))
+        assert meta["dtype"] == SOURCES[source][1]
+        assert meta["arch"]["vocab_size"] == VOCAB.get(source, 1024)
+        assert meta["arch"]["tie_word_embeddings"] == ("tied" in source)
+        shapes = dist_checkpoint_shapes(mcore / "model")
+        label = f"{source} written in {fmt(write)}"
+        assert shapes["embedding.word_embeddings.weight"] == ((PADDED_VOCAB, HIDDEN), dtype_of(source)), label
+        assert all(dtype == dtype_of(source) for _, dtype in shapes.values()), label
+        assert {p.name for p in (mcore / "hf").iterdir()} == ASSETS, label
+        for name in ASSETS:
+            assert (mcore / "hf" / name).read_bytes() == (sources[source] / name).read_bytes(), label
+        assert not list(mcore.rglob("*.safetensors")), label
+
+
+LOADABLE = ["dense-w1-single", "moe-w1-single", "dense-bf16-w2-tp2", "moe-w4-pp2xep2-read-tp2"]
+LOADABLE += ["dense-tied-w2-pp2", "moe-tied-w4-pp2xep2-read-tp2"]
+
+
+@pytest.mark.parametrize("case", [case_param(CASE_BY_ID[i]) for i in LOADABLE])
+def test_output_loads_in_transformers(case: Case, sources: dict[str, Path], conversions: Conversions) -> None:
+    out = conversions.out_dir(case)
+    src = sources[case.source]
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert {k: list(v) for k, v in info.items() if v} == {}, "missing/unexpected/mismatched weights"
+    reference = AutoModelForCausalLM.from_pretrained(src)
+    assert model.dtype == dtype_of(case.source)
+    assert type(model).__name__ == json.loads((src / "config.json").read_text())["architectures"][0]
+    head = model.get_output_embeddings().weight
+    assert head.shape == (VOCAB.get(case.source, 1024), HIDDEN)
+    if "tied" in case.source:
+        assert head.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    ids = torch.tensor([[5, 17, 300, 42, 900, 3, 77, 256]])
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert got.shape == (1, 8, VOCAB.get(case.source, 1024))
+    assert torch.equal(got, want)
+    tok, ref_tok = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(src)
+    text = "Verdict: Correct. \\boxed{42}<|im_end|>"
+    assert tok(text).input_ids == ref_tok(text).input_ids
+    assert len(tok) == VOCAB.get(case.source, 1024)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+@dataclass(frozen=True)
+class BadInput:
+    op: Op
+    expected_type: str
+
+
+def _rewrite_shard(model_dir: Path, tensor: str, new: torch.Tensor | None, *, keep_index: bool) -> Path:
+    """Replace (or, with ``new=None``, drop) ``tensor`` in its shard file; return that file's path."""
+    index_path = model_dir / INDEX
+    index = json.loads(index_path.read_text())
+    shard = model_dir / index["weight_map"][tensor]
+    tensors = load_file(shard)
+    if new is None:
+        del tensors[tensor]
+        if not keep_index:
+            del index["weight_map"][tensor]
+            index_path.write_text(json.dumps(index, indent=2))
+    else:
+        tensors[tensor] = new
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return shard
+
+
+def _edit_json(path: Path, edit: Any) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data, indent=2))
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(
+    sources: dict[str, Path], conversions: Conversions, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Broken checkpoints, each converted once in a single-rank world; returns what each raised."""
+    root = tmp_path_factory.mktemp("bad")
+    dense = sources["dense"]
+    conversions.out_dir(CASE_BY_ID["dense-w1-single"])  # a good Megatron checkpoint to break
+    good_mcore = conversions.mcore_dir("dense", 1, S)
+
+    def hf_copy(name: str) -> Path:
+        return Path(shutil.copytree(dense, root / name))
+
+    def mcore_copy(name: str) -> Path:
+        return Path(shutil.copytree(good_mcore, root / name))
+
+    facts: dict[str, Any] = {}
+    cases: dict[str, BadInput] = {}
+
+    src = hf_copy("missing-tensor")
+    facts["missing-tensor"] = _rewrite_shard(
+        src, "model.layers.1.self_attn.k_proj.weight", None, keep_index=False
+    )
+    cases["missing-tensor"] = BadInput(
+        Op("to_mcore", str(src), str(root / "missing-tensor.out"), S), "CheckpointError"
+    )
+
+    src = hf_copy("missing-from-shard")
+    facts["missing-from-shard"] = _rewrite_shard(
+        src, "model.layers.1.self_attn.k_proj.weight", None, keep_index=True
+    )
+    cases["missing-from-shard"] = BadInput(
+        Op("to_mcore", str(src), str(root / "missing-from-shard.out"), S), "CheckpointError"
+    )
+
+    src = hf_copy("misshaped")
+    facts["misshaped"] = _rewrite_shard(
+        src, "model.layers.0.mlp.down_proj.weight", torch.zeros(HIDDEN, 128), keep_index=True
+    )
+    cases["misshaped"] = BadInput(Op("to_mcore", str(src), str(root / "misshaped.out"), S), "CheckpointError")
+
+    src = hf_copy("unsupported-arch")
+    _edit_json(src / "config.json", lambda c: c.update(architectures=["LlamaForCausalLM"]))
+    cases["unsupported-arch"] = BadInput(
+        Op("to_mcore", str(src), str(root / "unsupported-arch.out"), S), "HFConfigError"
+    )
+
+    src = hf_copy("missing-field")
+    _edit_json(src / "config.json", lambda c: c.pop("hidden_size"))
+    cases["missing-field"] = BadInput(
+        Op("to_mcore", str(src), str(root / "missing-field.out"), S), "HFConfigError"
+    )
+
+    for kind, source in (("to_mcore", dense), ("to_hf", good_mcore)):
+        out = root / f"exists-{kind}.out"
+        out.mkdir()
+        (out / "keep.txt").write_text("precious")
+        cases[f"exists-{kind}"] = BadInput(Op(kind, str(source), str(out), S), "FileExistsError")
+
+    cases["not-mars"] = BadInput(Op("to_hf", str(dense), str(root / "not-mars.out"), S), "CheckpointError")
+
+    src = mcore_copy("wrong-format")
+    _edit_json(src / "mars_checkpoint.json", lambda m: m.update(format="something-else"))
+    cases["wrong-format"] = BadInput(
+        Op("to_hf", str(src), str(root / "wrong-format.out"), S), "CheckpointError"
+    )
+
+    # Failures after the staging directory exists: it must be removed again.
+    src = mcore_copy("model-missing")
+    shutil.rmtree(src / "model")
+    cases["model-missing"] = BadInput(
+        Op("to_hf", str(src), str(root / "model-missing.out"), S), "CheckpointingException"
+    )
+
+    src = mcore_copy("meta-disagrees")
+    _edit_json(src / "mars_checkpoint.json", lambda m: m["arch"].update(ffn_hidden_size=512))
+    cases["meta-disagrees"] = BadInput(
+        Op("to_hf", str(src), str(root / "meta-disagrees.out"), S), "CheckpointException"
+    )
+
+    # Not an error: a stale staging directory from an earlier crash is replaced, not reused.
+    stale_out = root / "stale.out"
+    partial_of(stale_out).mkdir()
+    (partial_of(stale_out) / "model-00001-of-00009.safetensors").write_bytes(b"junk")
+    cases["stale-partial"] = BadInput(Op("to_hf", str(good_mcore), str(stale_out), S), "")
+
+    names = list(cases)
+    results = parallel.launch(
+        run_expecting_errors, 1, [cases[n].op for n in names], timeout_s=LAUNCH_TIMEOUT_S
+    )[0]
+    return {
+        "raised": dict(zip(names, results, strict=True)),
+        "cases": cases,
+        "facts": facts,
+        "root": root,
+    }
+
+
+def _raised(bad_inputs: dict[str, Any], name: str) -> tuple[Path, str]:
+    case: BadInput = bad_inputs["cases"][name]
+    kind, message = bad_inputs["raised"][name]
+    assert kind == case.expected_type, f"{name}: raised {kind or 'nothing'}: {message}"
+    return Path(case.op.dst), message
+
+
+def test_missing_tensor_is_named(bad_inputs: dict[str, Any]) -> None:
+    out, message = _raised(bad_inputs, "missing-tensor")
+    src = bad_inputs["cases"]["missing-tensor"].op.src
+    assert f"{src}: 1 tensor(s) missing from the checkpoint" in message
+    assert "'model.layers.1.self_attn.k_proj.weight'" in message
+    assert_nothing_written(out)
+
+
+def test_tensor_listed_in_index_but_absent_from_shard_names_the_file(bad_inputs: dict[str, Any]) -> None:
+    out, message = _raised(bad_inputs, "missing-from-shard")
+    assert str(bad_inputs["facts"]["missing-from-shard"]) in message
+    assert "model.layers.1.self_attn.k_proj.weight" in message
+    assert_nothing_written(out)
+
+
+def test_misshaped_tensor_names_file_tensor_and_shapes(bad_inputs: dict[str, Any]) -> None:
+    out, message = _raised(bad_inputs, "misshaped")
+    shard = bad_inputs["facts"]["misshaped"]
+    assert message == (
+        f"{shard}: tensor 'model.layers.0.mlp.down_proj.weight' has shape [128, 128], "
+        "config.json implies [128, 256]"
+    )
+    assert_nothing_written(out)
+
+
+def test_unsupported_architecture_names_config_field(bad_inputs: dict[str, Any]) -> None:
+    out, message = _raised(bad_inputs, "unsupported-arch")
+    config = Path(bad_inputs["cases"]["unsupported-arch"].op.src) / "config.json"
+    assert message.startswith(
+        f"{config}: unsupported architecture 'LlamaForCausalLM' in field 'architectures'"
+    )
+    assert "Qwen3MoeForCausalLM" in message  # lists what is supported
+    assert_nothing_written(out)
+
+
+def test_missing_config_field_is_named(bad_inputs: dict[str, Any]) -> None:
+    out, message = _raised(bad_inputs, "missing-field")
+    config = Path(bad_inputs["cases"]["missing-field"].op.src) / "config.json"
+    assert message == f"{config}: missing required field 'hidden_size'"
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("kind", ["to_mcore", "to_hf"])
+def test_existing_output_directory_is_refused_and_untouched(bad_inputs: dict[str, Any], kind: str) -> None:
+    out, message = _raised(bad_inputs, f"exists-{kind}")
+    assert message == f"{out}: output directory already exists; choose a new path or remove it"
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert (out / "keep.txt").read_text() == "precious"
+    assert not partial_of(out).exists()
+
+
+def test_mcore_to_hf_on_a_non_mars_directory(bad_inputs: dict[str, Any]) -> None:
+    out, message = _raised(bad_inputs, "not-mars")
+    src = Path(bad_inputs["cases"]["not-mars"].op.src)
+    assert message == f"{src / 'mars_checkpoint.json'}: missing; {src} is not a mars Megatron checkpoint"
+    assert_nothing_written(out)
+
+
+def test_mcore_to_hf_on_a_foreign_format_tag(bad_inputs: dict[str, Any]) -> None:
+    out, message = _raised(bad_inputs, "wrong-format")
+    meta = Path(bad_inputs["cases"]["wrong-format"].op.src) / "mars_checkpoint.json"
+    assert message == f"{meta}: field 'format' is 'something-else', expected 'mars-mcore-v1'"
+    assert_nothing_written(out)
+
+
+def test_failure_after_staging_removes_it_missing_model(bad_inputs: dict[str, Any]) -> None:
+    out, message = _raised(bad_inputs, "model-missing")
+    model = Path(bad_inputs["cases"]["model-missing"].op.src) / "model"
+    assert message == f"Checkpoint directory {model} does not exist"
+    assert_nothing_written(out)
+
+
+def test_failure_after_staging_removes_it_shape_mismatch(bad_inputs: dict[str, Any]) -> None:
+    out, message = _raised(bad_inputs, "meta-disagrees")
+    # Megatron names the tensor whose stored shape contradicts the architecture in mars_checkpoint.json.
+    assert "Global shape mismatch" in message
+    assert "linear_fc1.weight" in message and "512" in message
+    assert_nothing_written(out)
+
+
+def test_stale_staging_directory_is_replaced(bad_inputs: dict[str, Any], sources: dict[str, Path]) -> None:
+    out, message = _raised(bad_inputs, "stale-partial")
+    assert message == ""
+    assert not partial_of(out).exists()
+    assert shard_files(out) == ["model-00001-of-00001.safetensors"]
+    assert not (out / "model-00001-of-00009.safetensors").exists()
+    assert_bit_identical(sources["dense"], out)
+
+
+@pytest.mark.multiproc
+def test_error_on_every_rank_reaches_caller_and_cleans_up(tmp_path: Path) -> None:
+    """A layout error raised after staging, on both ranks: launch re-raises a rank's traceback and the
+    staging directory is gone."""
+    src = init_model("tiny-dense", tmp_path / "kv1", seed=7, overrides={"num_key_value_heads": 1})
+    out = tmp_path / "kv1.mcore"
+    with pytest.raises(RuntimeError) as info:
+        parallel.launch(run_ops, 2, [Op("to_mcore", str(src), str(out), TP2)], timeout_s=LAUNCH_TIMEOUT_S)
+    message = str(info.value)
+    assert message.startswith(("rank 0 of 2 failed:\nTraceback", "rank 1 of 2 failed:\nTraceback"))
+    assert "in hf_to_mcore" in message
+    assert "LayoutError: parallel.tp=2 must divide num_key_value_heads (1)" in message
+    assert_nothing_written(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv1"]
