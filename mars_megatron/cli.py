@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             print(f"wrote {args.dst}")
         elif args.command == "score":
-            seqs = jobs.read_token_lines(args.input)
+            seqs = jobs.read_token_lines(args.input, jobs.model_arch(args.model_dir).vocab_size)
             if not Path(args.output).parent.exists():
                 raise FileNotFoundError(f"{Path(args.output).parent}: output directory does not exist")
             layout = _layout(args)

@@ -104,8 +104,18 @@ def mcore_to_hf_job(
 
 
 # -------------------------------------------------------------------------------------------------- score
-def read_token_lines(path: str | Path) -> list[list[int]]:
-    """Parse ``{"tokens": [ids...]}`` lines; errors name the file and line."""
+def model_arch(model_dir: str) -> Any:
+    """Architecture of an HF directory or a mars Megatron checkpoint, read from its metadata only."""
+    from checkpoints_conversion.convert import META, read_meta
+    from mars_megatron.training.hf_config import load_hf_config
+
+    if (Path(model_dir) / META).is_file():
+        return read_meta(model_dir)[0]
+    return load_hf_config(model_dir)
+
+
+def read_token_lines(path: str | Path, vocab_size: int | None = None) -> list[list[int]]:
+    """Parse ``{"tokens": [ids...]}`` lines; errors name the file and line, before any rank starts."""
     seqs = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -122,6 +132,10 @@ def read_token_lines(path: str | Path) -> list[list[int]]:
                 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
             ):
                 raise ValueError(f"{path}:{lineno}: field 'tokens' must be a non-empty list of token ids")
+            if vocab_size is not None and max(tokens) >= vocab_size:
+                raise ValueError(
+                    f"{path}:{lineno}: token id {max(tokens)} is out of range for vocab_size {vocab_size}"
+                )
             seqs.append(tokens)
     if not seqs:
         raise ValueError(f"{path}: no sequences")
@@ -133,11 +147,6 @@ def score_job(
 ) -> int:
     par.init_model_parallel(parallel, seed=0)
     engine = load_engine(model_dir, parallel, dtype=None, impl=impl)
-    too_large = [i for i, s in enumerate(seqs) if max(s) >= engine.arch.vocab_size]
-    if too_large:
-        raise ValueError(
-            f"line {too_large[0] + 1}: token id out of range for vocab_size {engine.arch.vocab_size}"
-        )
     logprobs = engine.logprobs(seqs, micro_batch)
     if logprobs is not None and _is_writer():
         tmp = Path(output).with_name(f".{Path(output).name}.partial")

@@ -49,30 +49,37 @@ def score_and_train(cases: list[Case], seed: int = 1234) -> dict[str, dict]:
     ``errors`` holds ``(exception type, message)`` per bad batch (``("", "")`` if it was accepted).
     Megatron's parallel state is rebuilt for each case, so one launch covers several layouts.
     """
-    from mars_megatron.training.engine import MegatronEngine
-
     out: dict[str, dict] = {}
     for case in cases:
-        layout = case.parallel()
-        parallel.init_model_parallel(layout, seed)
-        arch = load_hf_config(case.hf_dir)
-        optimizer = OptimizerConfig(lr=case.lr) if case.steps else None
-        engine = MegatronEngine(arch, layout, dtype="float32", transformer_impl="local", optimizer=optimizer)
-        load_weights(engine.model, HFReader(case.hf_dir), arch, engine.padded_vocab)
-        result: dict = {"logprobs": None, "steps": [], "errors": []}
-        if case.score_seqs:
-            result["logprobs"] = engine.logprobs(case.score_seqs, case.micro_batch)
-        for _ in range(case.steps):
-            result["steps"].append(engine.train_step(case.train_seqs, case.micro_batch))
-        for seqs, micro_batch in case.bad_batches:
-            try:
-                engine.train_step(seqs, micro_batch)
-            except (ValueError, RuntimeError) as e:
-                result["errors"].append((type(e).__name__, str(e)))
-            else:
-                result["errors"].append(("", ""))
-        out[case.name] = result
+        try:
+            out[case.name] = _score_and_train(case, seed)
+        except Exception as e:  # name the case in the traceback that launch() reports
+            raise RuntimeError(f"case {case.name!r} failed: {type(e).__name__}: {e}") from e
     return out
+
+
+def _score_and_train(case: Case, seed: int) -> dict:
+    from mars_megatron.training.engine import MegatronEngine
+
+    layout = case.parallel()
+    parallel.init_model_parallel(layout, seed)
+    arch = load_hf_config(case.hf_dir)
+    optimizer = OptimizerConfig(lr=case.lr) if case.steps else None
+    engine = MegatronEngine(arch, layout, dtype="float32", transformer_impl="local", optimizer=optimizer)
+    load_weights(engine.model, HFReader(case.hf_dir), arch, engine.padded_vocab)
+    result: dict = {"logprobs": None, "steps": [], "errors": []}
+    if case.score_seqs:
+        result["logprobs"] = engine.logprobs(case.score_seqs, case.micro_batch)
+    for _ in range(case.steps):
+        result["steps"].append(engine.train_step(case.train_seqs, case.micro_batch))
+    for seqs, micro_batch in case.bad_batches:
+        try:
+            engine.train_step(seqs, micro_batch)
+        except (ValueError, RuntimeError) as e:
+            result["errors"].append((type(e).__name__, str(e)))
+        else:
+            result["errors"].append(("", ""))
+    return result
 
 
 def tp_logprobs(

@@ -207,14 +207,15 @@ def test_score_rejects_token_id_out_of_range(tmp_path: Path, work: Path, moe: Pa
     tokens = write_tokens(tmp_path / "big.jsonl", [[1, 2, 3], [5, 1024]])  # vocab_size is 1024
     out = tmp_path / "out.jsonl"
     result = mars("score", "--model-dir", moe, "--input", tokens, "--output", out, cwd=work)
-    assert_failed(result, 1, "line 2: token id out of range for vocab_size 1024")
+    # Checked against the model's config before any rank starts: a usage error naming file and line.
+    assert_failed(result, 2, f"{tokens}:2: token id 1024 is out of range for vocab_size 1024")
     assert list(tmp_path.iterdir()) == [tokens]
 
 
 def test_score_rejects_missing_model_dir(tmp_path: Path, work: Path, tokens: Path) -> None:
     out = tmp_path / "out.jsonl"
     result = mars("score", "--model-dir", tmp_path / "nope", "--input", tokens, "--output", out, cwd=work)
-    assert_failed(result, 1, f"{tmp_path / 'nope'}: no such file")
+    assert_failed(result, 2, f"{tmp_path / 'nope'}: no such file")
     assert list(tmp_path.iterdir()) == []
 
 
