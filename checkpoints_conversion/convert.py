@@ -45,9 +45,9 @@ def check_output_dir(out_dir: str | Path) -> Path:
 
 def _staging_dir(out: Path) -> Path:
     """Rank 0 makes a fresh temporary sibling of ``out`` and tells every rank its path."""
+    check_output_dir(out)  # on every rank, so no rank is left waiting in the broadcast below
     holder = [None]
     if dist.get_rank() == 0:
-        check_output_dir(out)
         tmp = out.parent / f".{out.name}.partial"
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -123,6 +123,7 @@ def hf_to_mcore(
             vocab_pad_multiple=vocab_pad_multiple,
         )
         load_weights(model, reader, arch, arch.padded_vocab_size(vocab_pad_multiple))
+        reader.close()
         save_mcore(model, tmp / "model")
         if dist.get_rank() == 0:
             (tmp / "hf").mkdir()

@@ -66,23 +66,33 @@ class HFReader:
             self._handles[file] = safe_open(path, framework="pt")
         return self._handles[file]
 
-    def get(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, what: str) -> Any:
+        """One access to ``name`` in its shard (the tensor or its header slice), with errors that name the
+        shard file: safetensors names only the tensor."""
         file = self.weight_map.get(name)
         if file is None:
             raise CheckpointError(f"{self.dir}: tensor '{name}' is missing from the checkpoint")
         try:
-            return self._handle(file).get_tensor(name)
-        except Exception as e:  # safetensors names the tensor, not the file
-            raise CheckpointError(f"{self.dir / file}: cannot read tensor '{name}' ({e})") from e
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        file = self.weight_map.get(name)
-        if file is None:
-            raise CheckpointError(f"{self.dir}: tensor '{name}' is missing from the checkpoint")
-        try:
-            return tuple(self._handle(file).get_slice(name).get_shape())
+            handle = self._handle(file)
+            return handle.get_tensor(name) if what == "tensor" else handle.get_slice(name)
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(f"{self.dir / file}: cannot read tensor '{name}' ({e})") from e
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._read(name, "tensor")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._read(name, "slice").get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype tag of ``name`` (``F32``, ``BF16``, ``F16`` …), from the header only."""
+        return str(self._read(name, "slice").get_dtype())
+
+    def close(self) -> None:
+        """Drop the memory maps (their pages otherwise stay resident for the rest of the conversion)."""
+        self._handles.clear()
 
     def file_of(self, name: str) -> Path:
         return self.dir / self.weight_map[name]

@@ -22,10 +22,13 @@ from checkpoints_conversion.qwen3_mapping import (
     expected_hf_tensors,
     init_tensor,
     plan_for,
-    shard,
+    shard_into,
+    shard_shape,
     unshard,
 )
 from mars_megatron.training.hf_config import Qwen3Arch
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 class TensorSource(Protocol):
@@ -62,7 +65,13 @@ def validate_hf_checkpoint(reader: Any, arch: Qwen3Arch) -> None:
             f"{reader.dir}: {len(unexpected)} tensor(s) not expected for {arch.architecture}, "
             f"e.g. '{unexpected[0]}'"
         )
+    tag = _SAFETENSORS_DTYPES[arch.dtype]
     for name, shape in expected.items():
+        if reader.dtype(name) != tag:
+            raise CheckpointError(
+                f"{reader.file_of(name)}: tensor '{name}' is {reader.dtype(name)}, config.json declares "
+                f"{arch.dtype} ({tag}); refusing to cast silently"
+            )
         got = reader.shape(name)
         if got != shape:
             raise CheckpointError(
@@ -112,19 +121,24 @@ def _local_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parame
 
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, source: TensorSource, arch: Qwen3Arch, padded_vocab: int) -> int:
-    """Fill this rank's parameters from ``source``; returns how many parameters were set."""
+    """Fill this rank's parameters from ``source``; returns how many parameters were set.
+
+    Each HF tensor is read once per parameter that needs it and copied straight into the parameter's
+    slices, so loading costs one copy of the weights and at most a few full HF tensors at a time.
+    """
     layer_offset, expert_offset = _offsets(arch)
     count = 0
     for name, param in _local_params(model):
         plan = plan_for(name, arch, layer_offset, expert_offset)
         rank, size, _ = _group_coords(plan)
-        piece = shard(plan, [source.get(n) for n in plan.hf_names], rank, size, arch, padded_vocab)
-        if tuple(piece.shape) != tuple(param.shape):
+        full = [source.get(n) for n in plan.hf_names]
+        shape = shard_shape(plan, [tuple(t.shape) for t in full], size, arch, padded_vocab)
+        if shape != tuple(param.shape):
             raise CheckpointError(
-                f"tensor(s) {list(plan.hf_names)} give {name} shape {list(piece.shape)} on this rank, "
+                f"tensor(s) {list(plan.hf_names)} give {name} shape {list(shape)} on this rank, "
                 f"the model expects {list(param.shape)}"
             )
-        param.copy_(piece)
+        shard_into(param.data, plan, full, rank, size, arch)
         count += 1
     return count
 

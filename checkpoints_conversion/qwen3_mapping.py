@@ -110,39 +110,79 @@ def _qkv_groups(arch: Qwen3Arch) -> tuple[int, int, int]:
     return groups, arch.num_attention_heads // groups * arch.head_dim, arch.head_dim
 
 
-def shard(
-    plan: ParamPlan, full: list[torch.Tensor], rank: int, size: int, arch: Qwen3Arch, padded_vocab: int
+def shard_into(
+    dst: torch.Tensor,
+    plan: ParamPlan,
+    full: list[torch.Tensor],
+    rank: int,
+    size: int,
+    arch: Qwen3Arch,
 ) -> torch.Tensor:
-    """This rank's piece of the parameter, built from the full HF tensors ``full`` (in ``plan.hf_names``
-    order). ``rank``/``size`` are the TP (or expert-TP) coordinates named by ``plan.group``."""
+    """Copy this rank's piece of the parameter into ``dst`` (a parameter or an empty tensor of its shape),
+    from the full HF tensors ``full`` (in ``plan.hf_names`` order); returns ``dst``.
+
+    Pieces are copied straight into slices of ``dst``: no fused temporary is built, so loading a model
+    costs one copy of its weights. ``rank``/``size`` are the TP (or expert-TP) coordinates named by
+    ``plan.group``. Shapes must agree exactly (the caller checks them first for a clear error).
+    """
     if plan.split == "none":
-        return full[0]
-    if plan.split == "row":
-        return full[0].chunk(size, dim=0)[rank]
-    if plan.split == "col":
-        return full[0].chunk(size, dim=1)[rank]
-    if plan.split == "vocab":
-        t = full[0]
-        if t.shape[0] < padded_vocab:
-            t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
-        return t.chunk(size, dim=0)[rank]
-    if plan.split == "gated":
+        dst.copy_(full[0])
+    elif plan.split == "row":
+        dst.copy_(full[0].chunk(size, dim=0)[rank])
+    elif plan.split == "col":
+        dst.copy_(full[0].chunk(size, dim=1)[rank])
+    elif plan.split == "vocab":
+        # Rows [rank*n, (rank+1)*n) of the padded vocabulary; rows past the real vocabulary are zeros.
+        rows = dst.shape[0]
+        start = rank * rows
+        real = max(0, min(rows, full[0].shape[0] - start))
+        dst[:real].copy_(full[0][start : start + real])
+        dst[real:].zero_()
+    elif plan.split == "gated":
         gate, up = full
-        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
-    if plan.split == "qkv":
+        half = dst.shape[0] // 2
+        dst[:half].copy_(gate.chunk(size, dim=0)[rank])
+        dst[half:].copy_(up.chunk(size, dim=0)[rank])
+    elif plan.split == "qkv":
         q, k, v = full
         groups, q_rows, head_dim = _qkv_groups(arch)
         tail = q.shape[1:]
-        fused = torch.cat(
-            [
-                q.reshape(groups, q_rows, *tail),
-                k.reshape(groups, head_dim, *tail),
-                v.reshape(groups, head_dim, *tail),
-            ],
-            dim=1,
-        )
-        return fused.chunk(size, dim=0)[rank].reshape(-1, *tail)
+        local = groups // size
+        g0 = rank * local
+        fused = dst.view(local, q_rows + 2 * head_dim, *tail)
+        fused[:, :q_rows].copy_(q.reshape(groups, q_rows, *tail)[g0 : g0 + local])
+        fused[:, q_rows : q_rows + head_dim].copy_(k.reshape(groups, head_dim, *tail)[g0 : g0 + local])
+        fused[:, q_rows + head_dim :].copy_(v.reshape(groups, head_dim, *tail)[g0 : g0 + local])
+    else:
+        raise AssertionError(plan.split)
+    return dst
+
+
+def shard_shape(
+    plan: ParamPlan, full_shapes: list[tuple[int, ...]], size: int, arch: Qwen3Arch, padded_vocab: int
+) -> tuple[int, ...]:
+    """Shape of one rank's piece, from the HF shapes alone (checked before any data is read)."""
+    first = full_shapes[0]
+    if plan.split == "none":
+        return tuple(first)
+    if plan.split in ("row", "gated"):
+        rows = first[0] // size * (2 if plan.split == "gated" else 1)
+        return (rows, *first[1:])
+    if plan.split == "col":
+        return (first[0], first[1] // size, *first[2:])
+    if plan.split == "vocab":
+        return (padded_vocab // size, *first[1:])
+    if plan.split == "qkv":
+        return (sum(s[0] for s in full_shapes) // size, *first[1:])
     raise AssertionError(plan.split)
+
+
+def shard(
+    plan: ParamPlan, full: list[torch.Tensor], rank: int, size: int, arch: Qwen3Arch, padded_vocab: int
+) -> torch.Tensor:
+    """This rank's piece as a new tensor (see :func:`shard_into`)."""
+    shape = shard_shape(plan, [tuple(t.shape) for t in full], size, arch, padded_vocab)
+    return shard_into(full[0].new_empty(shape), plan, full, rank, size, arch)
 
 
 def unshard(plan: ParamPlan, pieces: list[torch.Tensor], arch: Qwen3Arch) -> list[torch.Tensor]:
@@ -150,21 +190,26 @@ def unshard(plan: ParamPlan, pieces: list[torch.Tensor], arch: Qwen3Arch) -> lis
     if plan.split == "none":
         return [pieces[0]]
     if plan.split == "row":
-        return [torch.cat(pieces, dim=0)]
+        return [_cat(pieces, 0)]
     if plan.split == "col":
-        return [torch.cat(pieces, dim=1)]
+        return [_cat(pieces, 1)]
     if plan.split == "vocab":
-        return [torch.cat(pieces, dim=0)[: arch.vocab_size]]
+        return [_cat(pieces, 0)[: arch.vocab_size]]
     if plan.split == "gated":
         halves = [p.chunk(2, dim=0) for p in pieces]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        return [_cat([h[0] for h in halves], 0), _cat([h[1] for h in halves], 0)]
     if plan.split == "qkv":
         groups, q_rows, head_dim = _qkv_groups(arch)
         tail = pieces[0].shape[1:]
-        fused = torch.cat(pieces, dim=0).reshape(groups, q_rows + 2 * head_dim, *tail)
+        fused = _cat(pieces, 0).reshape(groups, q_rows + 2 * head_dim, *tail)
         q, k, v = fused.split([q_rows, head_dim, head_dim], dim=1)
         return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
     raise AssertionError(plan.split)
+
+
+def _cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat`` that returns the single piece itself (a view) instead of copying it."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 def expected_hf_tensors(arch: Qwen3Arch) -> dict[str, tuple[int, ...]]:

@@ -142,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
         print(f"mars {args.command}: error: {last}\n\n{e}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        print(f"mars {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -405,6 +405,14 @@ def bad_inputs(
     )
     cases["misshaped"] = BadInput(Op("to_mcore", str(src), str(root / "misshaped.out"), S), "CheckpointError")
 
+    src = hf_copy("wrong-dtype")
+    facts["wrong-dtype"] = _rewrite_shard(
+        src, "model.norm.weight", torch.ones(HIDDEN, dtype=torch.float16), keep_index=True
+    )
+    cases["wrong-dtype"] = BadInput(
+        Op("to_mcore", str(src), str(root / "wrong-dtype.out"), S), "CheckpointError"
+    )
+
     src = hf_copy("unsupported-arch")
     _edit_json(src / "config.json", lambda c: c.update(architectures=["LlamaForCausalLM"]))
     cases["unsupported-arch"] = BadInput(
@@ -479,8 +487,8 @@ def test_missing_tensor_is_named(bad_inputs: dict[str, Any]) -> None:
 
 def test_tensor_listed_in_index_but_absent_from_shard_names_the_file(bad_inputs: dict[str, Any]) -> None:
     out, message = _raised(bad_inputs, "missing-from-shard")
-    assert str(bad_inputs["facts"]["missing-from-shard"]) in message
-    assert "model.layers.1.self_attn.k_proj.weight" in message
+    shard = bad_inputs["facts"]["missing-from-shard"]
+    assert message.startswith(f"{shard}: cannot read tensor 'model.layers.1.self_attn.k_proj.weight' (")
     assert_nothing_written(out)
 
 
@@ -490,6 +498,16 @@ def test_misshaped_tensor_names_file_tensor_and_shapes(bad_inputs: dict[str, Any
     assert message == (
         f"{shard}: tensor 'model.layers.0.mlp.down_proj.weight' has shape [128, 128], "
         "config.json implies [128, 256]"
+    )
+    assert_nothing_written(out)
+
+
+def test_wrong_dtype_is_refused_not_cast(bad_inputs: dict[str, Any]) -> None:
+    out, message = _raised(bad_inputs, "wrong-dtype")
+    shard = bad_inputs["facts"]["wrong-dtype"]
+    assert message == (
+        f"{shard}: tensor 'model.norm.weight' is F16, config.json declares float32 (F32); "
+        "refusing to cast silently"
     )
     assert_nothing_written(out)
 

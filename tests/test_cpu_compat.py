@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +197,8 @@ arch = parse_hf_config({
     "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": True,
     "mlp_only_layers": [0], "router_aux_loss_coef": 0.001, "dtype": "float32",
 })
-store = os.path.join(tempfile.mkdtemp(), "store")
+tmp = tempfile.TemporaryDirectory()  # removed when the child exits
+store = os.path.join(tmp.name, "store")
 parallel.init_distributed(0, 1, store)
 parallel.init_model_parallel(ParallelConfig(), 1234)
 RESULT["active"] = cpu_compat.is_active()
@@ -228,13 +230,18 @@ parallel.destroy()
 
 
 @pytest.fixture(scope="module")
-def children() -> dict[str, Child]:
+def children() -> Iterator[dict[str, Child]]:
     """Start every child at once so they run concurrently; each test waits only for its own."""
-    return {
+    started = {
         "probes": Child(PROBE_CODE),
         "model_with_layer": Child("USE_LAYER = True\n" + MODEL_CODE),
         "model_without_layer": Child("USE_LAYER = False\n" + MODEL_CODE),
     }
+    yield started
+    for child in started.values():  # a child no test waited for (deselected tests) is not left behind
+        if child.proc.poll() is None:
+            child.proc.kill()
+        child.proc.communicate()
 
 
 # ------------------------------------------------------------------------------------ without the layer

@@ -134,7 +134,7 @@ def test_dense_head_dim_default_matches_transformers() -> None:
     from transformers import Qwen3Config
 
     c = cfg(DENSE, head_dim=...)
-    assert parse_hf_config(c).head_dim == Qwen3Config.from_dict(c).head_dim
+    assert parse_hf_config(c).head_dim == Qwen3Config.from_dict(c).head_dim == 128  # not 64 // 8
 
 
 def test_num_local_experts_is_the_transformers5_spelling_of_num_experts() -> None:
@@ -321,7 +321,11 @@ def test_rope_scaling_nested_in_rope_parameters_is_refused() -> None:
             "rope_theta": 1e6,
         },
     )
-    error(c)
+    msg = error(c)
+    assert "'yarn'" in msg and "not supported" in msg
+    # transformers 5's plain form (rope_type default beside rope_theta) stays accepted
+    plain = cfg(DENSE, rope_theta=..., rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    assert parse_hf_config(plain).rope_theta == 1e6
 
 
 def test_sliding_window_is_refused() -> None:
@@ -413,3 +417,26 @@ def test_qwen3_8b_dense() -> None:
     assert (arch.num_layers, arch.hidden_size, arch.ffn_hidden_size) == (36, 4096, 12288)
     assert (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim) == (32, 8, 128)
     assert arch.rope_theta == 1e6 and arch.max_position_embeddings == 40960
+
+
+def test_dtype_error_names_the_key_the_file_uses() -> None:
+    assert "field 'dtype' must be one of" in error(cfg(DENSE, torch_dtype=..., dtype="int8"))
+    assert "field 'torch_dtype' must be one of" in error(cfg(DENSE, dtype=..., torch_dtype="int8"))
+
+
+def test_nested_yarn_error_names_rope_parameters() -> None:
+    msg = error(
+        cfg(DENSE, rope_theta=..., rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6})
+    )
+    assert "field 'rope_parameters'" in msg
+
+
+@pytest.mark.parametrize("step", [0, -1])
+def test_decoder_sparse_step_below_one_is_refused(step: int) -> None:
+    assert f"field 'decoder_sparse_step' must be >= 1, got {step}" in error(
+        cfg(MOE, decoder_sparse_step=step)
+    )
+
+
+def test_bool_in_mlp_only_layers_is_refused() -> None:
+    assert "field 'mlp_only_layers' must list layer indices" in error(cfg(MOE, mlp_only_layers=[True]))

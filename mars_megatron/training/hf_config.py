@@ -97,7 +97,9 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Qwen3Ar
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     rope_scaling = cfg.get("rope_scaling")
+    rope_field = "rope_scaling"
     if rope_scaling in (None, {}) and isinstance(cfg.get("rope_parameters"), dict):
+        rope_field = "rope_parameters"
         # transformers 5 nests the scaling type beside rope_theta in rope_parameters.
         nested = {k: v for k, v in cfg["rope_parameters"].items() if k != "rope_theta"}
         rope_scaling = nested or None
@@ -106,7 +108,7 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Qwen3Ar
         and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default"
     ):
         raise HFConfigError(
-            f"{source}: field 'rope_scaling' = {rope_scaling!r} is not supported (plain RoPE only)"
+            f"{source}: field '{rope_field}' = {rope_scaling!r} is not supported (plain RoPE only)"
         )
     if cfg.get("use_sliding_window"):
         raise HFConfigError(f"{source}: field 'use_sliding_window' = true is not supported")
@@ -117,9 +119,10 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Qwen3Ar
         raise HFConfigError(
             f"{source}: field 'num_key_value_heads' ({kv_heads}) must divide num_attention_heads ({heads})"
         )
-    dtype = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
+    dtype_key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
+    dtype = cfg.get(dtype_key) or "float32"
     if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise HFConfigError(f"{source}: field 'torch_dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        raise HFConfigError(f"{source}: field '{dtype_key}' must be one of {sorted(_DTYPES)}, got {dtype!r}")
     num_layers = _get(cfg, "num_hidden_layers", int, source)
     rope_theta = _get(cfg, "rope_theta", float, source, None)
     if rope_theta is None:  # transformers 5 may nest it under rope_parameters
@@ -154,13 +157,15 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Qwen3Ar
     if topk > experts:
         raise HFConfigError(f"{source}: field 'num_experts_per_tok' ({topk}) exceeds num_experts ({experts})")
     step = _get(cfg, "decoder_sparse_step", int, source, 1)
+    if step < 1:
+        raise HFConfigError(f"{source}: field 'decoder_sparse_step' must be >= 1, got {step}")
     mlp_only = cfg.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list) or not all(
-        isinstance(i, int) and 0 <= i < num_layers for i in mlp_only
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in mlp_only
     ):
         raise HFConfigError(f"{source}: field 'mlp_only_layers' must list layer indices < {num_layers}")
     # Same rule as transformers' Qwen3MoeDecoderLayer: sparse unless listed or off the sparse step.
-    moe_layers = tuple((i not in mlp_only) and step > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    moe_layers = tuple((i not in mlp_only) and (i + 1) % step == 0 for i in range(num_layers))
     return Qwen3Arch(
         **common,
         num_experts=experts,

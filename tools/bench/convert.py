@@ -4,14 +4,17 @@ Builds a random Qwen3 checkpoint a few hundred MB large (``init_model`` with lar
 presets), then times in one run:
 
 - the baseline: read every tensor of every shard (``safetensors.torch.load_file``) and write the same
-  tensors into new shard files (``save_file``), in this process;
+  tensors into new shard files (``save_file``), in this process; also the same with an fsync per file,
+  since Megatron's checkpoint writer fsyncs;
 - ``hf_to_mcore`` then ``mcore_to_hf`` in one spawned rank (``parallel.launch`` with a world of one),
-  timed inside the worker around each call. Process start and the worker's first, import-heavy
-  conversion of a tiny checkpoint are reported on their own lines and excluded from the throughput.
+  timed inside the worker around each call. Process start and the worker's first, import-heavy round
+  trip of a tiny checkpoint are reported on their own and excluded from the throughput.
 
-It prints bytes, seconds and GB/s (1 GB = 1e9 bytes) per step, each step's throughput relative to the
-baseline (target >= 0.5x), and the worker's peak RSS next to the checkpoint size. Everything is written
-under a temporary directory that is removed at the end.
+Each step runs ``--repeats`` times; the table shows the median and the range. It prints bytes, seconds
+and GB/s (1 GB = 1e9 bytes) per step, each step's throughput relative to the baseline (target >= 0.5x),
+and the worker's memory next to the checkpoint size: peak RSS from ``getrusage`` plus a sampled split
+into anonymous memory (what the process owns) and file-backed pages (memory-mapped source shards, which
+the kernel can drop). Everything is written under a temporary directory that is removed at the end.
 
     python tools/bench/convert.py                      # tiny-moe, ~330 MB float32
     python tools/bench/convert.py --layers 8 --experts 16 --moe-intermediate 512
@@ -21,16 +24,19 @@ under a temporary directory that is removed at the end.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import resource
 import shutil
+import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -43,36 +49,103 @@ from mars_megatron.training import parallel
 GB = 1e9
 
 
-def _rss() -> int:
-    return psutil.Process().memory_info().rss
+# ------------------------------------------------------------------------------------------------- memory
+def _status_bytes() -> dict[str, int]:
+    """VmRSS / RssAnon / RssFile of this process from /proc (Linux), in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
 
 
-def _peak_rss() -> int:
+def _max_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def bench_worker(warmup_hf: str, hf: str, root: str) -> dict[str, Any]:
+def _trim() -> None:
+    """Hand freed heap memory back to the OS, so that the next phase's RSS is its own (glibc only)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class MemorySampler:
+    """Samples RSS every few milliseconds in a thread and keeps the peaks of the current phase."""
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s = interval_s
+        self.peak = _status_bytes()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = _status_bytes()
+            with self._lock:
+                self.peak = {k: max(v, self.peak.get(k, 0)) for k, v in now.items()}
+            time.sleep(self.interval_s)
+
+    def reset(self) -> dict[str, int]:
+        """The peaks since the last reset; starts a new phase."""
+        now = _status_bytes()
+        with self._lock:
+            peak = {k: max(v, self.peak.get(k, 0)) for k, v in now.items()}
+            self.peak = now
+        return peak
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ------------------------------------------------------------------------------------------------- worker
+def bench_worker(warmup_hf: str, hf: str, root: str, repeats: int, out_shard_bytes: int) -> dict[str, Any]:
     """Runs on the spawned rank: a warm-up round trip of a tiny checkpoint (imports, first-call setup),
-    then the timed round trip of the large one."""
+    then ``repeats`` timed round trips of the large one. Memory peaks are those of the first round trip,
+    which starts from a trimmed heap as a one-off conversion does."""
     entered = time.perf_counter()
     pc = ParallelConfig()
     parallel.init_model_parallel(pc, seed=0)
     hf_to_mcore(warmup_hf, f"{root}/warmup.mcore", pc)
     mcore_to_hf(f"{root}/warmup.mcore", f"{root}/warmup.hf", pc, progress=False)
-    out: dict[str, Any] = {"warmup_s": time.perf_counter() - entered}
-    out["rss_before"], out["peak_before"] = _rss(), _peak_rss()
-    start = time.perf_counter()
-    hf_to_mcore(hf, f"{root}/bench.mcore", pc)
-    out["to_mcore_s"] = time.perf_counter() - start
-    out["peak_after_to_mcore"] = _peak_rss()
-    start = time.perf_counter()
-    mcore_to_hf(f"{root}/bench.mcore", f"{root}/bench.hf", pc, progress=False)
-    out["to_hf_s"] = time.perf_counter() - start
-    out["peak_after_to_hf"] = _peak_rss()
+    out: dict[str, Any] = {"warmup_s": time.perf_counter() - entered, "to_mcore_s": [], "to_hf_s": []}
+    _trim()
+    out["base"], out["max_rss_base"] = _status_bytes(), _max_rss()
+    sampler = MemorySampler()
+    for i in range(repeats):
+        mcore, back = f"{root}/bench{i}.mcore", f"{root}/bench{i}.hf"
+        _trim()
+        sampler.reset()
+        start = time.perf_counter()
+        hf_to_mcore(hf, mcore, pc)
+        out["to_mcore_s"].append(time.perf_counter() - start)
+        peak_to_mcore = sampler.reset()
+        out.setdefault("max_rss_after_to_mcore", _max_rss())
+        _trim()
+        sampler.reset()
+        start = time.perf_counter()
+        mcore_to_hf(mcore, back, pc, max_shard_bytes=out_shard_bytes, progress=False)
+        out["to_hf_s"].append(time.perf_counter() - start)
+        peak_to_hf = sampler.reset()
+        out.setdefault("peaks", {"to_mcore": peak_to_mcore, "to_hf": peak_to_hf})
+        if i + 1 < repeats:  # keep only the last outputs (checked by the parent)
+            shutil.rmtree(mcore)
+            shutil.rmtree(back)
+    sampler.stop()
+    out["max_rss"] = _max_rss()
+    out["last"] = (f"{root}/bench{repeats - 1}.mcore", f"{root}/bench{repeats - 1}.hf")
     out["worker_s"] = time.perf_counter() - entered
     return out
 
 
+# ------------------------------------------------------------------------------------------------- parent
 def shards(model_dir: Path) -> list[Path]:
     weight_map = json.loads((model_dir / INDEX).read_text())["weight_map"]
     return [model_dir / f for f in sorted(set(weight_map.values()))]
@@ -96,7 +169,9 @@ def raw_copy(src: Path, dst: Path, fsync: bool) -> float:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    shutil.rmtree(dst)
+    return elapsed
 
 
 def bit_identical(a: Path, b: Path) -> bool:
@@ -124,11 +199,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=16, help="MoE experts per layer (tiny-moe)")
     p.add_argument("--moe-intermediate", type=int, default=512, help="expert FFN size (tiny-moe)")
     p.add_argument("--intermediate", type=int, default=1536, help="dense FFN size")
-    p.add_argument(
-        "--vocab", type=int, default=1024, help="vocabulary (the tiny tokenizer supports ~300-1100)"
-    )
+    p.add_argument("--vocab", type=int, default=1024, help="vocabulary (the tiny tokenizer allows ~300-1100)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--shard-size", default="100MB", help="max shard size of the source checkpoint")
+    p.add_argument(
+        "--out-shard-mb",
+        type=float,
+        default=100.0,
+        help="max shard size mcore_to_hf writes, in MB. Its default, 5 GiB, is more than this whole "
+        "checkpoint; in a real model a shard is a small part of it, so the bench keeps it that way",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each step; the median is shown")
     p.add_argument("--workdir", default=None, help="where to make the temporary directory")
     return p.parse_args()
 
@@ -160,52 +241,73 @@ def main() -> None:
         init_s = time.perf_counter() - start
         warmup = init_model(args.preset, root / "warmup-src.hf", seed=1)
         size, n_shards = tensor_bytes(hf), len(shards(hf))
-        described = ", ".join(f"{k}={v}" for k, v in overrides.items())
-        print(f"checkpoint: {args.preset} {args.dtype}, {described}")
-        print(f"            {size / 1e6:.1f} MB of tensors in {n_shards} shards (built in {init_s:.1f} s)")
+        print(
+            f"checkpoint: {args.preset} {args.dtype}, " + ", ".join(f"{k}={v}" for k, v in overrides.items())
+        )
+        print(f"  {size / 1e6:.1f} MB of tensors in {n_shards} shards (built in {init_s:.1f} s)")
 
-        raw_s = raw_copy(hf, root / "raw.hf", fsync=False)
-        raw_fsync_s = raw_copy(hf, root / "raw-fsync.hf", fsync=True)
-
+        raw = [raw_copy(hf, root / f"raw{i}.hf", fsync=False) for i in range(args.repeats)]
+        raw_fsync = [raw_copy(hf, root / f"raw-fsync{i}.hf", fsync=True) for i in range(args.repeats)]
         start = time.perf_counter()
-        result = parallel.launch(bench_worker, 1, str(warmup), str(hf), str(root))[0]
+        result = parallel.launch(
+            bench_worker, 1, str(warmup), str(hf), str(root), args.repeats, int(args.out_shard_mb * 1e6)
+        )[0]
         launch_s = time.perf_counter() - start
-        identical = bit_identical(hf, root / "bench.hf")
-        mcore_bytes = sum(p.stat().st_size for p in (root / "bench.mcore").rglob("*") if p.is_file())
+        last_mcore, last_hf = (Path(p) for p in result["last"])
+        identical = bit_identical(hf, last_hf)
+        mcore_bytes = sum(p.stat().st_size for p in last_mcore.rglob("*") if p.is_file())
+        out_shards = len(shards(last_hf))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    raw_gbs = size / raw_s / GB
+    raw_gbs = size / statistics.median(raw) / GB
     rows = [
-        ("raw read+write (baseline)", raw_s),
-        ("raw read+write+fsync", raw_fsync_s),
+        ("raw read+write (baseline)", raw),
+        ("raw read+write+fsync", raw_fsync),
         ("hf_to_mcore", result["to_mcore_s"]),
         ("mcore_to_hf", result["to_hf_s"]),
     ]
     print()
-    print(f"{'step':<28}{'bytes':>14}{'seconds':>10}{'GB/s':>8}{'vs raw':>9}")
-    for name, seconds in rows:
-        gbs = size / seconds / GB
-        print(f"{name:<28}{size:>14,}{seconds:>10.3f}{gbs:>8.3f}{gbs / raw_gbs:>8.2f}x")
+    print(f"{'step':<27}{'bytes':>13}{'seconds':>9}{'range':>13}{'GB/s':>8}{'vs raw':>8}")
+    for name, runs in rows:
+        median = statistics.median(runs)
+        gbs = size / median / GB
+        spread = f"{min(runs):.2f}-{max(runs):.2f}"
+        print(f"{name:<27}{size:>13,}{median:>9.3f}{spread:>13}{gbs:>8.3f}{gbs / raw_gbs:>7.2f}x")
+    print(f"(median of {args.repeats} runs each; GB = 1e9 bytes)")
     print()
-    start_s = launch_s - result["worker_s"]
     print(
-        f"not in the table: process start + join {start_s:.1f} s; worker warm-up {result['warmup_s']:.1f} s"
+        f"not in the table: process start + join {launch_s - result['worker_s']:.1f} s, "
+        f"worker warm-up (imports, tiny round trip) {result['warmup_s']:.1f} s"
     )
-    print("  (imports, first tiny round trip)")
-    print(f"Megatron checkpoint on disk: {mcore_bytes:,} bytes")
+    print(f"Megatron checkpoint on disk: {mcore_bytes:,} bytes; HF output: {out_shards} shards")
     print(f"round trip bit-identical: {'yes' if identical else 'NO'}")
+
+    base = result["base"]
     print()
-    before, peak_before = result["rss_before"], result["peak_before"]
-    print(f"worker memory (checkpoint = {size / GB:.3f} GB):")
-    print(f"  RSS after warm-up              {before / GB:7.3f} GB (peak so far {peak_before / GB:.3f} GB)")
-    for label, key in (("hf_to_mcore", "peak_after_to_mcore"), ("mcore_to_hf", "peak_after_to_hf")):
-        peak = result[key]
-        growth = peak - before
+    print(
+        f"worker memory, first round trip (checkpoint {size / GB:.3f} GB, "
+        f"mcore_to_hf shards <= {args.out_shard_mb:g} MB)"
+    )
+    print(
+        f"  after warm-up: RSS {base['VmRSS'] / GB:.3f} GB = anonymous {base['RssAnon'] / GB:.3f} "
+        f"+ file-backed {base['RssFile'] / GB:.3f}"
+    )
+    print(f"  {'step':<13}{'peak RSS':>10}{'anonymous growth':>27}{'file-backed growth':>27}")
+    for label, key in (("hf_to_mcore", "to_mcore"), ("mcore_to_hf", "to_hf")):
+        peak = result["peaks"][key]
+        anon, file = peak["RssAnon"] - base["RssAnon"], peak["RssFile"] - base["RssFile"]
         print(
-            f"  peak RSS through {label:<13}{peak / GB:7.3f} GB "
-            f"= warm-up RSS + {growth / GB:.3f} GB ({growth / size:.2f}x checkpoint)"
+            f"  {label:<13}{peak['VmRSS'] / GB:>7.3f} GB"
+            f"{f'+{anon / GB:.3f} GB = {anon / size:.2f}x ckpt':>27}"
+            f"{f'+{file / GB:.3f} GB = {file / size:.2f}x ckpt':>27}"
         )
+    print(
+        f"  getrusage peak RSS: {result['max_rss_base'] / GB:.3f} GB before the timed runs (warm-up), "
+        f"{result['max_rss_after_to_mcore'] / GB:.3f} GB after the first hf_to_mcore, "
+        f"{result['max_rss'] / GB:.3f} GB at the end"
+    )
+    print("  (anonymous = memory the process owns; file-backed = memory-mapped source shards, droppable)")
 
 
 if __name__ == "__main__":
