@@ -164,7 +164,11 @@ def mcore_to_hf(
             vocab_pad_multiple=meta["vocab_pad_multiple"],
         )
         load_mcore(model, Path(mcore_dir) / "model")
-        writer = HFWriter(tmp, max_shard_bytes) if dist.get_rank() == 0 else None
+        writer = None
+        if dist.get_rank() == 0:
+            torch_dtype = _DTYPES[meta["dtype"]]
+            layout = {n: (shape, torch_dtype) for n, shape in expected_hf_tensors(arch).items()}
+            writer = HFWriter(tmp, layout, max_shard_bytes)
         total = len(expected_hf_tensors(arch))
         bar = tqdm(total=total, desc="mcore→hf", unit="tensor", disable=not progress or dist.get_rank() != 0)
         for name, tensor in export_weights(model, arch):

@@ -7,6 +7,7 @@ the writer buffers at most one shard (``max_shard_bytes``) before flushing it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator
@@ -15,7 +16,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -98,46 +98,117 @@ class HFReader:
         return self.dir / self.weight_map[name]
 
 
-class HFWriter:
-    """Writes tensors in arrival order into ``model-XXXXX-of-YYYYY.safetensors`` shards plus an index."""
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
-    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
+
+class HFWriter:
+    """Writes safetensors shards whose layout is fixed up front, each tensor straight to its offset.
+
+    Every name, shape and dtype is known before export starts (they follow from config.json), so each
+    shard's header is written first and tensors are then written in any order as they arrive, through
+    ``os.pwrite``. Nothing is buffered: memory stays at one tensor however large the shards are.
+    Shards get their final names and the index is written by :meth:`close`, once every tensor arrived.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        max_shard_bytes: int = 5 * 2**30,
+    ) -> None:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_shard_bytes = max_shard_bytes
-        self._buffer: dict[str, torch.Tensor] = {}
-        self._buffer_bytes = 0
-        self._shards: list[list[str]] = []
+        self._layout = layout
+        shards: list[list[str]] = [[]]
+        size = 0
+        for name, (shape, dtype) in layout.items():
+            nbytes = math.prod(shape) * _element_size(dtype)
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(name)
+            size += nbytes
+        count = len(shards)
+        self._final = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        self._where: dict[str, tuple[int, int, int]] = {}  # name -> (shard, absolute offset, nbytes)
+        self._fds: list[int] = []
+        self._pending: list[set[str]] = []
         self._total = 0
+        for index, names in enumerate(shards):
+            header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for name in names:
+                shape, dtype = layout[name]
+                nbytes = math.prod(shape) * _element_size(dtype)
+                header[name] = {
+                    "dtype": _ST_DTYPES[dtype],
+                    "shape": list(shape),
+                    "data_offsets": [offset, offset + nbytes],
+                }
+                offset += nbytes
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
+            fd = os.open(
+                self.dir / f".shard-{index}.safetensors", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644
+            )
+            os.pwrite(fd, len(blob).to_bytes(8, "little") + blob, 0)
+            os.ftruncate(fd, 8 + len(blob) + offset)
+            base = 8 + len(blob)
+            for name in names:
+                start, end = header[name]["data_offsets"]
+                self._where[name] = (index, base + start, end - start)
+            self._fds.append(fd)
+            self._pending.append(set(names))
+            self._total += offset
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._buffer or any(name in s for s in self._shards):
+        if name not in self._where:
+            raise CheckpointError(f"tensor '{name}' is not in the planned layout")
+        index, offset, nbytes = self._where[name]
+        if name not in self._pending[index]:
             raise CheckpointError(f"tensor '{name}' written twice")
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._buffer[name] = tensor.detach().contiguous().cpu()
-        self._buffer_bytes += nbytes
-        self._total += nbytes
-
-    def _flush(self) -> None:
-        index = len(self._shards)
-        save_file(self._buffer, str(self.dir / f".shard-{index}.safetensors"), metadata={"format": "pt"})
-        self._shards.append(list(self._buffer))
-        self._buffer, self._buffer_bytes = {}, 0
+        shape, dtype = self._layout[name]
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise CheckpointError(
+                f"tensor '{name}' is {list(tensor.shape)} {tensor.dtype}, "
+                f"the layout says {list(shape)} {dtype}"
+            )
+        data = tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
+        assert data.nbytes == nbytes
+        written = 0
+        view = memoryview(data)
+        while written < nbytes:
+            written += os.pwrite(self._fds[index], view[written:], offset + written)
+        self._pending[index].discard(name)
 
     def close(self) -> None:
-        """Flush the last shard, give shards their final names and write the index."""
-        if self._buffer or not self._shards:
-            self._flush()
-        count = len(self._shards)
+        """Check every planned tensor arrived, give the shards their final names, write the index."""
+        missing = [n for pending in self._pending for n in pending]
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if missing:
+            raise CheckpointError(f"{len(missing)} planned tensor(s) never arrived, e.g. '{missing[0]}'")
         weight_map: dict[str, str] = {}
-        for i, names in enumerate(self._shards):
-            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.dir / f".shard-{i}.safetensors", self.dir / final)
-            weight_map.update({n: final for n in names})
-        index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
-        (self.dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for index, final in enumerate(self._final):
+            os.replace(self.dir / f".shard-{index}.safetensors", self.dir / final)
+        for name, (index, _, _) in self._where.items():
+            weight_map[name] = self._final[index]
+        index_json = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
+        (self.dir / INDEX).write_text(json.dumps(index_json, indent=2) + "\n")
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def copy_assets(src: str | Path, dst: str | Path) -> list[str]:
