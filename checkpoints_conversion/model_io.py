@@ -80,12 +80,25 @@ def validate_hf_checkpoint(reader: Any, arch: Qwen3Arch) -> None:
             )
 
 
-def _offsets(arch: Qwen3Arch) -> tuple[int, int]:
+def _stage_layers(model: torch.nn.Module, arch: Qwen3Arch) -> list[int]:
+    """Layers per pipeline stage of ``model``'s layout (even, or megatron's first/last-stage counts)."""
     from megatron.core import parallel_state as ps
 
-    layer_offset = ps.get_pipeline_model_parallel_rank() * (
-        arch.num_layers // ps.get_pipeline_model_parallel_world_size()
+    from mars_megatron.training.model_provider import stage_layers
+
+    config = getattr(model, "module", model).config
+    return stage_layers(
+        arch.num_layers,
+        ps.get_pipeline_model_parallel_world_size(),
+        config.num_layers_in_first_pipeline_stage,
+        config.num_layers_in_last_pipeline_stage,
     )
+
+
+def _offsets(model: torch.nn.Module, arch: Qwen3Arch) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    layer_offset = sum(_stage_layers(model, arch)[: ps.get_pipeline_model_parallel_rank()])
     expert_offset = 0
     if arch.is_moe:
         assert arch.num_experts is not None
@@ -126,7 +139,7 @@ def load_weights(model: torch.nn.Module, source: TensorSource, arch: Qwen3Arch, 
     Each HF tensor is read once per parameter that needs it and copied straight into the parameter's
     slices, so loading costs one copy of the weights and at most a few full HF tensors at a time.
     """
-    layer_offset, expert_offset = _offsets(arch)
+    layer_offset, expert_offset = _offsets(model, arch)
     count = 0
     for name, param in _local_params(model):
         plan = plan_for(name, arch, layer_offset, expert_offset)
@@ -152,11 +165,14 @@ class _GlobalParam:
     expert: int | None  # global expert index, for expert weights
 
 
-def _global_params(arch: Qwen3Arch, pp: int, tied_on_last_stage: bool) -> list[_GlobalParam]:
-    per_stage = arch.num_layers // pp
+def _global_params(arch: Qwen3Arch, per_stage: list[int]) -> list[_GlobalParam]:
+    pp = len(per_stage)
+    stage_of = [s for s, n in enumerate(per_stage) for _ in range(n)]
+    first_layer = [sum(per_stage[:s]) for s in range(pp)]
     out = [_GlobalParam(0, "embedding.word_embeddings.weight", None)]
     for layer in range(arch.num_layers):
-        stage, local = divmod(layer, per_stage)
+        stage = stage_of[layer]
+        local = layer - first_layer[stage]
         p = f"decoder.layers.{local}."
         names = [
             "input_layernorm.weight",
@@ -207,12 +223,13 @@ def export_weights(model: torch.nn.Module, arch: Qwen3Arch) -> Iterator[tuple[st
     from megatron.core import parallel_state as ps
 
     params = dict(_local_params(model))
-    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    per_stage = _stage_layers(model, arch)
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     experts_per_rank = (arch.num_experts or 1) // ep
     me = dist.get_rank()
     coords = _all_coords()
-    for gp in _global_params(arch, pp, arch.tie_word_embeddings):
+    for gp in _global_params(arch, per_stage):
         owner_ep = None if gp.expert is None else gp.expert // experts_per_rank
         local_name = (
             gp.local_name if gp.expert is None else gp.local_name.format(gp.expert % experts_per_rank)
@@ -220,7 +237,7 @@ def export_weights(model: torch.nn.Module, arch: Qwen3Arch) -> Iterator[tuple[st
         plan = plan_for(
             local_name,
             arch,
-            gp.stage * (arch.num_layers // pp),
+            sum(per_stage[: gp.stage]),
             0 if gp.expert is None else gp.expert - gp.expert % experts_per_rank,
         )
         sender = _sender(coords, gp.stage, owner_ep, plan.group)

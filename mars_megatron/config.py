@@ -119,6 +119,18 @@ class ParallelConfig(Section):
     use_distributed_optimizer: bool = _field(
         True, "Shard fp32 master weights and Adam state across data-parallel ranks (ZeRO-1)."
     )
+    first_stage_layers: int | None = _field(
+        None,
+        "Layers on the first pipeline stage when they do not split evenly (it also holds the embedding); "
+        "null = an even share. Megatron's num_layers_in_first_pipeline_stage.",
+        min=1,
+    )
+    last_stage_layers: int | None = _field(
+        None,
+        "Layers on the last pipeline stage (it also holds the output layer); null = an even share. "
+        "Megatron's num_layers_in_last_pipeline_stage.",
+        min=1,
+    )
 
     @property
     def effective_etp(self) -> int:
@@ -137,6 +149,9 @@ class ParallelConfig(Section):
             # Measured: with ep = 1 megatron marks expert weights as dense (allreduce over DP only), so
             # experts replicated across TP ranks (etp < tp) would never sum their sequence-sharded grads.
             raise ConfigError(f"must equal tp ({self.tp}) when ep = 1, got {self.etp} (use null)", "etp")
+        for name in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, name) is not None and self.pp == 1:
+                raise ConfigError(f"needs pp > 1, got pp = {self.pp}", name)
         if self.sequence_parallel is False and self.tp > 1 and self.ep > 1:
             raise ConfigError(
                 f"must be on when tp > 1 and ep > 1 (Megatron's rule), got tp={self.tp}, ep={self.ep}",

@@ -142,7 +142,8 @@ def test_nested_unknown_key_in_file(tmp_path: Path) -> None:
     path = write(tmp_path, "parallel:\n  tpp: 2\n")
     assert error_of(path) == (
         f"{path}: parallel.tpp: unknown key; valid keys in 'parallel': tp, pp, ep, etp, "
-        "sequence_parallel, moe_token_dispatcher, use_distributed_optimizer (did you mean 'parallel.tp'?)"
+        "sequence_parallel, moe_token_dispatcher, use_distributed_optimizer, first_stage_layers, "
+        "last_stage_layers (did you mean 'parallel.tp'?)"
     )
 
 

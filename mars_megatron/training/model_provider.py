@@ -73,6 +73,39 @@ def resolve_impl(transformer_impl: str) -> Literal["local", "transformer_engine"
     return "local"
 
 
+def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Layers per pipeline stage: the configured first/last stage counts, the rest split evenly.
+
+    Megatron's rule (``num_layers_in_first/last_pipeline_stage``); raises :class:`LayoutError` naming the
+    field when the layers cannot be split that way.
+    """
+    if pp == 1:
+        return [num_layers]
+    middle_stages = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if (
+        rest < 0
+        or (middle_stages == 0 and rest != 0)
+        or (middle_stages > 0 and (rest % middle_stages or rest == 0))
+    ):
+        fields = (
+            "parallel.pp"
+            if first is None and last is None
+            else "parallel.first_stage_layers/last_stage_layers"
+        )
+        raise LayoutError(
+            f"{fields}: {num_layers} layers cannot be split over pp={pp} stages "
+            f"(first={first}, last={last}, the other stages must share the rest evenly)"
+        )
+    even = rest // middle_stages if middle_stages else 0
+    counts = [even] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
 def check_layout(arch: Qwen3Arch, parallel: ParallelConfig, vocab_pad_multiple: int) -> None:
     """Reject layouts that cannot split this architecture, naming the field that does not divide."""
     tp, pp, ep, etp = parallel.tp, parallel.pp, parallel.ep, parallel.effective_etp
@@ -95,7 +128,6 @@ def check_layout(arch: Qwen3Arch, parallel: ParallelConfig, vocab_pad_multiple: 
             f"({arch.padded_vocab_size(vocab_pad_multiple)}; "
             f"see model.vocab_pad_multiple)",
         ),
-        (arch.num_layers % pp == 0, f"parallel.pp={pp} must divide num_hidden_layers ({arch.num_layers})"),
     ]
     if arch.is_moe:
         assert arch.num_experts is not None and arch.moe_ffn_hidden_size is not None
@@ -108,6 +140,7 @@ def check_layout(arch: Qwen3Arch, parallel: ParallelConfig, vocab_pad_multiple: 
         ]
     elif ep > 1:
         checks.append((False, f"parallel.ep={ep} needs a MoE model; {arch.architecture} has no experts"))
+    stage_layers(arch.num_layers, pp, parallel.first_stage_layers, parallel.last_stage_layers)
     for ok, message in checks:
         if not ok:
             raise LayoutError(message)
@@ -144,6 +177,8 @@ def transformer_config(
         fp16=dtype == "float16",
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
+        num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.effective_etp,
         sequence_parallel=parallel.effective_sequence_parallel,
