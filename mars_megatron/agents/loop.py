@@ -1,0 +1,205 @@
+"""The V–C inference loop (evaluation) as a state machine the caller drives.
+
+The caller asks :meth:`InferenceLoop.next_request` for the next (role, messages), runs it on any
+engine, and hands the text back with :meth:`InferenceLoop.observe`. Keeping engines out makes every
+branch of the loop testable with scripted outputs, and lets a driver batch many loops at once.
+
+Flow: Solver (re-run while its output is truncated, at most ``1 + solver_retries`` times), then up
+to ``max_iterations`` iterations of {Verifier; if the verdict is an error, Corrector}.
+"""
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal
+
+from mars_megatron.agents.prompts import (
+    corrector_messages,
+    solver_messages,
+    strip_thinking,
+    verifier_messages,
+)
+from mars_megatron.agents.roles import Message, Role
+from mars_megatron.agents.verdict import bug_report, parse_verdict
+
+StopReason = Literal["accepted", "gave_up", "max_iterations", "solver_truncated"]
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    """Budgets of the inference loop; defaults are MarsRL's published evaluation settings."""
+
+    solver_retries: int = 3
+    """Extra Solver runs after a truncated output (so at most ``1 + solver_retries`` runs)."""
+    max_iterations: int = 10
+    """Verifier calls at most; each may be followed by one Corrector call."""
+    accept_after: int = 4
+    """Accept the current solution after this many consecutive ``Correct`` verdicts (IMO pipeline: 5)."""
+    give_up_after: int = 10
+    """Stop after this many consecutive errors. An error is a Verifier verdict that is not ``Correct``:
+    ``Wrong``, unparseable, or a truncated report. Corrections do not reset the count; ``Correct`` does."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_iterations", "accept_after", "give_up_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SystemConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.solver_retries < 0:
+            raise ValueError(f"SystemConfig.solver_retries must be >= 0, got {self.solver_retries}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One agent call for the engine: which role speaks and the chat it continues."""
+
+    role: Role
+    messages: list[Message]
+
+
+@dataclass(frozen=True)
+class LoopStep:
+    """One observed output. ``verdict`` is set for the Verifier only (None there means unparseable)."""
+
+    role: Role
+    text: str
+    truncated: bool = False
+    verdict: bool | None = None
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    """What the loop answers with, and how it got there."""
+
+    solution: str
+    """Visible text (thinking stripped) of the chosen solution."""
+    accepted: bool
+    stop_reason: StopReason
+    correct_votes: int
+    """How many times the chosen solution was judged ``Correct``."""
+    calls: dict[Role, int]
+    history: tuple[LoopStep, ...]
+
+
+class _Phase(Enum):
+    SOLVE = "solve"
+    VERIFY = "verify"
+    CORRECT = "correct"
+    DONE = "done"
+
+
+class InferenceLoop:
+    """Runs one problem through the V–C system; see the module docstring for the flow."""
+
+    def __init__(self, problem: str, config: SystemConfig | None = None) -> None:
+        self.problem = problem
+        self.config = config or SystemConfig()
+        self._phase = _Phase.SOLVE
+        self._history: list[LoopStep] = []
+        self._solutions: list[str] = []  # visible text of every complete solution, in order
+        self._votes: list[int] = []  # Correct verdicts per solution
+        self._solver_runs = 0
+        self._iterations = 0
+        self._streak_correct = 0
+        self._streak_errors = 0
+        self._last_report = ""
+        self._stop_reason: StopReason | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._phase is _Phase.DONE
+
+    def next_request(self) -> Request | None:
+        """The next agent call, or None once the loop has finished."""
+        if self._phase is _Phase.SOLVE:
+            return Request(Role.SOLVER, solver_messages(self.problem))
+        if self._phase is _Phase.VERIFY:
+            return Request(Role.VERIFIER, verifier_messages(self.problem, self._solutions[-1]))
+        if self._phase is _Phase.CORRECT:
+            messages = corrector_messages(self.problem, self._solutions[-1], self._last_report)
+            return Request(Role.CORRECTOR, messages)
+        return None
+
+    def observe(self, output_text: str, truncated: bool = False) -> None:
+        """Feed the output of the request last returned by :meth:`next_request`."""
+        if self._phase is _Phase.DONE:
+            raise RuntimeError("InferenceLoop.observe called after the loop finished")
+        if self._phase is _Phase.SOLVE:
+            self._observe_solver(output_text, truncated)
+        elif self._phase is _Phase.VERIFY:
+            self._observe_verifier(output_text, truncated)
+        else:
+            self._observe_corrector(output_text, truncated)
+
+    def _observe_solver(self, text: str, truncated: bool) -> None:
+        self._history.append(LoopStep(Role.SOLVER, text, truncated))
+        self._solver_runs += 1
+        if not truncated:
+            self._add_solution(text)
+            self._phase = _Phase.VERIFY
+        elif self._solver_runs > self.config.solver_retries:
+            # Nothing complete to verify: answer with what the last run made visible (often "").
+            self._add_solution(text)
+            self._finish("solver_truncated")
+
+    def _observe_verifier(self, text: str, truncated: bool) -> None:
+        # A truncated report never reached a deliberate verdict, whatever its text happens to say.
+        verdict = None if truncated else parse_verdict(text)
+        self._history.append(LoopStep(Role.VERIFIER, text, truncated, verdict))
+        self._iterations += 1
+        if verdict is True:
+            self._votes[-1] += 1
+            self._streak_correct += 1
+            self._streak_errors = 0
+            if self._streak_correct >= self.config.accept_after:
+                return self._finish("accepted")
+        else:
+            self._streak_correct = 0
+            self._streak_errors += 1
+            if self._streak_errors >= self.config.give_up_after:
+                return self._finish("gave_up")
+        if self._iterations >= self.config.max_iterations:
+            # A correction made now could never be verified, so it is not requested.
+            return self._finish("max_iterations")
+        if verdict is not True:
+            self._last_report = bug_report(text)
+            self._phase = _Phase.CORRECT
+
+    def _observe_corrector(self, text: str, truncated: bool) -> None:
+        self._history.append(LoopStep(Role.CORRECTOR, text, truncated))
+        if not truncated:
+            self._add_solution(text)
+        # A truncated revision is dropped: the previous solution is verified again next iteration.
+        self._phase = _Phase.VERIFY
+
+    def _add_solution(self, text: str) -> None:
+        self._solutions.append(strip_thinking(text))
+        self._votes.append(0)
+
+    def _finish(self, reason: StopReason) -> None:
+        self._stop_reason = reason
+        self._phase = _Phase.DONE
+
+    def result(self) -> LoopResult:
+        """The answer: the accepted solution, else :func:`choose_fallback`'s pick."""
+        if self._stop_reason is None:
+            raise RuntimeError("InferenceLoop.result called before the loop finished")
+        accepted = self._stop_reason == "accepted"
+        index = len(self._solutions) - 1 if accepted else choose_fallback(self._votes)
+        calls = {role: sum(step.role is role for step in self._history) for role in Role}
+        return LoopResult(
+            solution=self._solutions[index],
+            accepted=accepted,
+            stop_reason=self._stop_reason,
+            correct_votes=self._votes[index],
+            calls=calls,
+            history=tuple(self._history),
+        )
+
+
+def choose_fallback(correct_votes: list[int]) -> int:
+    """Index of the solution judged ``Correct`` most often; ties go to the latest.
+
+    With no ``Correct`` verdict at all this is the last solution, the one most revised.
+    """
+    if not correct_votes:
+        raise ValueError("choose_fallback needs at least one solution")
+    best = max(correct_votes)
+    return max(i for i, votes in enumerate(correct_votes) if votes == best)

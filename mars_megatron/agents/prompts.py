@@ -1,0 +1,106 @@
+"""Prompt builders for the three roles, written in our own words after the MarsRL structure.
+
+The prompt texts are module constants so a change to them is a visible, versioned diff and tests can
+check that each builder really uses them. Builders return plain chat messages; applying a chat
+template and tokenising is the engine adapter's job.
+"""
+
+from mars_megatron.agents.roles import Message
+
+PROMPT_VERSION = "1"
+"""Bump when any prompt text below changes, so results can be traced to the prompts that made them."""
+
+_THINK_OPEN = "<think>"
+_THINK_CLOSE = "</think>"
+
+SOLVER_INSTRUCTION = "Solve the following problem. Reason carefully, and put your final answer in \\boxed{}."
+"""Appended to the problem for the Solver (which gets no system prompt)."""
+
+VERIFIER_SYSTEM_PROMPT = """\
+You are a meticulous reviewer of mathematical solutions. You are given a problem and a proposed
+solution. Check the solution step by step: recompute every calculation, test every claim, and make
+sure each step follows from what came before. Do not fix the solution and do not solve the problem
+yourself; your task is only to judge the reasoning that is written down.
+
+Classify every issue you find as one of:
+- Critical Error: a mistake that breaks the argument, such as a false statement, a wrong
+  calculation or a logical fallacy, so that the conclusion no longer follows.
+- Justification Gap: a step whose conclusion may be right but which is not adequately argued.
+
+End your answer with exactly these three sections, in this order:
+
+**Final Verdict**: one sentence saying whether the solution is correct and complete.
+
+**List of Findings**: every issue, each with its location in the solution, its classification
+(Critical Error or Justification Gap) and a short explanation. Write "None" if there are no issues.
+
+**Correctness**: exactly one word, either Correct or Wrong. Say Correct only if the solution has no
+Critical Error and no Justification Gap and its final answer is right.
+"""
+"""System prompt of the Verifier; the Correctness section is what :func:`parse_verdict` reads."""
+
+VERIFIER_USER_TEMPLATE = """\
+## Problem
+
+{problem}
+
+## Solution
+
+{solution}
+"""
+"""User message of the Verifier: the problem and the solution with its thinking removed."""
+
+CORRECTOR_INSTRUCTION = """\
+A reviewer checked your solution above and wrote the report below. Read it carefully. For each
+finding, either correct your solution or, if you are sure the finding is mistaken, explain why.
+Then write a complete, improved solution from the beginning and put your final answer in \\boxed{{}}.
+
+## Review report
+
+{bug_report}
+"""
+"""Last user message of the Corrector: the correction request followed by the Verifier's bug report."""
+
+
+def strip_thinking(text: str) -> str:
+    """The visible part of a model output: everything after the last ``</think>``, stripped.
+
+    Why the dangling case matters: a truncated output may open ``<think>`` and never close it; all
+    of its text is then reasoning, so the visible solution is empty (the Verifier must not judge
+    half a thought). A ``</think>`` without an opening tag (templates that pre-fill ``<think>``)
+    still marks the end of the reasoning.
+    """
+    close = text.rfind(_THINK_CLOSE)
+    if close >= 0:
+        text = text[close + len(_THINK_CLOSE) :]
+    open_ = text.find(_THINK_OPEN)
+    if open_ >= 0:
+        text = text[:open_]
+    return text.strip()
+
+
+def solver_messages(problem: str) -> list[Message]:
+    """The Solver sees the problem only: a single user message, no system prompt."""
+    return [{"role": "user", "content": f"{problem.strip()}\n\n{SOLVER_INSTRUCTION}"}]
+
+
+def verifier_messages(problem: str, solution_text: str) -> list[Message]:
+    """System prompt plus [problem, solution]; the solution's thinking is stripped before judging."""
+    user = VERIFIER_USER_TEMPLATE.format(problem=problem.strip(), solution=strip_thinking(solution_text))
+    return [
+        {"role": "system", "content": VERIFIER_SYSTEM_PROMPT},
+        {"role": "user", "content": user},
+    ]
+
+
+def corrector_messages(problem: str, previous_solution: str, bug_report: str) -> list[Message]:
+    """[user: problem, assistant: previous solution (thinking stripped), user: correction + report].
+
+    The first turn repeats the Solver's prompt so the Corrector continues the conversation the
+    solution came from.
+    """
+    return [
+        *solver_messages(problem),
+        {"role": "assistant", "content": strip_thinking(previous_solution)},
+        {"role": "user", "content": CORRECTOR_INSTRUCTION.format(bug_report=bug_report.strip())},
+    ]
