@@ -1,0 +1,90 @@
+"""What the agents and the trainer need from a rollout engine, and nothing more.
+
+Requests are token ids, not text: chat templates are applied once, by the caller, with the policy's
+tokenizer, so every engine sees the same tokens and the trainer can score exactly what was sampled. A
+request whose prompt ends with part of an earlier response continues that response (segment rollout).
+
+Log-probs are those of the sampled tokens under the model's *raw* distribution (temperature 1, no
+top-k/top-p), the quantity the trainer recomputes; every engine reports the same definition.
+
+Optional capabilities are separate protocols rather than methods that raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; ``temperature == 0`` is greedy."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's end-of-sequence tokens
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id}: prompt_ids is empty")
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]  # one per generated token, raw distribution
+    finish_reason: FinishReason
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates continuations of token-id prompts. Implementations: transformers, vLLM, OpenAI HTTP."""
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        """One output per request, in request order."""
+        ...
+
+
+@runtime_checkable
+class WeightUpdatable(Protocol):
+    """Engines whose weights the trainer can replace in place (HF tensor names)."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load the given HF-named tensors; returns how many were loaded."""
+        ...
+
+
+@runtime_checkable
+class Sleepable(Protocol):
+    """Engines that can free their memory between rollouts (GPU engines colocated with the trainer)."""
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...

@@ -1,0 +1,144 @@
+"""Rollout engine on plain ``transformers``: the default for the tiny CPU models and the reference the
+other engines are tested against.
+
+Batched decoding with a KV cache over left-padded prompts; sampling is done per request with its own
+seeded generator, so a request's output does not depend on what it was batched with.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Hub-layout expert tensors; transformers 5 keeps them fused per layer in memory.
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from ``logits`` [vocab] under temperature / top-k / top-p (greedy at temperature 0)."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    scaled = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class HFEngine:
+    """A :class:`~mars_megatron.rollout.engine.RolloutEngine` on a transformers causal LM."""
+
+    def __init__(
+        self, model_dir: str | Path, *, dtype: str = "float32", max_batch: int = 16, seed: int = 0
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        pad = self.model.generation_config.pad_token_id
+        self.pad_id = int(pad if pad is not None else 0)
+        self.max_batch = max_batch
+        self._seeds = torch.Generator().manual_seed(seed)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        out: list[GenerationOutput] = []
+        for start in range(0, len(requests), self.max_batch):
+            out += self._generate_batch(requests[start : start + self.max_batch])
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        from transformers import DynamicCache
+
+        batch = len(requests)
+        longest = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((batch, longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(batch, longest, dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, longest - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, longest - len(r.prompt_ids) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        generators = [
+            torch.Generator().manual_seed(
+                r.sampling.seed
+                if r.sampling.seed is not None
+                else int(torch.randint(2**62, (1,), generator=self._seeds))
+            )
+            for r in requests
+        ]
+        cache = DynamicCache()
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        ).logits[:, -1]
+        results = [GenerationOutput(r.request_id, [], [], "length") for r in requests]
+        active = [True] * batch
+        for _ in range(max(r.sampling.max_tokens for r in requests)):
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            step = torch.full((batch, 1), self.pad_id, dtype=torch.long)
+            for i, r in enumerate(requests):
+                if not active[i]:
+                    continue
+                token = sample_token(logits[i], r.sampling, generators[i])
+                results[i].token_ids.append(token)
+                results[i].logprobs.append(float(logprobs[i, token]))
+                step[i, 0] = token
+                if token in self.eos_ids or token in r.sampling.stop_token_ids:
+                    results[i].finish_reason, active[i] = "stop", False
+                elif len(results[i].token_ids) >= r.sampling.max_tokens:
+                    active[i] = False
+            if not any(active):
+                break
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
+            positions = positions[:, -1:] + 1
+            logits = self.model(
+                input_ids=step,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        return results
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF hub-named tensors into the model, including per-expert tensors into fused experts."""
+        params = dict(self.model.named_parameters())
+        loaded = 0
+        for name, tensor in named_tensors:
+            m = _EXPERT.match(name)
+            if m is not None:
+                prefix, expert, which = m.group(1), int(m.group(2)), m.group(3)
+                if which == "down_proj":
+                    target = params[f"{prefix}.down_proj"][expert]
+                else:
+                    fused = params[f"{prefix}.gate_up_proj"][expert]
+                    half = fused.shape[0] // 2
+                    target = fused[:half] if which == "gate_proj" else fused[half:]
+            elif name in params:
+                target = params[name]
+            else:
+                raise KeyError(f"update_weights: the model has no parameter for HF tensor '{name}'")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"update_weights: '{name}' has shape {list(tensor.shape)}, "
+                    f"the model expects {list(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded += 1
+        return loaded
