@@ -1,0 +1,79 @@
+"""Final-answer extraction and reference normalisation (pure: strings in, strings out).
+
+The Solver and Corrector are asked to put their final answer in ``\\boxed{...}``. Reward checking only looks
+at the last boxed expression of the visible answer, i.e. after the model's thinking, and hands math-verify
+that short expression rather than the whole response (parsing a long response is slow and may pick up
+intermediate results)."""
+
+from __future__ import annotations
+
+import re
+
+from mars_megatron.agents.prompts import strip_thinking
+
+# ``\boxed{`` or ``\fbox{``, optionally with spaces before the brace. The name must not continue
+# (``\boxedx{`` is some other command).
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*\{")
+
+
+def _closing_brace(text: str, start: int) -> int | None:
+    """Index of the ``}`` matching the ``{`` just before ``start``; escaped ``\\{``/``\\}`` do not count."""
+    depth = 1
+    i = start
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2  # skip the escaped character (``\{``, ``\}``, ``\\``)
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) after stripping thinking.
+
+    Nested braces are matched. Returns ``None`` when there is no boxed expression, when the last one is
+    unterminated (a truncated answer is not silently replaced by an earlier, intermediate one), when the
+    thinking never ended, or when the box is empty.
+    """
+    # One definition of "visible" for the whole system: what the Verifier judges is what is rewarded.
+    visible = strip_thinking(text)
+    last = None
+    for last in _BOX_OPEN.finditer(visible):  # noqa: B007 — we want the last match
+        pass
+    if last is None:
+        return None
+    end = _closing_brace(visible, last.end())
+    if end is None:
+        return None
+    content = visible[last.end() : end].strip()
+    return content or None
+
+
+def normalize_reference(reference: str | int | float) -> str:
+    """A reference answer as math-verify should parse it: a string, wrapped in ``$...$`` when bare.
+
+    Integers and floats (as some JSON datasets store them) become their decimal text. A reference that is
+    already in math mode (``$...$``, ``\\(...\\)``, ``\\[...\\]``) or boxed is returned as it is.
+    """
+    if isinstance(reference, bool):
+        raise TypeError(f"reference answer must be a string or a number, got {reference!r}")
+    if isinstance(reference, int):
+        text = str(reference)
+    elif isinstance(reference, float):
+        text = str(int(reference)) if reference.is_integer() else repr(reference)
+    elif isinstance(reference, str):
+        text = reference.strip()
+    else:
+        raise TypeError(f"reference answer must be a string or a number, got {type(reference).__name__}")
+    if not text:
+        raise ValueError("reference answer is empty")
+    if text.startswith(("$", "\\(", "\\[")) or _BOX_OPEN.search(text):
+        return text
+    return f"${text}$"
