@@ -26,12 +26,12 @@ from checkpoints_conversion.hf_io import CheckpointError, HFReader, HFWriter, co
 from checkpoints_conversion.model_io import export_weights, load_weights, validate_hf_checkpoint
 from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
 from mars_megatron.config import ParallelConfig
+from mars_megatron.dtypes import torch_dtype
 from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config
 from mars_megatron.training.model_provider import build_model
 
 FORMAT = "mars-mcore-v1"
 META = "mars_checkpoint.json"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_output_dir(out_dir: str | Path) -> Path:
@@ -166,8 +166,8 @@ def mcore_to_hf(
         load_mcore(model, Path(mcore_dir) / "model")
         writer = None
         if dist.get_rank() == 0:
-            torch_dtype = _DTYPES[meta["dtype"]]
-            layout = {n: (shape, torch_dtype) for n, shape in expected_hf_tensors(arch).items()}
+            dtype = torch_dtype(meta["dtype"])
+            layout = {n: (shape, dtype) for n, shape in expected_hf_tensors(arch).items()}
             writer = HFWriter(tmp, layout, max_shard_bytes)
         total = len(expected_hf_tensors(arch))
         bar = tqdm(total=total, desc="mcore→hf", unit="tensor", disable=not progress or dist.get_rank() != 0)

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from mars_megatron.dtypes import SAFETENSORS_TAGS
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Files an HF model directory carries besides its weights; copied through conversions unchanged.
@@ -98,18 +100,6 @@ class HFReader:
         return self.dir / self.weight_map[name]
 
 
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
 class HFWriter:
     """Writes safetensors shards whose layout is fixed up front, each tensor straight to its offset.
 
@@ -150,7 +140,7 @@ class HFWriter:
                 shape, dtype = layout[name]
                 nbytes = math.prod(shape) * _element_size(dtype)
                 header[name] = {
-                    "dtype": _ST_DTYPES[dtype],
+                    "dtype": SAFETENSORS_TAGS[dtype],
                     "shape": list(shape),
                     "data_offsets": [offset, offset + nbytes],
                 }

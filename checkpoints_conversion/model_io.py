@@ -26,9 +26,8 @@ from checkpoints_conversion.qwen3_mapping import (
     shard_shape,
     unshard,
 )
+from mars_megatron.dtypes import SAFETENSORS_TAGS, torch_dtype
 from mars_megatron.training.hf_config import Qwen3Arch
-
-_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 class TensorSource(Protocol):
@@ -65,7 +64,7 @@ def validate_hf_checkpoint(reader: Any, arch: Qwen3Arch) -> None:
             f"{reader.dir}: {len(unexpected)} tensor(s) not expected for {arch.architecture}, "
             f"e.g. '{unexpected[0]}'"
         )
-    tag = _SAFETENSORS_DTYPES[arch.dtype]
+    tag = SAFETENSORS_TAGS[torch_dtype(arch.dtype)]
     for name, shape in expected.items():
         if reader.dtype(name) != tag:
             raise CheckpointError(

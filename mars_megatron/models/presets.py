@@ -23,6 +23,7 @@ from typing import Any, Final
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
+from mars_megatron.dtypes import torch_dtype
 from mars_megatron.models.tokenizer import (
     MIN_TINY_VOCAB_SIZE,
     build_tiny_tokenizer,
@@ -84,19 +85,12 @@ PRESETS: Final[dict[str, dict[str, Any]]] = {
     },
 }
 
-_DTYPES: Final[dict[str, torch.dtype]] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
 
 def _build_config(preset: str, dtype: str, overrides: dict[str, Any] | None) -> PretrainedConfig:
     """Preset kwargs + overrides -> HF config; token ids follow a ``vocab_size`` override."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(PRESETS))}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; valid: {', '.join(_DTYPES)}")
+    torch_dtype(dtype)  # fails early, naming the valid dtypes
     kwargs = copy.deepcopy(PRESETS[preset])
     overrides = dict(overrides or {})
     vocab_size = int(overrides.get("vocab_size", kwargs["vocab_size"]))
@@ -160,7 +154,7 @@ def init_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config)
-        model = model.to(_DTYPES[dtype])
+        model = model.to(torch_dtype(dtype))
         model.config.dtype = dtype
         model.generation_config = GenerationConfig(
             bos_token_id=config.bos_token_id,

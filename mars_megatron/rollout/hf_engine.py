@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from mars_megatron.dtypes import torch_dtype
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Hub-layout expert tensors; transformers 5 keeps them fused per layer in memory.
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -46,9 +46,7 @@ class HFEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).eval()
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         pad = self.model.generation_config.pad_token_id

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
-_DTYPES = {"float32", "bfloat16", "float16"}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class HFConfigError(ValueError):
@@ -121,8 +121,10 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Qwen3Ar
         )
     dtype_key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
     dtype = cfg.get(dtype_key) or "float32"
-    if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise HFConfigError(f"{source}: field '{dtype_key}' must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_NAMES:
+        raise HFConfigError(
+            f"{source}: field '{dtype_key}' must be one of {sorted(DTYPE_NAMES)}, got {dtype!r}"
+        )
     num_layers = _get(cfg, "num_hidden_layers", int, source)
     rope_theta = _get(cfg, "rope_theta", float, source, None)
     if rope_theta is None:  # transformers 5 may nest it under rope_parameters

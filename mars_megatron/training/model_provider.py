@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from mars_megatron.config import ParallelConfig
+from mars_megatron.dtypes import torch_dtype
 from mars_megatron.training import cpu_compat
 from mars_megatron.training.hf_config import Qwen3Arch
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LayoutError(ValueError):
@@ -152,7 +151,7 @@ def transformer_config(
     """The megatron ``TransformerConfig`` equivalent to ``arch`` in layout ``parallel``."""
     from megatron.core.transformer import TransformerConfig
 
-    params_dtype = _DTYPES[dtype]
+    params_dtype = torch_dtype(dtype)
     gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
