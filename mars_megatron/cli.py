@@ -61,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--describe", action="store_true")
+
+    from mars_megatron.evaluation.command import add_arguments as add_eval_arguments
+
+    p = sub.add_parser("eval", help="evaluate the V–C reasoning system on a JSONL of problems")
+    add_eval_arguments(p)
     return parser
 
 
@@ -123,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "train":
             cfg = load_config(args.config, args.overrides)
             jobs.run(jobs.train_job, cfg.parallel, cfg, nproc=args.nproc)
+        elif args.command == "eval":
+            from mars_megatron.evaluation.command import run_eval
+
+            run_eval(args)
         elif args.command == "config":
             if args.describe:
                 print(describe_config())

@@ -17,6 +17,7 @@ updates on the CPU build are not trustworthy (tests/test_rollout_vllm.py records
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -46,7 +47,7 @@ class VLLMEngine:
         model_dir: str | Path,
         *,
         dtype: str = "float32",
-        max_model_len: int = 4096,
+        max_model_len: int | None = None,
         seed: int = 0,
         in_process: bool = True,
         memory_utilization: float | None = None,
@@ -59,6 +60,10 @@ class VLLMEngine:
             # and weight updates without copying tensors between processes.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = _import_vllm()
+        # vLLM refuses a context longer than the model's positions; ask for at most that.
+        model_max = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+        if model_max is not None:
+            max_model_len = min(max_model_len or model_max, int(model_max))
         kwargs: dict[str, Any] = dict(
             model=str(model_dir),
             dtype=dtype,

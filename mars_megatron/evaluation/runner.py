@@ -1,0 +1,191 @@
+"""Drives many V–C inference loops (one per problem × sample) concurrently on one engine.
+
+Each round collects the next request of every active loop, sends them all in one ``generate`` call and
+feeds the outputs back; loops that finish are checked against the reference (the system's answer and,
+for Solver-alone accuracy, the loop's first Solver output) and handed to ``on_result`` at once, so a
+crash loses only unfinished loops. Every agent call has its own seed, derived from (base seed,
+problem, sample, step), so results do not depend on batching order or on a run being resumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mars_megatron.agents.loop import InferenceLoop, LoopResult, SystemConfig
+from mars_megatron.agents.roles import Message, Role
+from mars_megatron.evaluation.data import Problem
+from mars_megatron.evaluation.sampling import SamplingConfig
+from mars_megatron.rewards.answers import extract_boxed
+from mars_megatron.rewards.checker import CheckResult
+from mars_megatron.rollout.chat import PromptTooLongError
+from mars_megatron.rollout.engine import GenerationRequest, RolloutEngine
+
+
+class Codec(Protocol):
+    def encode(self, messages: Sequence[Message]) -> tuple[int, ...]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class Checker(Protocol):
+    def check_many(self, pairs: list[tuple[str, str | int | float]]) -> list[CheckResult]: ...
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised; results finished before it were already handed out."""
+
+
+def step_seed(base: int, problem_id: str, sample: int, step: int) -> int:
+    """A stable 31-bit seed per agent call (fits every engine's seed type)."""
+    digest = hashlib.sha256(f"{base}\0{problem_id}\0{sample}\0{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 2**31
+
+
+@dataclass
+class _Slot:
+    problem: Problem
+    sample: int
+    loop: InferenceLoop
+    calls: list[dict[str, Any]] = field(default_factory=list)  # engine-side facts per observed step
+
+
+class EvalRunner:
+    """Runs (problem, sample) jobs through the V–C loop; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        codec: Codec,
+        checker: Checker,
+        *,
+        sampling: SamplingConfig | None = None,
+        system: SystemConfig | None = None,
+        max_concurrent: int = 256,
+        on_result: Callable[[dict[str, Any]], None] = lambda record: None,
+    ) -> None:
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        self.engine, self.codec, self.checker = engine, codec, checker
+        self.sampling = sampling or SamplingConfig()
+        self.system = system or SystemConfig()
+        self.max_concurrent = max_concurrent
+        self.on_result = on_result
+
+    def run(self, jobs: Sequence[tuple[Problem, int]]) -> int:
+        """Run every job to completion; returns how many results were handed out."""
+        pending = deque(jobs)
+        active: list[_Slot] = []
+        handed_out = 0
+        while pending or active:
+            while pending and len(active) < self.max_concurrent:
+                problem, sample = pending.popleft()
+                active.append(_Slot(problem, sample, InferenceLoop(problem.text, self.system)))
+            requests, waiting = self._requests(active)
+            if requests:
+                try:
+                    outputs = self.engine.generate(requests)
+                except Exception as e:
+                    raise EngineFailure(f"engine failed: {type(e).__name__}: {e}") from e
+                for slot, request, output in zip(waiting, requests, outputs, strict=True):
+                    truncated = output.finish_reason == "length"
+                    slot.calls.append(_call(request, len(output.token_ids), output.finish_reason))
+                    slot.loop.observe(self.codec.decode(output.token_ids), truncated)
+            finished = [slot for slot in active if slot.loop.done]
+            active = [slot for slot in active if not slot.loop.done]
+            for record in self._records(finished):
+                self.on_result(record)
+                handed_out += 1
+        return handed_out
+
+    def _requests(self, active: list[_Slot]) -> tuple[list[GenerationRequest], list[_Slot]]:
+        """The next request of every active loop; a prompt over the input budget is observed as an
+        empty truncated output at once (the agent could not run), which may finish its loop."""
+        requests, waiting = [], []
+        for slot in active:
+            while (request := slot.loop.next_request()) is not None:
+                step = len(slot.calls)
+                seed = step_seed(self.sampling.seed, slot.problem.problem_id, slot.sample, step)
+                try:
+                    prompt_ids = self.codec.encode(request.messages)
+                except PromptTooLongError as e:
+                    slot.calls.append(
+                        {
+                            "prompt_tokens": e.num_tokens,
+                            "output_tokens": 0,
+                            "seed": seed,
+                            "finish_reason": "length",
+                            "prompt_too_long": True,
+                        }
+                    )
+                    slot.loop.observe("", truncated=True)
+                    continue
+                request_id = f"{slot.problem.problem_id}/{slot.sample}/{step}/{request.role.value}"
+                requests.append(GenerationRequest(request_id, prompt_ids, self.sampling.params(seed)))
+                waiting.append(slot)
+                break
+        return requests, waiting
+
+    def _records(self, finished: list[_Slot]) -> list[dict[str, Any]]:
+        if not finished:
+            return []
+        results = [slot.loop.result() for slot in finished]
+        pairs: list[tuple[str, str | int | float]] = []
+        for slot, result in zip(finished, results, strict=True):
+            pairs += [
+                (_first_solver_text(result), slot.problem.reference),
+                (result.solution, slot.problem.reference),
+            ]
+        checks = self.checker.check_many(pairs)
+        return [
+            _record(slot, result, checks[2 * i], checks[2 * i + 1])
+            for i, (slot, result) in enumerate(zip(finished, results, strict=True))
+        ]
+
+
+def _call(request: GenerationRequest, output_tokens: int, finish_reason: str) -> dict[str, Any]:
+    return {
+        "prompt_tokens": len(request.prompt_ids),
+        "output_tokens": output_tokens,
+        "seed": request.sampling.seed,
+        "finish_reason": finish_reason,
+        "prompt_too_long": False,
+    }
+
+
+def _first_solver_text(result: LoopResult) -> str:
+    return next(step.text for step in result.history if step.role is Role.SOLVER)
+
+
+def _record(slot: _Slot, result: LoopResult, solver: CheckResult, system: CheckResult) -> dict[str, Any]:
+    """One results.jsonl line: every agent output in order, the answer and both correctness checks."""
+    steps = [
+        {
+            "role": step.role.value,
+            "text": step.text,
+            "truncated": step.truncated,
+            "verdict": step.verdict,
+            **call,
+        }
+        for step, call in zip(result.history, slot.calls, strict=True)
+    ]
+    return {
+        "problem_id": slot.problem.problem_id,
+        "sample": slot.sample,
+        "line": slot.problem.line,
+        "reference": slot.problem.reference,
+        "steps": steps,
+        "final_solution": result.solution,
+        "final_answer": extract_boxed(result.solution),
+        "accepted": result.accepted,
+        "stop_reason": result.stop_reason,
+        "correct_votes": result.correct_votes,
+        "system_correct": system.correct,
+        "system_check": system.status,
+        "solver_answer": extract_boxed(_first_solver_text(result)),
+        "solver_correct": solver.correct,
+        "solver_check": solver.status,
+    }

@@ -1,0 +1,67 @@
+"""Chat messages <-> token ids with the policy's own tokenizer and chat template.
+
+Engines take token ids (:mod:`mars_megatron.rollout.engine`), agents speak in chat messages
+(:mod:`mars_megatron.agents`); this is the one place that turns one into the other. Prompts longer than
+``max_input_tokens`` (MarsRL caps agent input at 32k) are refused with the count, or, on request,
+truncated in the middle, keeping the start (instructions, problem) and the end (the latest turn and the
+assistant header the model continues from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mars_megatron.agents.roles import Message
+
+MAX_INPUT_TOKENS = 32768
+"""MarsRL's evaluation cap on an agent's input."""
+
+
+class PromptTooLongError(ValueError):
+    """A templated prompt exceeds the input budget; carries both counts."""
+
+    def __init__(self, num_tokens: int, max_input_tokens: int) -> None:
+        super().__init__(f"prompt has {num_tokens} tokens, more than max_input_tokens={max_input_tokens}")
+        self.num_tokens = num_tokens
+        self.max_input_tokens = max_input_tokens
+
+
+class ChatCodec:
+    """Encodes chat messages into prompt ids (generation prompt appended) and decodes output ids."""
+
+    def __init__(
+        self, tokenizer: Any, *, max_input_tokens: int = MAX_INPUT_TOKENS, truncate: bool = False
+    ) -> None:
+        if max_input_tokens < 2:
+            raise ValueError(f"max_input_tokens must be >= 2, got {max_input_tokens}")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template")
+        self.tokenizer = tokenizer
+        self.max_input_tokens = max_input_tokens
+        self.truncate = truncate
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> ChatCodec:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(model_dir), **kwargs)
+
+    def encode(self, messages: Sequence[Message]) -> tuple[int, ...]:
+        """Prompt ids for the assistant's next turn; raises :class:`PromptTooLongError` unless truncating."""
+        encoded = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True
+        )
+        # transformers 5 returns a BatchEncoding here; older versions a plain list of ids
+        ids = list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
+        if len(ids) <= self.max_input_tokens:
+            return tuple(ids)
+        if not self.truncate:
+            raise PromptTooLongError(len(ids), self.max_input_tokens)
+        tail = self.max_input_tokens // 4
+        return tuple(ids[: self.max_input_tokens - tail] + ids[len(ids) - tail :])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Output text without special tokens (end-of-turn markers); ``<think>`` tags are kept."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -1,0 +1,318 @@
+"""``mars eval``: pass@k by hand, the runner on a scripted engine, and the real CLI end to end on the tiny
+MoE model (gibberish outputs, so accuracies are ~0: these tests check mechanics, not accuracy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mars_megatron.agents.loop import SystemConfig
+from mars_megatron.evaluation.data import Problem, load_problems
+from mars_megatron.evaluation.metrics import k_values, pass_at_k
+from mars_megatron.evaluation.runner import EngineFailure, EvalRunner, step_seed
+from mars_megatron.evaluation.sampling import SamplingConfig
+from mars_megatron.rewards.answers import extract_boxed
+from mars_megatron.rewards.checker import CheckResult
+from mars_megatron.rollout.chat import PromptTooLongError
+from mars_megatron.rollout.engine import GenerationOutput
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+AIME = DATA / "aime2025.jsonl"
+STEP_FIELDS = {
+    "role",
+    "text",
+    "truncated",
+    "verdict",
+    "prompt_tokens",
+    "output_tokens",
+    "seed",
+    "finish_reason",
+}
+RECORD_FIELDS = {
+    "problem_id", "sample", "line", "reference", "steps", "final_solution", "final_answer", "accepted",
+    "stop_reason", "correct_votes", "system_correct", "system_check", "solver_answer", "solver_correct",
+    "solver_check",
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "expected"),
+    [(2, 1, 1, 0.5), (2, 1, 2, 1.0), (4, 1, 2, 0.5), (4, 2, 2, 5 / 6), (5, 0, 3, 0.0), (3, 3, 1, 1.0)],
+)
+def test_pass_at_k_by_hand(n, c, k, expected):
+    # (4, 1, 2): 1 - C(3,2)/C(4,2) = 1 - 3/6; (4, 2, 2): 1 - C(2,2)/C(4,2) = 1 - 1/6
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_k_values_and_bad_pass_at_k():
+    assert k_values(1) == [1] and k_values(6) == [1, 2, 4, 6] and k_values(8) == [1, 2, 4, 8]
+    with pytest.raises(ValueError):
+        pass_at_k(2, 3, 1)
+
+
+def test_bad_data_lines_are_counted_with_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        '{"query": "1+1?", "ans_box": "2", "qid": 7}\n'
+        "{not json\n"
+        '{"query": "no answer"}\n'
+        "\n"
+        '{"ans_box": 3}\n'
+        '{"input": "2+1?", "ans_box": 3}\n'
+        '{"query": "dup", "ans_box": 1, "qid": 7}\n'
+    )
+    with pytest.warns(UserWarning) as caught:
+        data = load_problems(path)
+    assert len(caught) == 4 and f"{path}:2: invalid JSON" in str(caught[0].message)
+    assert [(p.problem_id, p.text, p.reference, p.line) for p in data.problems] == [
+        ("7", "1+1?", "2", 1),
+        ("line6", "2+1?", 3, 6),
+    ]
+    assert [s.split(": ")[0].rsplit(":", 1)[1] for s in data.skipped] == ["2", "3", "5", "7"]
+
+
+# ---------------------------------------------------------------- runner on a scripted engine
+
+TEXTS = {
+    1: "so \\boxed{4}",
+    2: "**Correctness**: Correct",
+    3: "**Correctness**: Wrong",
+    4: "fixed \\boxed{5}",
+}
+
+
+class ScriptedCodec:
+    """Prompt ids: one id per message; output ids decode to the canned texts above."""
+
+    def __init__(self, too_long_role: str | None = None):
+        self.too_long_role = too_long_role
+
+    def encode(self, messages):
+        if self.too_long_role == "verifier" and messages[0]["role"] == "system":
+            raise PromptTooLongError(40000, 32768)
+        return tuple(range(1, len(messages) + 1))
+
+    def decode(self, ids):
+        return "".join(TEXTS[i] for i in ids)
+
+
+class ScriptedEngine:
+    """Solver answers 4; the Verifier says Wrong on its first call for sample 1, else Correct."""
+
+    def __init__(self, fail_on_call: int | None = None):
+        self.batches: list[list[str]] = []
+        self.fail_on_call = fail_on_call
+
+    def generate(self, requests):
+        if self.fail_on_call == len(self.batches):
+            raise ConnectionError("endpoint went away")
+        self.batches.append([r.request_id for r in requests])
+        outputs = []
+        for r in requests:
+            _pid, sample, step, role = r.request_id.split("/")
+            ids = {"solver": [1], "corrector": [4]}.get(role, [3] if (sample, step) == ("1", "1") else [2])
+            outputs.append(GenerationOutput(r.request_id, ids, [0.0] * len(ids), "stop"))
+        return outputs
+
+
+class ExactChecker:
+    def check_many(self, pairs):
+        return [CheckResult(extract_boxed(text) == str(ref), "ok") for text, ref in pairs]
+
+
+PROBLEMS = [Problem("a", "2+2?", "4", 1), Problem("b", "2+3?", 5, 2)]
+
+
+def run_scripted(engine, codec=None, **kwargs):
+    records = []
+    runner = EvalRunner(
+        engine, codec or ScriptedCodec(), ExactChecker(), on_result=records.append,
+        system=SystemConfig(accept_after=2, give_up_after=2), sampling=SamplingConfig(max_tokens=8), **kwargs,
+    )  # fmt: skip
+    jobs = [(p, s) for p in PROBLEMS for s in range(2)]
+    return runner, records, jobs
+
+
+def test_runner_batches_every_loop_per_round_and_records_each_step():
+    engine = ScriptedEngine()
+    runner, records, jobs = run_scripted(engine)
+    assert runner.run(jobs) == 4
+    # one generate call per round, carrying every active loop's request
+    assert [len(b) for b in engine.batches] == [4, 4, 4, 2, 2]
+    by_key = {(r["problem_id"], r["sample"]): r for r in records}
+    assert set(by_key) == {("a", 0), ("a", 1), ("b", 0), ("b", 1)}
+    plain, corrected = by_key[("a", 0)], by_key[("b", 1)]
+    assert [s["role"] for s in plain["steps"]] == ["solver", "verifier", "verifier"]
+    assert [s["verdict"] for s in plain["steps"]] == [None, True, True]
+    assert plain["accepted"] and plain["system_correct"] and plain["solver_correct"]
+    assert [s["role"] for s in corrected["steps"]] == [
+        "solver",
+        "verifier",
+        "corrector",
+        "verifier",
+        "verifier",
+    ]
+    # problem b's reference is 5: the Solver's 4 is wrong, the accepted correction is right
+    assert (
+        corrected["final_answer"] == "5" and corrected["system_correct"] and not corrected["solver_correct"]
+    )
+    assert by_key[("b", 0)]["system_correct"] is False and by_key[("b", 0)]["stop_reason"] == "accepted"
+    assert all(set(r) == RECORD_FIELDS and all(STEP_FIELDS <= set(s) for s in r["steps"]) for r in records)
+    assert plain["steps"][0]["seed"] == step_seed(0, "a", 0, 0) != step_seed(0, "a", 1, 0)
+    assert plain["steps"][0]["prompt_tokens"] == 1 and plain["steps"][1]["prompt_tokens"] == 2
+
+
+def test_runner_limits_concurrency_and_keeps_results_finished_before_an_engine_failure():
+    engine = ScriptedEngine()
+    runner, records, jobs = run_scripted(engine, max_concurrent=1)
+    runner.run(jobs)
+    assert max(len(b) for b in engine.batches) == 1 and len(records) == 4
+
+    runner, records, jobs = run_scripted(ScriptedEngine(fail_on_call=4), max_concurrent=2)
+    with pytest.raises(EngineFailure, match="endpoint went away"):
+        runner.run(jobs)
+    assert [(r["problem_id"], r["sample"]) for r in records] == [("a", 0)]
+
+
+def test_runner_records_a_prompt_over_the_input_cap_as_an_empty_truncated_call():
+    runner, records, jobs = run_scripted(ScriptedEngine(), codec=ScriptedCodec(too_long_role="verifier"))
+    runner.run(jobs[:1])
+    steps = records[0]["steps"]
+    assert [(s["role"], s["prompt_too_long"], s["truncated"]) for s in steps] == [
+        ("solver", False, False), ("verifier", True, True), ("corrector", False, False),
+        ("verifier", True, True),
+    ]  # fmt: skip
+    assert records[0]["stop_reason"] == "gave_up" and steps[1]["prompt_tokens"] == 40000
+
+
+# ---------------------------------------------------------------- the real CLI on the tiny model
+
+
+def mars(*args, timeout=300):
+    cmd = [sys.executable, "-m", "mars_megatron.cli", "eval", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from mars_megatron.models.presets import init_model
+
+    return init_model("tiny-moe", tmp_path_factory.mktemp("model") / "tiny-moe")
+
+
+def eval_args(model_dir, out, *extra):
+    return ("--data", AIME, "--model", model_dir, "--engine", "transformers", "--samples", 2, "--limit", 3,
+            "--max-tokens", 16, "--out", out, "--checker-workers", 1, *extra)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def whole_run(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole") / "out"
+    proc = mars(*eval_args(model_dir, out, "--max-concurrent", 1))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def without_run(summary_path):
+    summary = json.loads(Path(summary_path).read_text())
+    return {k: v for k, v in summary.items() if k != "run"}, summary["run"]
+
+
+def test_cli_end_to_end_writes_one_line_per_problem_and_sample(whole_run):
+    records = [json.loads(line) for line in (whole_run / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 6
+    assert sorted((r["problem_id"], r["sample"]) for r in records) == [(p, s) for p in "012" for s in (0, 1)]
+    for r in records:
+        assert set(r) == RECORD_FIELDS and r["steps"] and r["steps"][0]["role"] == "solver"
+        assert all(STEP_FIELDS <= set(s) and 1 <= s["output_tokens"] <= 16 for s in r["steps"])
+    summary, run = without_run(whole_run / "summary.json")
+    assert summary["results"] == 6 and summary["problems"] == 3 and summary["samples"] == 2
+    assert summary["missing_results"] == 0 and summary["skipped_lines"] == 0
+    assert 0.0 <= summary["solver_acc"] <= 1.0 and 0.0 <= summary["system_acc"] <= 1.0
+    assert set(summary["pass@k"]["solver"]) == set(summary["pass@k"]["system"]) == {"1", "2"}
+    assert summary["tokens"]["solver"]["calls"] >= 6 and summary["checker"]["timeouts"] == 0
+    assert summary["tokens"]["solver"]["output_total"] == sum(
+        s["output_tokens"] for r in records for s in r["steps"] if s["role"] == "solver"
+    )
+    assert run["results_new"] == 6 and run["results_resumed"] == 0
+
+
+def test_killed_run_resumes_to_the_same_summary(whole_run, model_dir, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "mars_megatron.cli", "eval", *map(str, eval_args(model_dir, out))]
+    proc = subprocess.Popen(
+        [*cmd, "--max-concurrent", "1"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    results = out / "results.jsonl"
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if results.exists() and results.read_text().count("\n") >= 1:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait(timeout=30)
+    # Keep the first finished line and leave a half-written one, as a kill mid-write would.
+    first = results.read_text().splitlines()[0]
+    results.write_text(first + "\n" + first[: len(first) // 2])
+
+    resumed = mars(*eval_args(model_dir, out, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "dropping an unreadable result line" in resumed.stderr
+    summary, run = without_run(out / "summary.json")
+    assert summary == without_run(whole_run / "summary.json")[0]
+    assert run == {**run, "results_resumed": 1, "results_new": 5, "dropped_result_lines": 1}
+    assert len(results.read_text().splitlines()) == 6
+
+
+def test_cli_refuses_bad_setups(model_dir, whole_run, tmp_path):
+    proc = mars(*eval_args(model_dir, whole_run))
+    assert proc.returncode == 2 and f"--out {whole_run} exists and is not empty" in proc.stderr
+    proc = mars(*eval_args(model_dir, whole_run, "--resume", "--temperature", "1.0"))
+    assert proc.returncode == 2 and "other settings" in proc.stderr and "temperature" in proc.stderr
+    proc = mars(*eval_args(model_dir, tmp_path / "o1")[:5], "nope", "--samples", 1, "--out", tmp_path / "o2")
+    assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr
+    args = [a if a != "transformers" else "openai" for a in eval_args(model_dir, tmp_path / "o3")]
+    proc = mars(*args)
+    assert proc.returncode == 2 and "--engine openai needs --endpoint" in proc.stderr
+
+
+def test_cli_counts_bad_data_lines_and_reports_an_unreachable_endpoint(model_dir, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"query": "1+1?", "ans_box": 2}\n{"query": "oops"\n{"ans_box": 1}\n')
+    args = ["--data", data, "--model", model_dir, "--samples", 1, "--max-tokens", 4, "--checker-workers", 1]
+    proc = mars(*args, "--engine", "transformers", "--out", tmp_path / "ok")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{data}:2" in proc.stderr and f"{data}:3" in proc.stderr
+    summary, _ = without_run(tmp_path / "ok" / "summary.json")
+    assert summary["skipped_lines"] == 2 and summary["results"] == 1
+
+    proc = mars(*args, "--engine", "openai", "--endpoint", "http://127.0.0.1:9", "--out", tmp_path / "down")
+    assert proc.returncode == 1, proc.stderr
+    assert "engine failed" in proc.stderr and "127.0.0.1:9" in proc.stderr and "--resume" in proc.stderr
+    assert (tmp_path / "down" / "results.jsonl").read_text() == ""
+
+
+def test_chat_codec_refuses_or_truncates_long_prompts(model_dir):
+    from mars_megatron.agents.prompts import solver_messages
+    from mars_megatron.rollout.chat import ChatCodec
+
+    messages = solver_messages("x " * 200)
+    full = ChatCodec.from_pretrained(model_dir).encode(messages)
+    with pytest.raises(
+        PromptTooLongError, match=f"prompt has {len(full)} tokens, more than max_input_tokens=64"
+    ):
+        ChatCodec.from_pretrained(model_dir, max_input_tokens=64).encode(messages)
+    cut = ChatCodec.from_pretrained(model_dir, max_input_tokens=64, truncate=True).encode(messages)
+    assert len(cut) == 64 and cut[:48] == full[:48] and cut[48:] == full[-16:]  # head and generation prompt
+    assert ChatCodec.from_pretrained(model_dir).decode(full).startswith("user")
