@@ -109,3 +109,48 @@ def test_reloading_the_same_moe_weights_leaves_outputs_unchanged(models: dict[st
     before = engine.generate(requests(GREEDY))
     engine.update_weights(safetensors_of(models["moe"]).items())
     assert [o.token_ids for o in engine.generate(requests(GREEDY))] == [o.token_ids for o in before]
+
+
+def test_mars_eval_with_vllm_matches_the_transformers_engine_when_greedy(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "aime2025.jsonl"
+    if not data.is_file():
+        pytest.skip(f"{data} not found (the shared/ folder beside the repository)")
+
+    def run(engine: str) -> dict[tuple[str, int], list[str]]:
+        out = tmp_path / engine
+        cmd = [
+            sys.executable,
+            "-m",
+            "mars_megatron.cli",
+            "eval",
+            "--data",
+            str(data),
+            "--model",
+            str(models["moe"]),
+            "--engine",
+            engine,
+            "--samples",
+            "1",
+            "--limit",
+            "2",
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0",
+            "--out",
+            str(out),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        return {(r["problem_id"], r["sample"]): [s["text"] for s in r["steps"]] for r in rows}
+
+    via_vllm, via_hf = run("vllm"), run("transformers")
+    assert len(via_vllm) == 2 and sum(len(steps) for steps in via_vllm.values()) >= 2
+    assert via_vllm == via_hf
