@@ -7,6 +7,7 @@ patched. ``CUDA_VISIBLE_DEVICES`` is emptied in the children so the layer is act
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -103,26 +104,32 @@ probe("not_rewrapped", lambda: [a is b for a, b in zip(first, [
 probe("active_after", cpu_compat.is_active)
 probe("cuda_available", torch.cuda.is_available)
 
-# factories
+# factories: megatron's modules see a torch whose factories map CUDA to the CPU; torch itself is untouched
+import megatron.core.optimizer.optimizer as megatron_optimizer
+mt = megatron_optimizer.torch
+probe(
+    "global_torch_untouched", lambda: [mt is not torch, not hasattr(torch.tensor, "__mars_cpu_compat__")]
+)
+probe("global_zeros_cuda_still_raises", lambda: str(torch.zeros(2, device="cuda").device))
 def fac(t):
     return [str(t.device), str(t.dtype), t.tolist()]
 
-probe("zeros_cuda", lambda: fac(torch.zeros(2, device="cuda")))
+probe("zeros_cuda", lambda: fac(mt.zeros(2, device="cuda")))
 probe("current_device", torch.cuda.current_device)
-probe("empty_current", lambda: str(torch.empty(3, device=torch.cuda.current_device()).device))
-probe("ones_cuda1", lambda: fac(torch.ones(2, device="cuda:1", dtype=torch.int64)))
-probe("full_devobj", lambda: fac(torch.full((2,), 7.0, device=torch.device("cuda", 0))))
-probe("tensor_cuda", lambda: fac(torch.tensor([1, 2, 3], device="cuda")))
-probe("arange_cuda", lambda: fac(torch.arange(4, device="cuda")))
-probe("as_tensor_cuda", lambda: fac(torch.as_tensor([1.5], device="cuda")))
-probe("randn_cuda", lambda: list(torch.randn(2, 3, device="cuda").shape) + [
-    str(torch.randn(1, device="cuda").device)])
-probe("randint_cuda", lambda: str(torch.randint(0, 5, (3,), device=0).device))
-probe("like_cuda", lambda: [fac(torch.zeros_like(torch.ones(2), device="cuda")),
-                            fac(torch.full_like(torch.ones(2), 3.0, device="cuda"))])
-probe("cpu_untouched", lambda: str(torch.zeros(1, device="cpu").device))
-probe("pin_memory", lambda: [torch.empty(3, pin_memory=True).is_pinned(),
-                             torch.zeros(2, pin_memory=True, device="cuda").tolist()])
+probe("empty_current", lambda: str(mt.empty(3, device=torch.cuda.current_device()).device))
+probe("ones_cuda1", lambda: fac(mt.ones(2, device="cuda:1", dtype=torch.int64)))
+probe("full_devobj", lambda: fac(mt.full((2,), 7.0, device=torch.device("cuda", 0))))
+probe("tensor_cuda", lambda: fac(mt.tensor([1, 2, 3], device="cuda")))
+probe("arange_cuda", lambda: fac(mt.arange(4, device="cuda")))
+probe("as_tensor_cuda", lambda: fac(mt.as_tensor([1.5], device="cuda")))
+probe("randn_cuda", lambda: list(mt.randn(2, 3, device="cuda").shape) + [
+    str(mt.randn(1, device="cuda").device)])
+probe("randint_cuda", lambda: str(mt.randint(0, 5, (3,), device=0).device))
+probe("like_cuda", lambda: [fac(mt.zeros_like(torch.ones(2), device="cuda")),
+                            fac(mt.full_like(torch.ones(2), 3.0, device="cuda"))])
+probe("cpu_untouched", lambda: str(mt.zeros(1, device="cpu").device))
+probe("pin_memory", lambda: [mt.empty(3, pin_memory=True).is_pinned(),
+                             mt.zeros(2, pin_memory=True, device="cuda").tolist()])
 
 # tensor methods
 t = torch.arange(3, dtype=torch.float32)
@@ -147,7 +154,7 @@ probe("module_cuda", lambda: [str(m.cuda().weight.device), str(m.to("cuda").weig
 def streams():
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        x = torch.ones(4, device="cuda") * 2
+        x = mt.ones(4, device="cuda") * 2
     torch.cuda.current_stream().wait_stream(s)
     x.record_stream(torch.cuda.current_stream())
     s.wait_event(torch.cuda.Event())
@@ -278,6 +285,8 @@ def test_install_is_idempotent_and_reports_active(installed: dict[str, Any]) -> 
 
 def test_factories_with_cuda_devices_build_cpu_tensors(installed: dict[str, Any]) -> None:
     r = installed
+    assert r["global_torch_untouched"] == [True, True]
+    assert r["global_zeros_cuda_still_raises"].startswith("RAISES")
     assert r["zeros_cuda"] == ["cpu", "torch.float32", [0.0, 0.0]]
     assert r["current_device"] == 0
     assert r["empty_current"] == "cpu"
@@ -363,3 +372,28 @@ def test_same_model_without_layer_fails_on_cuda(children: dict[str, Child]) -> N
     assert r["loaded"] == [26, 26]  # building and loading do not need the GPU here ...
     assert raised(r["forward"])  # ... but megatron's forward asks for a CUDA device
     assert "CUDA" in r["forward"], r["forward"]
+
+
+def test_transformers_beside_megatron_computes_the_same_model(tmp_path: Path) -> None:
+    """A Python-level torch.tensor breaks transformers' meta-device init (its rotary buffer came out zero or
+    garbage), so the layer must leave torch's own factories alone: a transformers rollout engine lives in
+    the same process as the megatron trainer during weight sync."""
+    code = f"""
+import sys, torch
+if sys.argv[1] == "installed":
+    from mars_megatron.training import cpu_compat
+    cpu_compat.install()
+from mars_megatron.models.presets import init_model
+from transformers import AutoModelForCausalLM
+path = init_model("tiny-dense", "{tmp_path}/" + sys.argv[1])
+m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+with torch.no_grad():
+    print(repr([m.model.rotary_emb.inv_freq.tolist(), m(torch.tensor([[5, 6, 7, 8]])).logits.sum().item()]))
+"""
+    outs = {}
+    for mode in ("clean", "installed"):
+        done = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outs[mode] = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert outs["installed"] == outs["clean"]
+    assert outs["clean"][0][0] == 1.0  # inv_freq[0] = theta**0

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import sys
 import threading
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -222,11 +226,64 @@ def _patch_megatron_bugs() -> None:
         moe_utils.te_general_gemm = None
 
 
+class _TorchForMegatron(types.ModuleType):
+    """What megatron's modules see as ``torch``: the real module, except that tensor factories map CUDA
+    devices to the CPU. Patching the factories on ``torch`` itself would reach every library in the
+    process: any Python-level ``torch.tensor`` breaks transformers' meta-device initialisation (measured:
+    its rotary ``inv_freq`` buffer comes out zero or garbage), so a transformers rollout engine living
+    beside a megatron trainer would compute a different model."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _wrap_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_PROXY: _TorchForMegatron | None = None
+
+
+def _megatron_modules_using_cuda_factories() -> list[str]:
+    """megatron-core modules whose source creates tensors on a CUDA device (imported and patched eagerly,
+    so a module first imported later, e.g. a checkpoint strategy, is covered too)."""
+    import megatron.core
+
+    root = Path(megatron.core.__file__).parent
+    needles = ('device="cuda"', "device='cuda'", "current_device()", ".cuda()")
+    names = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(errors="ignore")
+        if any(n in text for n in needles):
+            rel = path.relative_to(root.parent.parent).with_suffix("")
+            names.append(".".join(rel.parts).removesuffix(".__init__"))
+    return names
+
+
+def _redirect_megatron_factories() -> int:
+    """Point the ``torch`` global of every loaded megatron module at the proxy; returns how many."""
+    global _PROXY
+    if _PROXY is None:
+        _PROXY = _TorchForMegatron()
+    for name in _megatron_modules_using_cuda_factories():
+        try:
+            importlib.import_module(name)
+        except Exception:  # optional pieces (TE, triton, …) that cannot import here are never used
+            continue
+    patched = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and getattr(module, "torch", None) is torch:
+            module.torch = _PROXY  # type: ignore[attr-defined]
+            patched += 1
+    return patched
+
+
 def install() -> bool:
     """Install the redirection if this process has no CUDA device. Returns True if it is active.
 
     Idempotent and thread-safe; call it before building megatron models (``mars_megatron.training``
-    entry points do).
+    entry points do). The global ``torch`` factories are left untouched (see :class:`_TorchForMegatron`).
     """
     global _INSTALLED
     with _LOCK:
@@ -235,18 +292,9 @@ def install() -> bool:
             return True
         if torch.cuda.is_available():
             return False
-        for name in _FACTORIES:
-            fn = getattr(torch, name)
-            if not getattr(fn, "__mars_cpu_compat__", False):
-                setattr(torch, name, _wrap_factory(fn))
         _patch_tensor_methods()
         _patch_torch_cuda()
         _patch_megatron_for_cpu()
+        _redirect_megatron_factories()
         _INSTALLED = True
         return True
-
-
-@contextlib.contextmanager
-def installed() -> Iterator[bool]:
-    """Context-manager form of :func:`install` for scripts; the patch stays after exit (one-way)."""
-    yield install()

@@ -11,6 +11,7 @@ to the loopback interface, so nothing listens on a network address.
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import os
 import queue
 import tempfile
@@ -22,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mars_megatron.config import ParallelConfig
 from mars_megatron.training import cpu_compat
