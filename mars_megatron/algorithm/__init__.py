@@ -1,0 +1,48 @@
+"""MarsRL's algorithm core: the sample record, GRPO advantages and the policy loss (pure; torch only)."""
+
+from mars_megatron.algorithm.advantages import assign_advantages, grpo_advantages, zero_variance_groups
+from mars_megatron.algorithm.losses import (
+    clipped_surrogate,
+    dmmpt_mask,
+    entropy_estimate,
+    entropy_from_logits,
+    kl_penalty,
+    kl_per_token,
+    pois_old_logprobs,
+    policy_loss,
+    role_weights,
+    tis_weights,
+)
+from mars_megatron.algorithm.objective import (
+    LossConfig,
+    LossInputs,
+    compute_loss,
+    loss_inputs,
+    make_loss_fn,
+    response_tensor,
+)
+from mars_megatron.algorithm.sample import Sample, Segment
+
+__all__ = [
+    "LossConfig",
+    "LossInputs",
+    "Sample",
+    "Segment",
+    "assign_advantages",
+    "clipped_surrogate",
+    "compute_loss",
+    "dmmpt_mask",
+    "entropy_estimate",
+    "entropy_from_logits",
+    "grpo_advantages",
+    "kl_penalty",
+    "kl_per_token",
+    "loss_inputs",
+    "make_loss_fn",
+    "pois_old_logprobs",
+    "policy_loss",
+    "response_tensor",
+    "role_weights",
+    "tis_weights",
+    "zero_variance_groups",
+]

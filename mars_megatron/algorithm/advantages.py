@@ -1,0 +1,98 @@
+"""GRPO advantages, per group of samples that share role, position and input.
+
+Â_i = (r_i − mean(r)) / (std(r) + ε) over the group. ``std`` is the *population* standard deviation
+(divide by G, not G − 1): the statistic describes the group itself rather than estimating a larger
+population, for binary rewards it is exactly sqrt(p(1 − p)), and a group of one gives std 0 (so
+advantage 0) instead of NaN. Groups whose rewards are all equal carry no signal; they can be dropped
+(DAPO-style dynamic sampling). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
+from typing import TypeVar
+
+from mars_megatron.algorithm.sample import Sample
+
+G = TypeVar("G", bound=Hashable)
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def grpo_advantages(
+    rewards_by_group: Mapping[G, Sequence[float]], eps: float = 1e-6, normalize_std: bool = True
+) -> dict[G, list[float]]:
+    """(r − mean) / (std + eps) per group, in the order given; ``normalize_std=False`` gives r − mean
+    (Dr. GRPO style). Every group needs at least one reward."""
+    if eps < 0:
+        raise ValueError(f"grpo_advantages: eps must be >= 0, got {eps}")
+    out: dict[G, list[float]] = {}
+    for group, rewards in rewards_by_group.items():
+        if len(rewards) == 0:
+            raise ValueError(f"grpo_advantages: group {group!r} has no rewards")
+        mean, std = _mean_std(rewards)
+        scale = (std + eps) if normalize_std else 1.0
+        out[group] = [(r - mean) / scale if std > 0 else 0.0 for r in rewards]
+    return out
+
+
+def zero_variance_groups(rewards_by_group: Mapping[G, Sequence[float]]) -> set[G]:
+    """Groups whose rewards are all equal (including groups of one): their advantages are all 0."""
+    return {g for g, rewards in rewards_by_group.items() if len(set(rewards)) <= 1}
+
+
+def assign_advantages(
+    samples: Sequence[Sample],
+    *,
+    filter_zero_variance: bool,
+    eps: float = 1e-6,
+    normalize_std: bool = True,
+) -> tuple[list[Sample], dict[str, float]]:
+    """Return copies of ``samples`` with ``advantage`` set, grouped by ``Sample.group_id``.
+
+    Every sample needs a reward, and a group must hold one position only (a group id shared across
+    roles or positions is a bug upstream, so it raises rather than mixing them). With
+    ``filter_zero_variance`` the samples of zero-variance groups are left out. Input order is kept.
+
+    Stats: ``groups``, ``filtered_groups``, ``samples``, ``kept_samples``, and ``mean_reward/<role>``
+    over all samples of each role present (before filtering).
+    """
+    rewards: dict[str, list[float]] = {}
+    positions: dict[str, object] = {}
+    for s in samples:
+        if s.reward is None:
+            raise ValueError(f"assign_advantages: sample {s.sample_id!r} (group {s.group_id}) has no reward")
+        if positions.setdefault(s.group_id, s.position) != s.position:
+            raise ValueError(
+                f"assign_advantages: group {s.group_id!r} mixes positions "
+                f"{positions[s.group_id]} and {s.position}"
+            )
+        rewards.setdefault(s.group_id, []).append(s.reward)
+    advantages = grpo_advantages(rewards, eps=eps, normalize_std=normalize_std)
+    dropped = zero_variance_groups(rewards) if filter_zero_variance else set()
+
+    cursor = dict.fromkeys(rewards, 0)
+    kept: list[Sample] = []
+    for s in samples:
+        index = cursor[s.group_id]
+        cursor[s.group_id] += 1
+        if s.group_id not in dropped:
+            kept.append(replace(s, advantage=advantages[s.group_id][index]))
+
+    stats: dict[str, float] = {
+        "groups": float(len(rewards)),
+        "filtered_groups": float(len(dropped)),
+        "samples": float(len(samples)),
+        "kept_samples": float(len(kept)),
+    }
+    by_role: dict[str, list[float]] = {}
+    for s in samples:
+        by_role.setdefault(s.role.value, []).append(s.reward)  # type: ignore[arg-type]
+    for role, values in by_role.items():
+        stats[f"mean_reward/{role}"] = sum(values) / len(values)
+    return kept, stats

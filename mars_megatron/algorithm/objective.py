@@ -1,0 +1,241 @@
+"""MarsRL's policy objective: the pieces of :mod:`losses` composed under one validated config.
+
+Order of :func:`compute_loss` (each step named in the stats it reports):
+
+1. **masks** — the response loss mask; DMMPT then drops well-mastered positive tokens (if on);
+2. **importance weights** — the "old" log-probs: the trainer's (``none``/``tis``) or POIS's detached
+   current ones; ``tis`` multiplies each token by ``min(exp(old − behaviour), tis_cap)``;
+3. **clipped surrogate** — token-level PPO loss with clip-higher, times the importance weight;
+4. **KL** — ``+ kl_coef · KL_k(π ‖ π_ref)`` per token (skipped when ``kl_coef == 0``);
+5. **role weights** — each token's loss times its sample's role weight.
+
+The loss is the sum over the final mask and the token count is that mask's sum (tokens DMMPT drops
+leave the denominator too; role weights do not change it). Megatron divides by the global count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from mars_megatron.agents.roles import Role
+from mars_megatron.algorithm import losses as L
+from mars_megatron.algorithm.sample import Sample
+from mars_megatron.training.batches import MicroBatch
+
+Importance = Literal["none", "tis", "pois"]
+_IMPORTANCE = ("none", "tis", "pois")
+_KL_KINDS = ("k1", "k2", "k3")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Policy-loss settings; defaults are MarsRL's where the paper gives them."""
+
+    clip_low: float = 0.2
+    """Ratios below 1 − clip_low stop pushing a negative-advantage token down; in [0, 1)."""
+    clip_high: float = 0.28
+    """Ratios above 1 + clip_high stop pushing a positive-advantage token up (DAPO clip-higher); >= 0."""
+    kl_coef: float = 0.0
+    """β of the KL penalty to the reference policy; the paper gives none, so 0 (no reference needed)."""
+    kl_kind: L.KLKind = "k3"
+    """Schulman estimator: k1, k2 or k3."""
+    importance: Importance = "pois"
+    """``none``: ratios against the trainer's old log-probs; ``tis``: the same times truncated IS
+    weights against the rollout engine's log-probs; ``pois``: old = latest model (MarsRL/UloRL)."""
+    tis_cap: float = 2.0
+    """Upper bound of the TIS weight; > 0."""
+    dmmpt: bool = False
+    """Mask well-mastered tokens of positive responses while entropy is low (UloRL)."""
+    dmmpt_prob_threshold: float = 0.99
+    """A token counts as mastered when its probability exceeds this; in (0, 1). Unpublished."""
+    dmmpt_entropy_target: float = 0.3
+    """DMMPT acts only while the batch entropy (nats/token) is below this; >= 0. Unpublished."""
+    role_weights: Mapping[Role, float] = field(default_factory=dict)
+    """Loss weight per role (MARS-style balancing); roles not listed weigh 1.0; each >= 0."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, need: str) -> ValueError:
+            return ValueError(f"LossConfig.{name} must be {need}, got {getattr(self, name)!r}")
+
+        if not 0.0 <= self.clip_low < 1.0:
+            raise bad("clip_low", "in [0, 1)")
+        if not self.clip_high >= 0.0:
+            raise bad("clip_high", ">= 0")
+        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
+            raise bad("kl_coef", "finite and >= 0")
+        if self.kl_kind not in _KL_KINDS:
+            raise bad("kl_kind", f"one of {_KL_KINDS}")
+        if self.importance not in _IMPORTANCE:
+            raise bad("importance", f"one of {_IMPORTANCE}")
+        if not self.tis_cap > 0.0:
+            raise bad("tis_cap", "> 0")
+        if not 0.0 < self.dmmpt_prob_threshold < 1.0:
+            raise bad("dmmpt_prob_threshold", "in (0, 1)")
+        if not self.dmmpt_entropy_target >= 0.0:
+            raise bad("dmmpt_entropy_target", ">= 0")
+        for role, weight in self.role_weights.items():
+            if not isinstance(role, Role):
+                raise ValueError(f"LossConfig.role_weights: key {role!r} is not a Role")
+            if not (weight >= 0.0 and math.isfinite(weight)):
+                raise ValueError(
+                    f"LossConfig.role_weights[{role.value}] must be finite and >= 0, got {weight}"
+                )
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """Per-micro-batch fields beside the log-probs, aligned with them (``[b, s]``: position t holds the
+    value for the token predicted there, i.e. ``MicroBatch.targets[:, t]``)."""
+
+    advantages: torch.Tensor
+    """``[b]`` per sample or ``[b, s]`` per token."""
+    mask: torch.Tensor
+    """1 on the response tokens to train on."""
+    old_logprobs: torch.Tensor | None = None
+    """Trainer's log-probs before the update (needed unless importance is ``pois``)."""
+    behaviour_logprobs: torch.Tensor | None = None
+    """Rollout engine's log-probs (needed for ``tis``)."""
+    ref_logprobs: torch.Tensor | None = None
+    """Reference policy's log-probs (needed when ``kl_coef > 0``)."""
+    token_weights: torch.Tensor | None = None
+    """Role weights per token (:func:`losses.role_weights`); None weighs all 1."""
+    entropy: float | torch.Tensor | None = None
+    """The batch's policy entropy for DMMPT; None estimates it from this micro-batch's log-probs."""
+
+
+def _need(value: torch.Tensor | None, name: str, why: str) -> torch.Tensor:
+    if value is None:
+        raise ValueError(f"compute_loss: LossInputs.{name} is required {why}")
+    return value
+
+
+def _on_device(inputs: LossInputs, device: torch.device) -> LossInputs:
+    moved = {
+        name: value.to(device) if isinstance(value, torch.Tensor) else value
+        for name, value in vars(inputs).items()
+    }
+    return LossInputs(**moved)
+
+
+def compute_loss(
+    logprobs: torch.Tensor, inputs: LossInputs, config: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss sum, token count, stats) for one micro-batch, in the order of the module docstring."""
+    inputs = _on_device(inputs, logprobs.device)
+    stats: dict[str, torch.Tensor] = {}
+    mask = inputs.mask.to(logprobs.dtype)
+    if config.dmmpt:  # 1. masks
+        entropy = inputs.entropy if inputs.entropy is not None else L.entropy_estimate(logprobs, mask)
+        kept = L.dmmpt_mask(
+            logprobs,
+            mask,
+            inputs.advantages,
+            entropy,
+            prob_threshold=config.dmmpt_prob_threshold,
+            entropy_target=config.dmmpt_entropy_target,
+        )
+        stats["dmmpt_masked_fraction"] = 1.0 - kept.sum() / mask.sum().clamp(min=1)
+        stats["entropy"] = torch.as_tensor(entropy, dtype=logprobs.dtype).detach()
+        mask = kept
+
+    if config.importance == "pois":  # 2. importance weights
+        old = L.pois_old_logprobs(logprobs)
+    else:
+        old = _need(inputs.old_logprobs, "old_logprobs", f"for importance={config.importance!r}")
+    weight = torch.ones_like(logprobs)
+    if config.importance == "tis":
+        behaviour = _need(inputs.behaviour_logprobs, "behaviour_logprobs", "for importance='tis'")
+        weight = L.tis_weights(old, behaviour, config.tis_cap)
+        stats["tis_weight_mean"] = L.masked_mean(weight, mask)
+
+    surrogate, ratio, clipped = L.clipped_surrogate(  # 3. clipped surrogate
+        logprobs, old, inputs.advantages, config.clip_low, config.clip_high
+    )
+    stats.update(L.surrogate_stats(logprobs, ratio, clipped, old, mask))
+    per_token = surrogate * weight
+    stats["pg_loss"] = L.masked_mean(per_token.detach(), mask)
+
+    if config.kl_coef > 0:  # 4. KL
+        ref = _need(inputs.ref_logprobs, "ref_logprobs", "when kl_coef > 0")
+        kl = L.kl_per_token(logprobs, ref, config.kl_kind)
+        stats["kl"] = L.masked_mean(kl.detach(), mask)
+        per_token = per_token + config.kl_coef * kl
+
+    if inputs.token_weights is not None:  # 5. role weights
+        per_token = per_token * inputs.token_weights.to(per_token.dtype)
+    return (per_token * mask).sum(), mask.sum(), stats
+
+
+# ------------------------------------------------------------------------------- samples -> tensors
+def response_tensor(
+    samples: Sequence[Sample], values: Sequence[Sequence[float]], seq_len: int
+) -> torch.Tensor:
+    """``[b, seq_len]`` with ``values[i][j]`` (response token j of sample i) at position
+    ``len(prompt) − 1 + j``, where the engine puts that token's log-prob; 0 elsewhere."""
+    out = torch.zeros(len(samples), seq_len, dtype=torch.float32)
+    for i, (sample, row) in enumerate(zip(samples, values, strict=True)):
+        if len(row) != sample.response_len:
+            raise ValueError(
+                f"response_tensor: row {i} has {len(row)} values, response {sample.response_len}"
+            )
+        start = len(sample.prompt_ids) - 1
+        if start + len(row) > seq_len:
+            raise ValueError(f"response_tensor: sample {i} needs {start + len(row)} positions > {seq_len}")
+        out[i, start : start + len(row)] = torch.as_tensor(list(row), dtype=torch.float32)
+    return out
+
+
+def loss_inputs(
+    samples: Sequence[Sample],
+    seq_len: int,
+    config: LossConfig,
+    *,
+    old_logprobs: Sequence[Sequence[float]] | None = None,
+    ref_logprobs: Sequence[Sequence[float]] | None = None,
+    entropy: float | None = None,
+) -> LossInputs:
+    """Tensors for ``samples`` batched in order (as ``make_micro_batches([s.tokens ...])`` lays them
+    out). ``old_logprobs``/``ref_logprobs`` are per response token, from the trainer/reference."""
+    for s in samples:
+        if s.advantage is None:
+            raise ValueError(f"loss_inputs: sample {s.sample_id!r} has no advantage (run assign_advantages)")
+    behaviour = None
+    if config.importance == "tis":
+        missing = [s.sample_id for s in samples if s.behaviour_logprobs is None]
+        if missing:
+            raise ValueError(
+                f"loss_inputs: importance='tis' needs Sample.behaviour_logprobs; missing {missing}"
+            )
+        behaviour = response_tensor(samples, [s.behaviour_logprobs for s in samples], seq_len)  # type: ignore[misc]
+    return LossInputs(
+        advantages=torch.tensor([float(s.advantage) for s in samples]),  # type: ignore[arg-type]
+        mask=response_tensor(samples, [s.loss_mask for s in samples], seq_len),  # type: ignore[misc]
+        old_logprobs=None if old_logprobs is None else response_tensor(samples, old_logprobs, seq_len),
+        behaviour_logprobs=behaviour,
+        ref_logprobs=None if ref_logprobs is None else response_tensor(samples, ref_logprobs, seq_len),
+        token_weights=L.role_weights(samples, config.role_weights, seq_len) if config.role_weights else None,
+        entropy=entropy,
+    )
+
+
+def make_loss_fn(
+    config: LossConfig,
+    inputs_for: Callable[[MicroBatch], LossInputs],
+    stats_sink: list[dict[str, torch.Tensor]] | None = None,
+) -> Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, torch.Tensor]]:
+    """An engine ``LossFn``: looks up the micro-batch's :class:`LossInputs` with ``inputs_for`` and
+    applies :func:`compute_loss`; each micro-batch's stats go to ``stats_sink`` if given."""
+
+    def loss_fn(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = inputs_for(mb)
+        loss, count, stats = compute_loss(logprobs, inputs, config)
+        if stats_sink is not None:
+            stats_sink.append(stats)
+        return loss, count
+
+    return loss_fn
