@@ -1,0 +1,408 @@
+"""Sequence packing: variable-length samples into fixed-capacity packs, spread over data-parallel ranks.
+
+Pure: lengths in, a :class:`PackPlan` out (plain Python, no torch); torch only to materialise one pack as
+tensors (:func:`build_pack`). Megatron is imported lazily, only by :meth:`PackedSequence.packed_seq_params`.
+
+Planning (``plan_packs``):
+
+1. Samples longer than the capacity are truncated to it (their first ``capacity`` tokens are kept) and
+   get a pack of their own; ``PackPlan.truncated`` lists them.
+2. Best-fit decreasing puts every other sample in the fullest pack it still fits in.
+3. Packs go to ``dp`` ranks: largest pack first to the least-loaded rank, then samples are moved or
+   swapped between the busiest rank and the others (never over the capacity) until the busiest rank is
+   within ``balance_tolerance`` of the mean token load, or nothing improves it.
+
+When the pack count does not divide ``dp``, ranks hold different numbers of packs (they differ by about
+one). Megatron needs every DP rank to run the same number of micro-batches: ``pad_ranks=True`` appends
+empty packs to the short ranks (``PackPlan.num_padding_packs`` counts them; each is one all-pad micro-batch).
+
+Worked example: lengths ``[5, 3, 9, 2]``, capacity 8 -> sample 2 is truncated to 8 (``truncated == (2,)``)
+and packed alone; the others fill packs ``(0, 1)`` (8 tokens) and ``(3,)``: 3 packs, the lower bound.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+# ------------------------------------------------------------------------------------------------ planning
+@dataclass(frozen=True)
+class PackPlan:
+    """``packs[k]`` are the sample indices in pack k (in order of placement); ``rank_packs[r]`` are the
+    pack indices rank r trains on. ``packed_lengths[i]`` is sample i's length after truncation.
+    Padding packs (``pad_ranks``) are the last ``num_padding_packs`` entries of ``packs`` and are empty."""
+
+    capacity: int
+    lengths: tuple[int, ...]
+    packed_lengths: tuple[int, ...]
+    packs: tuple[tuple[int, ...], ...]
+    rank_packs: tuple[tuple[int, ...], ...]
+    truncated: tuple[int, ...] = ()
+    num_padding_packs: int = 0
+    pack_loads: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.lengths)
+        seen = sorted(i for p in self.packs for i in p)
+        assert seen == list(range(n)), "every sample must be in exactly one pack"
+        loads = tuple(sum(self.packed_lengths[i] for i in p) for p in self.packs)
+        assert all(load <= self.capacity for load in loads), "a pack is over the capacity"
+        assert self.packed_lengths == tuple(min(x, self.capacity) for x in self.lengths)
+        assert self.truncated == tuple(i for i, x in enumerate(self.lengths) if x > self.capacity)
+        for i in self.truncated:
+            assert any(p == (i,) for p in self.packs), f"truncated sample {i} must be packed alone"
+        ranked = sorted(k for r in self.rank_packs for k in r)
+        assert ranked == list(range(len(self.packs))), "every pack must go to exactly one rank"
+        empty = sum(1 for p in self.packs[len(self.packs) - self.num_padding_packs :] if not p)
+        assert empty == self.num_padding_packs, "padding packs must be the empty last packs"
+        object.__setattr__(self, "pack_loads", loads)
+
+    @property
+    def dp(self) -> int:
+        return len(self.rank_packs)
+
+    @property
+    def num_packs(self) -> int:
+        """Packs holding samples (padding packs not counted)."""
+        return len(self.packs) - self.num_padding_packs
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.packed_lengths)
+
+    @property
+    def lower_bound(self) -> int:
+        """No plan can use fewer packs: ceil(total tokens / capacity)."""
+        return -(-self.total_tokens // self.capacity)
+
+    @property
+    def fill_ratio(self) -> float:
+        """Tokens over the capacity of the non-padding packs."""
+        return self.total_tokens / (self.capacity * max(self.num_packs, 1))
+
+    @property
+    def rank_loads(self) -> tuple[int, ...]:
+        return tuple(sum(self.pack_loads[k] for k in r) for r in self.rank_packs)
+
+    @property
+    def balance(self) -> float:
+        """Busiest rank's token load over the mean (1.0 is perfect)."""
+        loads = self.rank_loads
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean else 1.0
+
+
+def bin_pack(lengths: Sequence[int], capacity: int, algorithm: str = "bfd") -> list[list[int]]:
+    """Bins of sample indices, each summing to at most ``capacity`` (lengths must already be ≤ capacity).
+
+    ``bfd``: best-fit decreasing (ours); ``ffd``: first-fit decreasing; ``ff``: first fit in arrival order.
+    """
+    if any(x > capacity or x < 0 for x in lengths):
+        raise ValueError("lengths must be in [0, capacity]; truncate first")
+    if algorithm == "bfd":
+        return _best_fit_decreasing(lengths, capacity)
+    if algorithm in ("ffd", "ff"):
+        order = range(len(lengths))
+        if algorithm == "ffd":
+            order = sorted(order, key=lambda i: -lengths[i])
+        bins: list[list[int]] = []
+        free: list[int] = []
+        for i in order:
+            for b, f in enumerate(free):
+                if lengths[i] <= f:
+                    bins[b].append(i)
+                    free[b] -= lengths[i]
+                    break
+            else:
+                bins.append([i])
+                free.append(capacity - lengths[i])
+        return bins
+    raise ValueError(f"unknown bin-packing algorithm {algorithm!r}; use bfd, ffd or ff")
+
+
+def _best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """One pack at a time: open it with the longest sample left, add the longest samples that fit, and
+    close it with the pair of samples that best fills the room left once a single sample no longer
+    leaves room for another (a light form of minimum-bin-slack packing)."""
+    pool = sorted((x, i) for i, x in enumerate(lengths))  # remaining samples, ascending
+    bins: list[list[int]] = []
+    while pool:
+        x, i = pool.pop()
+        room = capacity - x
+        pack = [i]
+        while pool and pool[0][0] <= room:
+            j = bisect.bisect_right(pool, (room, len(lengths))) - 1  # longest that fits
+            single = pool[j][0]
+            if room - single >= pool[0][0] and j > 0:
+                x, i = pool.pop(j)
+                pack.append(i)
+                room -= x
+                continue
+            pair = _best_pair(pool, room, j)
+            if pair is not None and pool[pair[0]][0] + pool[pair[1]][0] > single:
+                a, b = pair  # a > b: pop the later index first
+                pack += [pool.pop(a)[1], pool.pop(b)[1]]
+            else:
+                pack.append(pool.pop(j)[1])
+            break
+        bins.append(pack)
+    return bins
+
+
+def _best_pair(pool: list[tuple[int, int]], room: int, top: int, tries: int = 48) -> tuple[int, int] | None:
+    """Indices (a > b) of two samples of ``pool`` (ascending) with the largest sum <= room."""
+    best, best_sum = None, 0
+    for a in range(top, max(top - tries, 0), -1):
+        xa = pool[a][0]
+        if 2 * xa < best_sum:
+            break
+        b = min(bisect.bisect_right(pool, (room - xa, 1 << 62)) - 1, a - 1)
+        if b >= 0 and xa + pool[b][0] > best_sum:
+            best, best_sum = (a, b), xa + pool[b][0]
+            if best_sum == room:
+                break
+    return best
+
+
+def plan_packs(
+    lengths: Sequence[int],
+    capacity: int,
+    dp: int = 1,
+    *,
+    pad_ranks: bool = False,
+    balance_tolerance: float = 0.002,
+    algorithm: str = "bfd",
+    rebalance: bool = True,
+) -> PackPlan:
+    """Pack samples of ``lengths`` tokens into packs of at most ``capacity`` tokens over ``dp`` ranks.
+
+    ``balance_tolerance``: stop rebalancing once the busiest rank is within this fraction of the mean.
+    ``algorithm``/``rebalance`` exist to compare against simpler planners (see ``tools/bench/packing.py``).
+    Deterministic: the same arguments give the same plan.
+    """
+    if capacity <= 0 or dp <= 0:
+        raise ValueError(f"capacity ({capacity}) and dp ({dp}) must be positive")
+    if any(x <= 0 for x in lengths):
+        raise ValueError("every sample needs at least one token")
+    packed = tuple(min(x, capacity) for x in lengths)
+    truncated = tuple(i for i, x in enumerate(lengths) if x > capacity)
+    rest = [i for i, x in enumerate(lengths) if x <= capacity]
+    bins = [[i] for i in truncated]
+    bins += [[rest[j] for j in b] for b in bin_pack([packed[i] for i in rest], capacity, algorithm)]
+    ranks = _assign_ranks([sum(packed[i] for i in b) for b in bins], dp)
+    if rebalance and dp > 1:
+        _rebalance(bins, ranks, packed, capacity, balance_tolerance)
+    padding = 0
+    if pad_ranks:
+        most = max(len(r) for r in ranks)
+        for r in ranks:
+            while len(r) < most:
+                r.append(len(bins))
+                bins.append([])
+                padding += 1
+    return PackPlan(
+        capacity=capacity,
+        lengths=tuple(lengths),
+        packed_lengths=packed,
+        packs=tuple(tuple(b) for b in bins),
+        rank_packs=tuple(tuple(r) for r in ranks),
+        truncated=truncated,
+        num_padding_packs=padding,
+    )
+
+
+def _assign_ranks(loads: Sequence[int], dp: int) -> list[list[int]]:
+    """Largest pack first to the least-loaded rank (ties: fewer packs, then lower rank)."""
+    heap = [(0, 0, r) for r in range(dp)]
+    ranks: list[list[int]] = [[] for _ in range(dp)]
+    for k in sorted(range(len(loads)), key=lambda k: (-loads[k], k)):
+        load, count, r = heapq.heappop(heap)
+        ranks[r].append(k)
+        heapq.heappush(heap, (load + loads[k], count + 1, r))
+    for r in ranks:
+        r.sort()
+    return ranks
+
+
+def _rebalance(
+    bins: list[list[int]],
+    ranks: list[list[int]],
+    lengths: Sequence[int],
+    capacity: int,
+    tolerance: float,
+    max_steps: int = 32,
+) -> None:
+    """Move tokens off the busiest rank, one sample move or swap at a time, never over the capacity.
+
+    Each step moves ``x`` tokens from the busiest rank B to another rank R (0 < x < load_B - load_R, so
+    the pair's maximum drops): a sample of B into a pack of R with room for it, or a sample of B swapped
+    with a shorter one of R whose pack has room for the difference. ``x`` is chosen closest to the
+    amount that would bring B down to the mean without pushing R above it. Only the two least-loaded
+    ranks are tried as R, for at most ``max_steps`` steps (planning time stays in milliseconds).
+    """
+    pack_load = [sum(lengths[i] for i in b) for b in bins]
+    rank_load = [sum(pack_load[k] for k in r) for r in ranks]
+    mean = sum(rank_load) / len(ranks)
+    for _ in range(max_steps):
+        busiest = max(range(len(ranks)), key=lambda r: (rank_load[r], -r))
+        if rank_load[busiest] <= mean * (1 + tolerance):
+            return
+        # B's samples sorted by length: (length, sample, pack)
+        mine = sorted((lengths[i], i, k) for k in ranks[busiest] for i in bins[k])
+        best: tuple[float, int, int, int, int, int] | None = None  # (score, x, s, p, t, q); t=-1: move
+        for other in sorted(range(len(ranks)), key=lambda r: rank_load[r])[:2]:
+            gap = rank_load[busiest] - rank_load[other]
+            if gap <= 1:
+                break
+            want = min(rank_load[busiest] - mean, mean - rank_load[other], gap / 2)
+            want = max(want, 1.0)
+            for q in ranks[other]:
+                free = capacity - pack_load[q]
+                for t in [-1, *bins[q]]:
+                    lt = 0 if t < 0 else lengths[t]
+                    hi = lt + min(free, gap - 1)  # s must be in (lt, hi]
+                    j = bisect.bisect_left(mine, (lt + want,))
+                    for cand in (j - 1, j):
+                        if 0 <= cand < len(mine) and lt < mine[cand][0] <= hi:
+                            x = mine[cand][0] - lt
+                            score = abs(x - want)
+                            if best is None or score < best[0]:
+                                best = (score, x, mine[cand][1], mine[cand][2], t, q)
+            if best is not None and best[0] < 1:
+                break
+        if best is None:
+            return
+        _, x, s, p, t, q = best
+        bins[p].remove(s)
+        bins[q].append(s)
+        if t >= 0:
+            bins[q].remove(t)
+            bins[p].append(t)
+        pack_load[p] -= x
+        pack_load[q] += x
+        owner = next(r for r in range(len(ranks)) if q in ranks[r])
+        rank_load[busiest] -= x
+        rank_load[owner] += x
+
+
+# --------------------------------------------------------------------------------------------- tensors
+@dataclass(frozen=True)
+class PackedSequence:
+    """One pack as a single sequence of length T (a multiple of the requested ``multiple``).
+
+    ``tokens[0, t]`` is fed at position ``position_ids[0, t]`` and ``targets[0, t]`` is the next token of
+    the same sample; ``loss_mask`` is 0 on each sample's last token and on the pad sample, so no target
+    crosses a sample boundary. ``cu_seqlens`` are the segment boundaries (the pad sample, if any, is the
+    last segment); ``sample_spans[j] = (start, end)`` locate sample ``sample_ids[j]`` in the pack.
+    """
+
+    tokens: torch.Tensor  # [1, T] int64
+    position_ids: torch.Tensor  # [1, T] int64
+    targets: torch.Tensor  # [1, T] int64
+    loss_mask: torch.Tensor  # [1, T] float32
+    cu_seqlens: torch.Tensor  # [segments + 1] int32
+    sample_ids: tuple[int, ...]
+    sample_spans: tuple[tuple[int, int], ...]
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    def attention_mask(self) -> torch.Tensor:
+        """sbhd form (CPU, local attention): block-diagonal causal mask [1, 1, T, T], True = masked out
+        (megatron's convention). T*T booleans: for small packs only."""
+        segment = torch.repeat_interleave(
+            torch.arange(len(self.cu_seqlens) - 1), self.cu_seqlens.diff().long()
+        )
+        same = segment[:, None] == segment[None, :]
+        causal = torch.ones(self.length, self.length, dtype=torch.bool).tril()
+        return ~(same & causal)[None, None]
+
+    def packed_seq_params(self):
+        """THD form (GPU, ``TEDotProductAttention``): megatron ``PackedSeqParams`` for this pack."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        longest = int(self.cu_seqlens.diff().max())
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
+
+    def unpack(self, per_token: torch.Tensor) -> list[torch.Tensor]:
+        """Split a per-token output ``[1, T, ...]`` (or ``[T, ...]``) back into one tensor per sample."""
+        rows = per_token[0] if per_token.dim() > 1 and per_token.shape[0] == 1 else per_token
+        return [rows[a:b] for a, b in self.sample_spans]
+
+
+def build_pack(
+    seqs: Sequence[Sequence[int]],
+    *,
+    sample_ids: Sequence[int] | None = None,
+    max_len: int | None = None,
+    multiple: int = 1,
+    restart_positions: bool = True,
+    pad_token: int = 0,
+) -> PackedSequence:
+    """Concatenate ``seqs`` (each truncated to ``max_len`` tokens) into one pack, padded to ``multiple``
+    with a masked pad sample. ``restart_positions=False`` lets positions run on across samples."""
+    if multiple <= 0:
+        raise ValueError(f"multiple must be positive, got {multiple}")
+    parts = [list(s)[:max_len] if max_len is not None else list(s) for s in seqs]
+    if any(len(p) == 0 for p in parts):
+        raise ValueError("every sample needs at least one token")
+    real = sum(len(p) for p in parts)
+    total = max(-(-real // multiple) * multiple, multiple)
+    seg_lens = [len(p) for p in parts] + ([total - real] if total > real else [])
+    tokens = torch.full((total,), pad_token, dtype=torch.long)
+    targets = torch.zeros(total, dtype=torch.long)
+    mask = torch.zeros(total, dtype=torch.float32)
+    spans = []
+    start = 0
+    for p in parts:
+        t = torch.as_tensor(p, dtype=torch.long)
+        tokens[start : start + len(p)] = t
+        targets[start : start + len(p) - 1] = t[1:]
+        mask[start : start + len(p) - 1] = 1.0
+        spans.append((start, start + len(p)))
+        start += len(p)
+    if restart_positions:
+        positions = torch.cat([torch.arange(n) for n in seg_lens])
+    else:
+        positions = torch.arange(total)
+    cu = torch.zeros(len(seg_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.as_tensor(seg_lens, dtype=torch.int32), 0)
+    return PackedSequence(
+        tokens=tokens[None],
+        position_ids=positions[None],
+        targets=targets[None],
+        loss_mask=mask[None],
+        cu_seqlens=cu,
+        sample_ids=tuple(sample_ids) if sample_ids is not None else tuple(range(len(parts))),
+        sample_spans=tuple(spans),
+    )
+
+
+def build_plan_pack(
+    plan: PackPlan, seqs: Sequence[Sequence[int]], pack: int, *, multiple: int = 1, **kwargs
+) -> PackedSequence:
+    """Pack ``pack`` of ``plan`` from the global batch ``seqs`` (truncated as the plan says). A padding
+    pack becomes one all-pad sequence of ``multiple`` tokens with no loss."""
+    ids = plan.packs[pack]
+    if any(len(seqs[i]) != plan.lengths[i] for i in ids):
+        raise ValueError("seqs do not match the lengths the plan was made for")
+    return build_pack(
+        [seqs[i] for i in ids], sample_ids=ids, max_len=plan.capacity, multiple=multiple, **kwargs
+    )
+
+
+def lower_bound(lengths: Sequence[int], capacity: int) -> int:
+    return math.ceil(sum(min(x, capacity) for x in lengths) / capacity)
