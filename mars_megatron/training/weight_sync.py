@@ -1,9 +1,9 @@
 """Trainer → rollout engine weight sync.
 
 Every trainer rank takes part (the export gathers TP/EP/PP shards with collectives); global rank 0 holds
-the engine and receives full HF-named tensors one at a time, which it hands to the engine in buckets of
-about ``bucket_bytes``. Buckets bound the memory on rank 0 to one bucket, and amortise the engine's
-per-call cost (vLLM's reload walks its layers once per call).
+the engine and hands it the export as *one stream* of full HF-named tensors. One call, not buckets:
+vLLM's in-place reload processes a layer once all of its weights arrived within a call (measured: split
+calls leave layers half-loaded and produce NaNs), and a stream keeps rank 0's memory at one tensor.
 """
 
 from __future__ import annotations
@@ -28,25 +28,7 @@ class SyncStats:
     version: int
     tensors: int
     bytes: int
-    buckets: int
     seconds: float
-
-
-def buckets(
-    named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a stream of tensors into lists of about ``bucket_bytes`` (a larger tensor forms its own)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class WeightSync:
@@ -55,27 +37,29 @@ class WeightSync:
     Construct it on every trainer rank; pass the engine only on global rank 0 (``None`` elsewhere).
     """
 
-    def __init__(
-        self, arch: Qwen3Arch, engine: WeightUpdatable | None, *, bucket_bytes: int = 256 * 2**20
-    ) -> None:
+    def __init__(self, arch: Qwen3Arch, engine: WeightUpdatable | None) -> None:
         if (engine is not None) != (dist.get_rank() == 0):
             raise ValueError("the engine must be given on global rank 0 and only there")
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.arch = arch
         self.engine = engine
-        self.bucket_bytes = bucket_bytes
         self.version = 0
 
     def sync(self, model: Any) -> SyncStats:
-        """Collective: export ``model`` and load it into the engine; returns the new policy version."""
+        """Collective: export ``model`` into the engine; returns the new policy version and what moved."""
         start = time.perf_counter()
-        tensors = nbytes = count = 0
-        for bucket in buckets(export_weights(model, self.arch), self.bucket_bytes):
-            assert self.engine is not None  # only rank 0 receives tensors
-            self.engine.update_weights(bucket)
-            tensors += len(bucket)
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            count += 1
+        counts = [0, 0]
+
+        def counted(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in named:
+                counts[0] += 1
+                counts[1] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        stream = export_weights(model, self.arch)
+        if self.engine is not None:
+            self.engine.update_weights(counted(stream))
+        else:
+            for _ in stream:  # take part in the gathers and sends
+                pass
         self.version += 1
-        return SyncStats(self.version, tensors, nbytes, count, time.perf_counter() - start)
+        return SyncStats(self.version, counts[0], counts[1], time.perf_counter() - start)
