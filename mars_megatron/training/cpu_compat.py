@@ -7,6 +7,11 @@ None of that is needed for correctness on CPU, so rather than forking megatron w
 to the CPU while this process has no GPU. The alternative, a global ``TorchFunctionMode``, was measured at
 30–50 % per step; patching only the entry points megatron uses costs a dict lookup per factory call.
 
+Tensor factories are redirected only inside megatron's modules (their ``torch`` global becomes a proxy,
+see :class:`_TorchForMegatron`), because replacing ``torch.tensor`` itself breaks other libraries in the
+same process (transformers). Streams, events, ``synchronize`` and the ``Tensor`` methods are patched on
+torch, where a CPU-only process cannot use them anyway.
+
 The layer is process-wide and deliberately one-way: it is installed once, before megatron builds a
 model, and only when ``torch.cuda.is_available()`` is False. On a GPU machine ``install()`` does
 nothing except the version fixes listed in ``_patch_megatron_bugs``, which apply everywhere.
