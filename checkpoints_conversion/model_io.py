@@ -215,19 +215,34 @@ def _te_alias(name: str) -> list[str]:
     return [name]
 
 
-@torch.no_grad()
-def export_weights(model: torch.nn.Module, arch: Qwen3Arch) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor)`` for the whole model on global rank 0; other ranks yield nothing
-    but must iterate too (they take part in the gathers and sends)."""
+@dataclass(frozen=True)
+class ExportStep:
+    """One parameter of the whole model in export order, resolved for this rank."""
+
+    plan: ParamPlan
+    sender: int  # the global rank that sends the full tensors to rank 0
+    param: torch.nn.Parameter | None  # this rank's piece, when it takes part in the gather
+    group_size: int
+    group: Any
+    shapes: tuple[tuple[int, ...], ...]  # full HF shapes, for receiving on rank 0
+
+
+def plan_export(model: torch.nn.Module, arch: Qwen3Arch) -> list[ExportStep]:
+    """Resolve, once, who holds and who sends every parameter (collective: gathers the rank layout).
+
+    Reusing the plan makes repeated exports (weight sync every step) cost only the gathers and copies.
+    """
     from megatron.core import parallel_state as ps
 
     params = dict(_local_params(model))
     pp_rank = ps.get_pipeline_model_parallel_rank()
     per_stage = _stage_layers(model, arch)
-    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
-    experts_per_rank = (arch.num_experts or 1) // ep
+    ep_rank = ps.get_expert_model_parallel_rank()
+    experts_per_rank = (arch.num_experts or 1) // ps.get_expert_model_parallel_world_size()
     me = dist.get_rank()
     coords = _all_coords()
+    shapes = expected_hf_tensors(arch)
+    steps = []
     for gp in _global_params(arch, per_stage):
         owner_ep = None if gp.expert is None else gp.expert // experts_per_rank
         local_name = (
@@ -241,32 +256,47 @@ def export_weights(model: torch.nn.Module, arch: Qwen3Arch) -> Iterator[tuple[st
         )
         sender = _sender(coords, gp.stage, owner_ep, plan.group)
         holds = pp_rank == gp.stage and (owner_ep is None or owner_ep == ep_rank)
-        dtype = _param_dtype(params)
-        full: list[torch.Tensor] | None = None
+        param = None
         if holds and _in_sender_replica(coords[me], plan.group, coords[sender]):
-            name = next(n for n in _te_alias(local_name) if n in params)
-            piece = params[name].detach().cpu()
-            _, size, group = _group_coords(plan)
+            param = params[next(n for n in _te_alias(local_name) if n in params)]
+        _, size, group = _group_coords(plan)
+        steps.append(ExportStep(plan, sender, param, size, group, tuple(shapes[n] for n in plan.hf_names)))
+    return steps
+
+
+@torch.no_grad()
+def export_weights(
+    model: torch.nn.Module, arch: Qwen3Arch, steps: list[ExportStep] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for the whole model on global rank 0; other ranks yield nothing
+    but must iterate too (they take part in the gathers and sends). ``steps`` from :func:`plan_export`
+    may be reused across calls on the same model."""
+    steps = plan_export(model, arch) if steps is None else steps
+    me = dist.get_rank()
+    dtype = _param_dtype(dict(_local_params(model)))
+    for step in steps:
+        full: list[torch.Tensor] | None = None
+        if step.param is not None:
+            piece = step.param.detach().cpu()
             pieces = [piece]
-            if size > 1:
-                pieces = [torch.empty_like(piece) for _ in range(size)]
-                dist.all_gather(pieces, piece.contiguous(), group=group)
-            full = unshard(plan, pieces, arch) if me == sender else None
-        if sender != 0:
-            if me == sender:
+            if step.group_size > 1:
+                pieces = [torch.empty_like(piece) for _ in range(step.group_size)]
+                dist.all_gather(pieces, piece.contiguous(), group=step.group)
+            full = unshard(step.plan, pieces, arch) if me == step.sender else None
+        if step.sender != 0:
+            if me == step.sender:
                 assert full is not None
                 for t in full:
                     dist.send(t.contiguous(), dst=0)
             elif me == 0:
-                shapes = expected_hf_tensors(arch)
                 full = []
-                for n in plan.hf_names:
-                    t = torch.empty(shapes[n], dtype=dtype)
-                    dist.recv(t, src=sender)
+                for shape in step.shapes:
+                    t = torch.empty(shape, dtype=dtype)
+                    dist.recv(t, src=step.sender)
                     full.append(t)
         if me == 0:
             assert full is not None
-            yield from zip(plan.hf_names, full, strict=True)
+            yield from zip(step.plan.hf_names, full, strict=True)
 
 
 def _param_dtype(params: dict[str, torch.nn.Parameter]) -> torch.dtype:

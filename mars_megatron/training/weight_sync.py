@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoints_conversion.model_io import export_weights
+from checkpoints_conversion.model_io import ExportStep, export_weights, plan_export
 from mars_megatron.rollout.engine import WeightUpdatable
 from mars_megatron.training.hf_config import Qwen3Arch
 
@@ -43,6 +43,7 @@ class WeightSync:
         self.arch = arch
         self.engine = engine
         self.version = 0
+        self._plan: tuple[int, list[ExportStep]] | None = None  # (id of the model, its export plan)
 
     def sync(self, model: Any) -> SyncStats:
         """Collective: export ``model`` into the engine; returns the new policy version and what moved."""
@@ -55,7 +56,9 @@ class WeightSync:
                 counts[1] += tensor.numel() * tensor.element_size()
                 yield name, tensor
 
-        stream = export_weights(model, self.arch)
+        if self._plan is None or self._plan[0] != id(model):
+            self._plan = (id(model), plan_export(model, self.arch))  # collective, once per model
+        stream = export_weights(model, self.arch, self._plan[1])
         if self.engine is not None:
             self.engine.update_weights(counted(stream))
         else:
