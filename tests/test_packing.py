@@ -67,11 +67,6 @@ def test_random_long_tail_plans_are_valid_and_deterministic(seed: int) -> None:
     assert plan == plan_packs(lengths, CAP, dp=8)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TARGETS.md asks for <= lower bound + 1 packs; best-fit decreasing + pair closing reaches "
-    "lower bound + 2 on these seeds (measured); a repack pass that empties the emptiest pack is still to do",
-)
 @pytest.mark.parametrize("seed", range(3))
 def test_at_most_lower_bound_plus_one_packs(seed: int) -> None:
     plan = plan_packs(long_tail(seed), CAP, dp=8)

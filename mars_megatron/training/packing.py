@@ -8,6 +8,8 @@ Planning (``plan_packs``):
 1. Samples longer than the capacity are truncated to it (their first ``capacity`` tokens are kept) and
    get a pack of their own; ``PackPlan.truncated`` lists them.
 2. Best-fit decreasing puts every other sample in the fullest pack it still fits in.
+   Then, above ceil(total/capacity) + 1 packs, the least-full pack is emptied into the others' room,
+   with sample moves/swaps between packs to make room (``_repack``).
 3. Packs go to ``dp`` ranks: largest pack first to the least-loaded rank, then samples are moved or
    swapped between the busiest rank and the others (never over the capacity) until the busiest rank is
    within ``balance_tolerance`` of the mean token load, or nothing improves it.
@@ -170,13 +172,171 @@ def _best_pair(pool: list[tuple[int, int]], room: int, top: int, tries: int = 48
     return best
 
 
+def _swap(
+    packs: list[list[int]],
+    pack_of: list[int],
+    free: list[int],
+    lengths: Sequence[int],
+    a: int,
+    A: int,
+    b: int,
+    B: int,
+) -> None:
+    """Sample ``a`` from pack A to pack B and (when ``b >= 0``) sample ``b`` from B to A."""
+    packs[A].remove(a)
+    packs[B].append(a)
+    pack_of[a] = B
+    free[A] += lengths[a]
+    free[B] -= lengths[a]
+    if b >= 0:
+        packs[B].remove(b)
+        packs[A].append(b)
+        pack_of[b] = A
+        free[B] += lengths[b]
+        free[A] -= lengths[b]
+
+
+def _repack(
+    bins: list[list[int]], lengths: Sequence[int], capacity: int, target: int, max_steps: int = 64
+) -> list[list[int]]:
+    """Empty the least-full pack (at most twice) until at most ``target`` packs remain.
+
+    Its samples, longest first, go to the pack with the least room that fits them; failing that, room is
+    made in a pack A by a move or swap with another pack B (a sample of A into B's room, a shorter one
+    of B back), the tightest such fit first; failing that, A's room is grown one move/swap at a time;
+    failing that, the sample displaces a shorter sample of a pack with enough room, which is placed
+    next. At most ``max_steps`` steps per emptied pack; if samples remain, the bins come back unchanged.
+    """
+    n = len(lengths)
+    order = sorted((lengths[i], i) for i in range(n))
+    good = order[0][0]
+    for _ in range(2):
+        if len(bins) <= target:
+            return bins
+        loads = [sum(lengths[i] for i in b) for b in bins]
+        victim = min(range(len(bins)), key=lambda k: (loads[k], k))
+        packs = [list(b) for k, b in enumerate(bins) if k != victim]
+        free = [capacity - loads[k] for k in range(len(bins)) if k != victim]
+        pack_of = [-1] * n
+        for k, b in enumerate(packs):
+            for i in b:
+                pack_of[i] = k
+
+        pending = sorted((lengths[i], i) for i in bins[victim])
+        steps = 0
+        anchor = -1
+        while pending and steps < max_steps:
+            steps += 1
+            x, i = pending[-1]
+            fit = min(((f, k) for k, f in enumerate(free) if f >= x), default=None)
+            if fit is not None:
+                k = fit[1]
+                pending.pop()
+                packs[k].append(i)
+                pack_of[i] = k
+                free[k] -= x
+                anchor = -1
+                continue
+            by_free = sorted(range(len(free)), key=lambda k: (-free[k], k))
+            fmax = free[by_free[0]]
+            best = None  # (-progress or leftover key, a, A, b, B)
+            if anchor < 0:
+                for B in by_free[:16]:
+                    fB = free[B]
+                    if fB + fmax < x:
+                        break
+                    for b_len, b in [(0, -1)] + [(lengths[j], j) for j in packs[B]]:
+                        lo = bisect.bisect_left(order, (b_len + x - fmax, -1))
+                        hi = bisect.bisect_right(order, (b_len + fB, n))
+                        for a_len, a in order[lo:hi]:
+                            k = pack_of[a]
+                            if k < 0 or k == B:
+                                continue
+                            left = free[k] + a_len - b_len - x
+                            if left >= 0 and (best is None or left < best[0]):
+                                best = (left, a, k, b, B)
+                                if left < good:
+                                    break
+                        if best is not None and best[0] < good:
+                            break
+                    if best is not None and best[0] < good:
+                        break
+            if best is None:
+                # consolidate: grow the free room of one pack (the anchor) by a move/swap with another
+                cands = [anchor] if anchor >= 0 else by_free[:8]
+                for A in cands:
+                    for a in packs[A]:
+                        a_len = lengths[a]
+                        lo = bisect.bisect_left(order, (a_len - fmax, -1))
+                        hi = bisect.bisect_left(order, (a_len, -1))
+                        for b_len, b in [(0, -1), *order[lo:hi]]:
+                            B = pack_of[b] if b >= 0 else -1
+                            if b >= 0 and (B < 0 or B == A):
+                                continue
+                            if b < 0:
+                                # plain move of a into the best other pack
+                                continue
+                            d = a_len - b_len
+                            if d <= free[B]:
+                                gain = free[A] + d
+                                if best is None or gain > best[0]:
+                                    best = (gain, b, B, a, A)
+                        # plain moves of a
+                        for B in by_free[:4]:
+                            if B != A and free[B] >= a_len:
+                                gain = free[A] + a_len
+                                if best is None or gain > best[0]:
+                                    best = (gain, -1, B, a, A)
+                if best is None or best[0] <= free[best[4]]:
+                    best = None
+                else:
+                    _, b, B, a, A = best
+                    _swap(packs, pack_of, free, lengths, a, A, b, B)
+                    anchor = A
+                    continue
+            else:
+                _, a, k, b, B = best
+                _swap(packs, pack_of, free, lengths, a, k, b, B)
+                pending.pop()
+                packs[k].append(i)
+                pack_of[i] = k
+                free[k] -= x
+                anchor = -1
+                continue
+            # chain: swap i into A for a shorter sample a (a >= x - free[A]); a becomes pending
+            lo = bisect.bisect_left(order, (x - fmax, -1))
+            hi = bisect.bisect_left(order, (x, -1))
+            best = None
+            for a_len, a in order[lo:hi]:
+                k = pack_of[a]
+                if k < 0 or a_len + free[k] < x:
+                    continue
+                if best is None or a_len < lengths[best[0]]:
+                    best = (a, k)
+            if best is None:
+                break
+            a, k = best
+            pending.pop()
+            packs[k].remove(a)
+            packs[k].append(i)
+            pack_of[i] = k
+            pack_of[a] = -1
+            free[k] -= x - lengths[a]
+            bisect.insort(pending, (lengths[a], a))
+            anchor = -1
+        if pending:
+            return bins
+        bins = packs
+    return bins
+
+
 def plan_packs(
     lengths: Sequence[int],
     capacity: int,
     dp: int = 1,
     *,
     pad_ranks: bool = False,
-    balance_tolerance: float = 0.002,
+    balance_tolerance: float = 0.005,
     algorithm: str = "bfd",
     rebalance: bool = True,
 ) -> PackPlan:
@@ -194,7 +354,11 @@ def plan_packs(
     truncated = tuple(i for i, x in enumerate(lengths) if x > capacity)
     rest = [i for i, x in enumerate(lengths) if x <= capacity]
     bins = [[i] for i in truncated]
-    bins += [[rest[j] for j in b] for b in bin_pack([packed[i] for i in rest], capacity, algorithm)]
+    rest_lengths = [packed[i] for i in rest]
+    rest_bins = bin_pack(rest_lengths, capacity, algorithm)
+    if algorithm == "bfd" and rest:
+        rest_bins = _repack(rest_bins, rest_lengths, capacity, -(-sum(rest_lengths) // capacity) + 1)
+    bins += [[rest[j] for j in b] for b in rest_bins]
     ranks = _assign_ranks([sum(packed[i] for i in b) for b in bins], dp)
     if rebalance and dp > 1:
         _rebalance(bins, ranks, packed, capacity, balance_tolerance)
