@@ -9,6 +9,7 @@ so any TP/PP/EP/DP layout computes the same update as one process.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -61,6 +62,7 @@ class MegatronEngine:
         self.dp = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.optimizer: Any = None
+        self.skipped_steps = 0  # steps dropped for a non-finite loss or gradient
         if optimizer is not None:
             self._setup_training(optimizer)
 
@@ -209,13 +211,33 @@ class MegatronEngine:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reduced = self._run(mbs, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
         loss_sum = sum(float(r["loss_sum"]) for r in reduced) if reduced else 0.0
         tokens = sum(float(r["tokens"]) for r in reduced) if reduced else 0.0
+        if self._finite_everywhere(loss_sum):
+            ok, grad_norm, _ = self.optimizer.step()
+            skipped = 0.0
+        else:
+            # A NaN/inf loss or gradient on any rank: drop this step rather than poison the weights and
+            # the optimizer state; the run goes on with the next batch.
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            self.skipped_steps += 1
+            ok, grad_norm, skipped = False, None, 1.0
         loss_sum, tokens = self._global_sum([loss_sum, tokens], contribute=True)
         return {
             "loss": loss_sum / max(tokens, 1.0),
             "tokens": tokens,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_ok": float(bool(ok)),
+            "skipped": skipped,
+            "skipped_steps": float(self.skipped_steps),
         }
+
+    def _finite_everywhere(self, local_loss_sum: float) -> bool:
+        """True when this step's loss and every gradient are finite on every rank (one all-reduce)."""
+        bad = not math.isfinite(local_loss_sum)
+        for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]:
+            bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
+        flag = torch.tensor([1.0 if bad else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
