@@ -196,6 +196,16 @@ def _swap(
         free[A] -= lengths[b]
 
 
+def _place_longest_pending(
+    pending: list[tuple[int, int]], packs: list[list[int]], pack_of: list[int], free: list[int], k: int
+) -> None:
+    """Move the longest pending sample into pack ``k``, which has room for it."""
+    x, i = pending.pop()
+    packs[k].append(i)
+    pack_of[i] = k
+    free[k] -= x
+
+
 def _repack(
     bins: list[list[int]], lengths: Sequence[int], capacity: int, target: int, max_steps: int = 64
 ) -> list[list[int]]:
@@ -223,6 +233,7 @@ def _repack(
                 pack_of[i] = k
 
         pending = sorted((lengths[i], i) for i in bins[victim])
+
         steps = 0
         anchor = -1
         while pending and steps < max_steps:
@@ -230,11 +241,7 @@ def _repack(
             x, i = pending[-1]
             fit = min(((f, k) for k, f in enumerate(free) if f >= x), default=None)
             if fit is not None:
-                k = fit[1]
-                pending.pop()
-                packs[k].append(i)
-                pack_of[i] = k
-                free[k] -= x
+                _place_longest_pending(pending, packs, pack_of, free, fit[1])
                 anchor = -1
                 continue
             by_free = sorted(range(len(free)), key=lambda k: (-free[k], k))
@@ -297,10 +304,7 @@ def _repack(
             else:
                 _, a, k, b, B = best
                 _swap(packs, pack_of, free, lengths, a, k, b, B)
-                pending.pop()
-                packs[k].append(i)
-                pack_of[i] = k
-                free[k] -= x
+                _place_longest_pending(pending, packs, pack_of, free, k)
                 anchor = -1
                 continue
             # chain: swap i into A for a shorter sample a (a >= x - free[A]); a becomes pending
