@@ -69,6 +69,11 @@ def _finish(tmp: Path, out: Path, ok: bool) -> None:
     dist.barrier()
 
 
+def is_mcore_checkpoint(path: str | Path) -> bool:
+    """True for a directory written by :func:`hf_to_mcore` (as opposed to an HF model directory)."""
+    return (Path(path) / META).is_file()
+
+
 def read_meta(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:
     """Architecture and metadata of a checkpoint written by :func:`hf_to_mcore`."""
     path = Path(mcore_dir) / META

@@ -273,7 +273,7 @@ def export_weights(
     may be reused across calls on the same model."""
     steps = plan_export(model, arch) if steps is None else steps
     me = dist.get_rank()
-    dtype = _param_dtype(dict(_local_params(model)))
+    dtype = next(_local_params(model))[1].dtype  # every parameter has the model's dtype
     for step in steps:
         full: list[torch.Tensor] | None = None
         if step.param is not None:
@@ -297,10 +297,6 @@ def export_weights(
         if me == 0:
             assert full is not None
             yield from zip(step.plan.hf_names, full, strict=True)
-
-
-def _param_dtype(params: dict[str, torch.nn.Parameter]) -> torch.dtype:
-    return next(iter(params.values())).dtype
 
 
 def _all_coords() -> list[Any]:

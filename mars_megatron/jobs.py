@@ -51,13 +51,13 @@ def load_engine(
     model_dir: str, parallel: ParallelConfig, *, dtype: str | None, impl: str, optimizer: Any = None
 ) -> Any:
     """A :class:`MegatronEngine` with weights from an HF directory or a mars Megatron checkpoint."""
-    from checkpoints_conversion.convert import META, load_mcore, read_meta
+    from checkpoints_conversion.convert import is_mcore_checkpoint, load_mcore, read_meta
     from checkpoints_conversion.hf_io import HFReader
     from checkpoints_conversion.model_io import load_weights, validate_hf_checkpoint
     from mars_megatron.training.engine import MegatronEngine
     from mars_megatron.training.hf_config import load_hf_config
 
-    if (Path(model_dir) / META).is_file():
+    if is_mcore_checkpoint(model_dir):
         arch, meta = read_meta(model_dir)
         engine = MegatronEngine(
             arch,
@@ -79,9 +79,9 @@ def load_engine(
 
 def tokenizer_dir(model_dir: str) -> Path:
     """HF directories carry their tokenizer; mars checkpoints keep it under ``hf/``."""
-    from checkpoints_conversion.convert import META
+    from checkpoints_conversion.convert import is_mcore_checkpoint
 
-    return Path(model_dir) / "hf" if (Path(model_dir) / META).is_file() else Path(model_dir)
+    return Path(model_dir) / "hf" if is_mcore_checkpoint(model_dir) else Path(model_dir)
 
 
 # ------------------------------------------------------------------------------------------------ convert
@@ -106,10 +106,10 @@ def mcore_to_hf_job(
 # -------------------------------------------------------------------------------------------------- score
 def model_arch(model_dir: str) -> Any:
     """Architecture of an HF directory or a mars Megatron checkpoint, read from its metadata only."""
-    from checkpoints_conversion.convert import META, read_meta
+    from checkpoints_conversion.convert import is_mcore_checkpoint, read_meta
     from mars_megatron.training.hf_config import load_hf_config
 
-    if (Path(model_dir) / META).is_file():
+    if is_mcore_checkpoint(model_dir):
         return read_meta(model_dir)[0]
     return load_hf_config(model_dir)
 
