@@ -31,10 +31,11 @@ class Case:
     etp: int | None = None
     score_seqs: list[list[int]] = field(default_factory=list)
     train_seqs: list[list[int]] = field(default_factory=list)
-    micro_batch: int = 2
+    micro_batch: int = 2  # scoring
+    pack_length: int = 32  # training: sequences are packed into packs of this many tokens
     steps: int = 0
     lr: float = 3e-3
-    # after training, call train_step on each (global batch, micro_batch) and record what it raises;
+    # after training, call train_step on each (global batch, pack_length) and record what it raises;
     # only for batches that every rank rejects before any collective
     bad_batches: list[tuple[list[list[int]], int]] = field(default_factory=list)
 
@@ -71,10 +72,10 @@ def _score_and_train(case: Case, seed: int) -> dict:
     if case.score_seqs:
         result["logprobs"] = engine.logprobs(case.score_seqs, case.micro_batch)
     for _ in range(case.steps):
-        result["steps"].append(engine.train_step(case.train_seqs, case.micro_batch))
-    for seqs, micro_batch in case.bad_batches:
+        result["steps"].append(engine.train_step(case.train_seqs, pack_length=case.pack_length))
+    for seqs, pack_length in case.bad_batches:
         try:
-            engine.train_step(seqs, micro_batch)
+            engine.train_step(seqs, pack_length=pack_length)
         except (ValueError, RuntimeError) as e:
             result["errors"].append((type(e).__name__, str(e)))
         else:

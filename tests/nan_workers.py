@@ -26,9 +26,9 @@ def steps_with_a_nan_step(hf: str, layout: dict[str, int], poison: bool) -> dict
     pc = ParallelConfig(**layout)
     parallel.init_model_parallel(pc, seed=0)
     engine = load_engine(hf, pc, dtype=None, impl="local", optimizer=OptimizerConfig(lr=1e-3))
-    first = engine.train_step(TRAIN, 2)
+    first = engine.train_step(TRAIN, pack_length=40)
     snapshot = [p.detach().clone() for p in engine.model.parameters()]
-    second = engine.train_step(TRAIN, 2, nan_loss if poison else lm_loss)
+    second = engine.train_step(TRAIN, nan_loss if poison else lm_loss, pack_length=40)
     unchanged = all(torch.equal(a, b) for a, b in zip(snapshot, engine.model.parameters(), strict=True))
-    third = engine.train_step(TRAIN, 2)
+    third = engine.train_step(TRAIN, pack_length=40)
     return {"steps": [first, second, third], "unchanged": unchanged}

@@ -37,7 +37,7 @@ def train_sync_and_compare(
         for i, p in enumerate(prompts)
     ]
     before = rollout.generate(requests) if rollout is not None else None
-    trainer.train_step(train_seqs, micro_batch=2)
+    trainer.train_step(train_seqs, pack_length=48)
     stats = WeightSync(trainer.arch, rollout).sync(trainer.model)
     after = rollout.generate(requests) if rollout is not None else None
     holder = [[(o.token_ids, o.logprobs) for o in after] if after is not None else None]

@@ -114,12 +114,12 @@ def single(models: dict[str, Path]) -> dict[str, dict]:
             micro_batch=MICRO_BATCH,
             steps=SINGLE_STEPS,
             lr=LR,
-            bad_batches=[(TRAIN[:3], 2)],
+            bad_batches=[(TRAIN[:3], 0)],
         )
         for name, path in models.items()
     ]
     # an engine built for scoring only has no optimizer
-    cases.append(Case("dense-no-optimizer", str(models["dense"]), bad_batches=[(TRAIN, 2)]))
+    cases.append(Case("dense-no-optimizer", str(models["dense"]), bad_batches=[(TRAIN, 32)]))
     (out,) = parallel.launch(score_and_train, 1, cases, timeout_s=600)
     return out
 
@@ -132,7 +132,7 @@ def layouts(models: dict[str, Path]) -> list[dict[str, dict]]:
     for param in LAYOUT_PARAMS:
         preset, layout = param.values
         tp, pp, ep, etp = LAYOUTS[layout]
-        bad = [(TRAIN[:7], 2), (TRAIN[:6], 2)] if layout == "dp2" else []
+        bad = [(TRAIN, 31)] if layout == "tp2" else []
         cases.append(
             Case(
                 f"{preset}-{layout}",
@@ -193,7 +193,7 @@ def test_loss_decreases_over_steps(preset: str, single: dict) -> None:
 
 def test_train_step_rejects_bad_batches(single: dict) -> None:
     (error,) = single["dense"]["errors"]
-    assert error[0] == "ValueError" and "3 sequences must split into micro-batches of 2" in error[1]
+    assert error[0] == "ValueError" and "capacity (0)" in error[1]
     (error,) = single["dense-no-optimizer"]["errors"]
     assert error == ("RuntimeError", "engine was built without an optimizer config")
 
@@ -218,21 +218,25 @@ def test_layout_training_matches_one_process(preset: str, layout: str, layouts: 
     assert per_rank[0] == per_rank[1], "every rank must report the same global metrics"
     steps = per_rank[0]
     assert len(steps) == LAYOUT_STEPS
-    for got, ref in zip(steps, reference, strict=True):
+    for i, (got, ref) in enumerate(zip(steps, reference, strict=True)):
+        # Step 1 sees identical weights: equal within float rounding. Later steps start from weights that
+        # already differ by rounding (packs differ with the DP size, so sums run in another order), and
+        # Adam turns rounding-level gradients into lr-sized updates; with the MoE's near-tie routers a
+        # token can then change experts. Measured: dp2/ep2 MoE step 3 differs by 1.2e-4 with packs of 32.
+        loose = preset == "moe" and i > 0
         assert got["tokens"] == ref["tokens"]
-        assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+        assert got["loss"] == pytest.approx(ref["loss"], abs=5e-4 if loose else 1e-5)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3 if loose else 1e-4)
         assert got["update_ok"] == 1.0
     # the steps really moved the weights (otherwise equal losses would prove little)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
 
 
 @pytest.mark.multiproc
-def test_data_parallel_train_step_rejects_unsplittable_batches(layouts: list) -> None:
+def test_sequence_parallel_train_step_rejects_pack_length_not_divisible_by_tp(layouts: list) -> None:
     for rank in layouts:
-        dp_error, mb_error = rank["dense-dp2"]["errors"]
-        assert dp_error[0] == "ValueError" and "7 sequences does not split over 2 DP ranks" in dp_error[1]
-        assert mb_error[0] == "ValueError" and "3 sequences must split into micro-batches of 2" in mb_error[1]
+        (error,) = rank["dense-tp2"]["errors"]
+        assert error[0] == "ValueError" and "pack_length 31 must be a multiple of tp=2" in error[1]
 
 
 @pytest.mark.multiproc

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mars_megatron.training.packing import PackedSequence
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -23,6 +25,13 @@ class MicroBatch:
     targets: torch.Tensor  # [b, s] int64
     loss_mask: torch.Tensor  # [b, s] float32
     lengths: tuple[int, ...]  # real lengths of the sequences in this micro-batch
+    pack: PackedSequence | None = None
+    """Set when the one row is a pack of several samples: where each sample sits, and its boundaries
+    (the attention mask on CPU, ``PackedSeqParams`` on GPU)."""
+
+    @classmethod
+    def from_pack(cls, pack: PackedSequence) -> MicroBatch:
+        return cls(pack.tokens, pack.position_ids, pack.targets, pack.loss_mask, (pack.length,), pack)
 
 
 def padded_length(seqs: Sequence[Sequence[int]], multiple: int = 1) -> int:

@@ -21,7 +21,8 @@ from mars_megatron.config import OptimizerConfig, ParallelConfig
 from mars_megatron.training.batches import MicroBatch, make_micro_batches
 from mars_megatron.training.hf_config import Qwen3Arch
 from mars_megatron.training.logprobs import vocab_parallel_logprobs
-from mars_megatron.training.model_provider import build_model
+from mars_megatron.training.model_provider import build_model, resolve_impl
+from mars_megatron.training.packing import PackPlan, build_plan_pack, plan_packs
 
 # (per-token log-probs [b, s], micro-batch) -> (sum of token losses, number of tokens)
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, torch.Tensor]]
@@ -50,6 +51,7 @@ class MegatronEngine:
         self.arch = arch
         self.parallel = parallel
         self.padded_vocab = arch.padded_vocab_size(vocab_pad_multiple)
+        self.impl = resolve_impl(transformer_impl)
         self.model = build_model(
             arch,
             parallel,
@@ -121,8 +123,16 @@ class MegatronEngine:
     def _forward_step(
         self, loss_fn: LossFn, sink: list[torch.Tensor] | None, data: Iterator[MicroBatch], model: Any
     ):
-        mb = next(data)
-        output = model(mb.tokens, mb.position_ids, attention_mask=None)
+        mb = _on_device(next(data))
+        if mb.pack is None:
+            output = model(mb.tokens, mb.position_ids, attention_mask=None)
+        elif self.impl == "transformer_engine":
+            # THD: TE's attention reads the sample boundaries from cu_seqlens, no [T, T] mask.
+            output = model(mb.tokens, mb.position_ids, attention_mask=None, packed_seq_params=_thd(mb))
+        else:
+            # Local attention (CPU): the same pack as sbhd with a block-diagonal causal mask.
+            mask = mb.pack.attention_mask().to(mb.tokens.device)
+            output = model(mb.tokens, mb.position_ids, attention_mask=mask)
 
         def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             logprobs = self._token_logprobs(output_tensor, mb)
@@ -187,30 +197,65 @@ class MegatronEngine:
             out += [lp[row, : n - 1].tolist() for row, n in enumerate(mb.lengths)]
         return out[: len(seqs)]
 
-    def train_step(
-        self, seqs: Sequence[Sequence[int]], micro_batch: int, loss_fn: LossFn = lm_loss
-    ) -> dict[str, float]:
-        """One optimizer step on the global batch ``seqs`` (this rank trains on its DP share).
+    def plan(self, lengths: Sequence[int], pack_length: int) -> PackPlan:
+        """The packing of a global batch: every rank computes the same plan (it is deterministic), and
+        every DP rank gets the same number of packs (short ranks get empty ones) so the schedules agree."""
+        if pack_length % self._seq_multiple():
+            raise ValueError(
+                f"pack_length {pack_length} must be a multiple of tp={self.parallel.tp} (sequence parallel)"
+            )
+        return plan_packs(lengths, pack_length, self.dp, pad_ranks=True)
 
-        Returns the token-mean loss over the whole global batch and the gradient norm, on every rank.
+    def rank_packs(
+        self,
+        seqs: Sequence[Sequence[int]],
+        plan: PackPlan,
+        target_masks: Sequence[Sequence[float]] | None = None,
+    ) -> list[MicroBatch]:
+        """This DP rank's packs of ``plan`` as micro-batches, each padded to exactly the pack length
+        (pipeline stages exchange activations of one fixed shape)."""
+        return [
+            MicroBatch.from_pack(
+                build_plan_pack(plan, seqs, k, multiple=plan.capacity, target_masks=target_masks)
+            )
+            for k in plan.rank_packs[self.dp_rank]
+        ]
+
+    @torch.no_grad()
+    def forward_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor] | None:
+        """Per-token log-probs ``[1, T]`` of each micro-batch under the current weights (e.g. the old
+        policy before an update); on the last pipeline stage, ``None`` elsewhere."""
+        self.model.eval()
+        sink: list[torch.Tensor] = []
+        self._run(micro_batches, lm_loss, forward_only=True, sink=sink)
+        return sink if self._on_last_stage() else None
+
+    def train_step(
+        self,
+        seqs: Sequence[Sequence[int]],
+        loss_fn: LossFn = lm_loss,
+        *,
+        pack_length: int,
+        target_masks: Sequence[Sequence[float]] | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on the global batch ``seqs``, packed into sequences of ``pack_length``.
+
+        ``target_masks[i]`` (``len(seqs[i]) - 1`` entries) selects the targets trained on (e.g. only the
+        response); ``loss_fn`` sees each pack as a :class:`MicroBatch` whose ``pack`` says where each
+        sample sits. Returns the token-mean loss over the whole global batch and the gradient norm, on
+        every rank.
         """
+        plan = self.plan([len(s) for s in seqs], pack_length)
+        return self.step(self.rank_packs(seqs, plan, target_masks), loss_fn)
+
+    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn = lm_loss) -> dict[str, float]:
+        """Forward/backward over this rank's micro-batches and one optimizer step (collective)."""
         if self.optimizer is None:
             raise RuntimeError("engine was built without an optimizer config")
-        if len(seqs) % self.dp:
-            raise ValueError(f"global batch of {len(seqs)} sequences does not split over {self.dp} DP ranks")
-        share = len(seqs) // self.dp
-        if share % micro_batch:
-            raise ValueError(
-                f"each DP rank's {share} sequences must split into micro-batches of {micro_batch}"
-            )
-        mine = list(seqs[self.dp_rank * share : (self.dp_rank + 1) * share])
-        length = max(len(s) for s in seqs)
-        length = -(-length // self._seq_multiple()) * self._seq_multiple()
-        mbs = make_micro_batches(mine, micro_batch, multiple=self._seq_multiple(), seq_length=length)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reduced = self._run(mbs, loss_fn, forward_only=False)
+        reduced = self._run(micro_batches, loss_fn, forward_only=False)
         loss_sum = sum(float(r["loss_sum"]) for r in reduced) if reduced else 0.0
         tokens = sum(float(r["tokens"]) for r in reduced) if reduced else 0.0
         if self._finite_everywhere(loss_sum):
@@ -241,3 +286,26 @@ class MegatronEngine:
         flag = torch.tensor([1.0 if bad else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0.0
+
+
+def _on_device(mb: MicroBatch) -> MicroBatch:
+    """The micro-batch's tensors on this rank's GPU (a no-op on CPU)."""
+    if not torch.cuda.is_available():
+        return mb
+    device = torch.device("cuda", torch.cuda.current_device())
+    return MicroBatch(
+        mb.tokens.to(device),
+        mb.position_ids.to(device),
+        mb.targets.to(device),
+        mb.loss_mask.to(device),
+        mb.lengths,
+        mb.pack,
+    )
+
+
+def _thd(mb: MicroBatch) -> Any:
+    params = mb.pack.packed_seq_params()  # type: ignore[union-attr]
+    if torch.cuda.is_available():
+        params.cu_seqlens_q = params.cu_seqlens_q.cuda()
+        params.cu_seqlens_kv = params.cu_seqlens_kv.cuda()
+    return params

@@ -519,14 +519,26 @@ def build_pack(
     multiple: int = 1,
     restart_positions: bool = True,
     pad_token: int = 0,
+    target_masks: Sequence[Sequence[float]] | None = None,
 ) -> PackedSequence:
     """Concatenate ``seqs`` (each truncated to ``max_len`` tokens) into one pack, padded to ``multiple``
-    with a masked pad sample. ``restart_positions=False`` lets positions run on across samples."""
+    with a masked pad sample. ``restart_positions=False`` lets positions run on across samples.
+
+    ``target_masks[i]`` (``len(seqs[i]) - 1`` entries) narrows sample i's loss mask to the targets that are
+    trained on, e.g. 0 on the prompt and 1 on the response; without it every next token counts."""
     if multiple <= 0:
         raise ValueError(f"multiple must be positive, got {multiple}")
     parts = [list(s)[:max_len] if max_len is not None else list(s) for s in seqs]
     if any(len(p) == 0 for p in parts):
         raise ValueError("every sample needs at least one token")
+    if target_masks is not None:
+        if len(target_masks) != len(seqs):
+            raise ValueError(f"target_masks has {len(target_masks)} entries for {len(seqs)} samples")
+        for i, (seq, tm) in enumerate(zip(seqs, target_masks, strict=True)):
+            if len(tm) != len(seq) - 1:
+                raise ValueError(
+                    f"target_masks[{i}] has {len(tm)} entries, sample {i} has {len(seq) - 1} targets"
+                )
     real = sum(len(p) for p in parts)
     total = max(-(-real // multiple) * multiple, multiple)
     seg_lens = [len(p) for p in parts] + ([total - real] if total > real else [])
@@ -535,11 +547,14 @@ def build_pack(
     mask = torch.zeros(total, dtype=torch.float32)
     spans = []
     start = 0
-    for p in parts:
+    for i, p in enumerate(parts):
         t = torch.as_tensor(p, dtype=torch.long)
         tokens[start : start + len(p)] = t
         targets[start : start + len(p) - 1] = t[1:]
-        mask[start : start + len(p) - 1] = 1.0
+        if target_masks is None:
+            mask[start : start + len(p) - 1] = 1.0
+        else:
+            mask[start : start + len(p) - 1] = torch.as_tensor(list(target_masks[i][: len(p) - 1]))
         spans.append((start, start + len(p)))
         start += len(p)
     if restart_positions:
@@ -560,13 +575,21 @@ def build_pack(
 
 
 def build_plan_pack(
-    plan: PackPlan, seqs: Sequence[Sequence[int]], pack: int, *, multiple: int = 1, **kwargs
+    plan: PackPlan,
+    seqs: Sequence[Sequence[int]],
+    pack: int,
+    *,
+    multiple: int = 1,
+    target_masks: Sequence[Sequence[float]] | None = None,
+    **kwargs,
 ) -> PackedSequence:
     """Pack ``pack`` of ``plan`` from the global batch ``seqs`` (truncated as the plan says). A padding
     pack becomes one all-pad sequence of ``multiple`` tokens with no loss."""
     ids = plan.packs[pack]
     if any(len(seqs[i]) != plan.lengths[i] for i in ids):
         raise ValueError("seqs do not match the lengths the plan was made for")
+    if target_masks is not None:
+        kwargs["target_masks"] = [target_masks[i] for i in ids]
     return build_pack(
         [seqs[i] for i in ids], sample_ids=ids, max_len=plan.capacity, multiple=multiple, **kwargs
     )
