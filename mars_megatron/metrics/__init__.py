@@ -1,0 +1,16 @@
+"""Run metrics: ``metrics.jsonl``, TensorBoard scalars, the progress bar and the ``rewards.png`` plot."""
+
+from mars_megatron.metrics.plot import moving_average, plot_rewards, plot_runs, reward_keys
+from mars_megatron.metrics.sink import METRICS_FILE, REWARDS_PNG, TENSORBOARD_DIR, MetricsSink, read_metrics
+
+__all__ = [
+    "METRICS_FILE",
+    "REWARDS_PNG",
+    "TENSORBOARD_DIR",
+    "MetricsSink",
+    "moving_average",
+    "plot_rewards",
+    "plot_runs",
+    "read_metrics",
+    "reward_keys",
+]

@@ -1,0 +1,232 @@
+"""Where the training driver's per-step numbers go: ``RUN_DIR/metrics.jsonl``, TensorBoard, a progress bar
+and ``RUN_DIR/rewards.png``.
+
+``metrics.jsonl`` holds one JSON object per logged step, ``{"step": N, ...}``, appended, flushed and fsynced
+line by line, so a killed run keeps everything it logged. JSON has no NaN or infinity, so a non-finite
+value is written as ``null`` (TensorBoard still receives the float, NaN included, so a diverging run shows
+there). Steps must increase, which keeps the file at one line per step.
+
+Resuming from the checkpoint of step ``resume_step`` drops the lines of later steps (a run killed after its
+last checkpoint logged steps that the resumed run is about to redo) by rewriting the file atomically, and
+opens TensorBoard with ``purge_step=resume_step + 1`` so the viewer discards those steps' old events. The
+same rule holds for ``resume_step=0``: a fresh run in a directory with an old ``metrics.jsonl`` starts it
+over. Only one process (the driver, or rank 0) should own a sink for a run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+REWARDS_PNG = "rewards.png"
+REWARD_PREFIX = "reward/"
+# Progress-bar postfix: role initial -> metric, e.g. "S 0.41 V 0.80 C 0.33".
+_POSTFIX = (("S", "reward/solver"), ("V", "reward/verifier"), ("C", "reward/corrector"))
+
+
+def _scalar(key: str, value: Any) -> int | float:
+    """``value`` as a plain int or float (numpy and 0-d torch scalars included); bools count as 0/1."""
+    if hasattr(value, "item") and not isinstance(value, numbers.Number):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError) as err:
+            raise TypeError(f"metric {key!r}: {value!r} is not a scalar") from err
+    if isinstance(value, bool | numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"metric {key!r}: {type(value).__name__} {value!r} is not a number")
+
+
+def _json_value(value: int | float) -> int | float | None:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _parse_line(path: Path, number: int, line: str) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}): {line[:80]!r}") from err
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError(f"{path}:{number}: no integer 'step' in {line[:80]!r}")
+    return record
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (blank lines skipped); ``null`` stays ``None``.
+
+    A line that is not a JSON object with an integer ``step`` raises ``ValueError`` naming file and line.
+    """
+    path = Path(path)
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                records.append(_parse_line(path, number, line))
+    return records
+
+
+def _truncate_metrics(path: Path, keep_through: int) -> tuple[list[dict[str, Any]], int]:
+    """Keep the lines of steps ``<= keep_through``; returns (kept records, dropped line count).
+
+    An unparsable *last* line without a newline is a write cut short by a kill: dropped with a warning.
+    Any other bad line is an error, since silently losing logged steps is worse than stopping.
+    """
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    kept_records: list[dict[str, Any]] = []
+    kept_lines: list[str] = []
+    dropped = 0
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = _parse_line(path, number, line)
+        except ValueError:
+            if number == len(lines) and not text.endswith("\n"):
+                warnings.warn(f"{path}:{number}: dropping a cut-off last line (a killed run?)", stacklevel=3)
+                dropped += 1
+                continue
+            raise
+        if record["step"] <= keep_through:
+            kept_records.append(record)
+            kept_lines.append(line)
+        else:
+            dropped += 1
+    if dropped or kept_lines != lines:
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            f.writelines(line + "\n" for line in kept_lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return kept_records, dropped
+
+
+class MetricsSink:
+    """Writes each logged step to ``metrics.jsonl``, TensorBoard, the progress bar and ``rewards.png``.
+
+    ``total_steps`` and ``resume_step`` size and start the bar; ``plot_every`` re-draws the plot once at
+    least that many steps have passed since the last drawing (0: only at ``close()``). The plot needs
+    ``reward/*`` metrics; a run without them gets no plot. Use as a context manager or call ``close()``.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool,
+        total_steps: int,
+        resume_step: int = 0,
+        progress: bool = True,
+        plot_every: int = 1,
+    ) -> None:
+        for name, value in (("total_steps", total_steps), ("resume_step", resume_step)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if plot_every < 0:
+            raise ValueError(f"plot_every must be >= 0 (0: plot only at close), got {plot_every}")
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self.plot_path = self.run_dir / REWARDS_PNG
+        self.plot_every = plot_every
+        self.records: list[dict[str, Any]] = []
+        self.dropped_lines = 0
+        if self.metrics_path.exists():
+            self.records, self.dropped_lines = _truncate_metrics(self.metrics_path, resume_step)
+        self._last_step = max([resume_step, *(r["step"] for r in self.records)])
+        self._plotted_step = self._last_step
+        self._file = self.metrics_path.open("a", encoding="utf-8")
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR), purge_step=resume_step + 1)
+        self._bar = tqdm(
+            total=total_steps,
+            initial=resume_step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            disable=None if progress else True,  # None: tqdm turns itself off when stderr is not a TTY
+        )
+        self._closed = False
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record ``metrics`` (numbers; keys are the TensorBoard tags) for ``step``."""
+        if self._closed:
+            raise RuntimeError("MetricsSink.log() after close()")
+        if step <= self._last_step:
+            raise ValueError(f"step {step} is not after the last logged step {self._last_step}")
+        if "step" in metrics:
+            raise ValueError("metrics must not contain 'step'; it is the log() argument")
+        values = {key: _scalar(key, value) for key, value in metrics.items()}
+        record = {"step": step, **{key: _json_value(value) for key, value in values.items()}}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.records.append(record)
+        self._last_step = step
+        if self._writer is not None:
+            for key, value in values.items():
+                self._writer.add_scalar(key, value, global_step=step)
+            self._writer.flush()
+        self._advance_bar(step, record)
+        if self.plot_every and step - self._plotted_step >= self.plot_every:
+            self._plot()
+
+    def _advance_bar(self, step: int, record: Mapping[str, Any]) -> None:
+        parts = [
+            f"{short} {record[key]:.2f}" if record[key] is not None else f"{short} nan"
+            for short, key in _POSTFIX
+            if key in record
+        ]
+        if parts:
+            self._bar.set_postfix_str(" ".join(parts), refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def _plot(self) -> None:
+        from mars_megatron.metrics.plot import plot_rewards, reward_keys
+
+        self._plotted_step = self._last_step
+        if reward_keys(self.records):
+            plot_rewards(self.records, self.plot_path, title=self.run_dir.name)
+
+    def close(self) -> None:
+        """Draw the final plot and close the file, TensorBoard writer and bar; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._plotted_step != self._last_step or (self.records and not self.plot_path.exists()):
+                self._plot()
+        finally:
+            self._file.close()
+            if self._writer is not None:
+                self._writer.close()
+            self._bar.close()
+
+    def __enter__(self) -> MetricsSink:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
