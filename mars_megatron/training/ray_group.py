@@ -1,0 +1,480 @@
+"""Trainer ranks as a group of workers: Ray actors that each hold one torch.distributed rank, or the
+current process alone.
+
+A *worker class* is plain Python: its constructor runs on every rank after torch.distributed is up, and its
+methods are called on every rank at once (collectives) by name. The same class runs under
+:class:`RayWorkerGroup` (one Ray actor per rank, NCCL on GPUs, gloo on CPU) and :class:`LocalWorkerGroup`
+(this process, world size 1), so anything a trainer does through Ray can be stepped through in a debugger.
+
+Why the rendezvous is TCP on loopback when it can be: Ray starts the actors, so there is no torchrun
+environment to read, and a group that fits on one node needs no network address at all (CI here runs in a
+loopback-only namespace). Rank 0's actor picks a free port; the others are told it.
+
+Errors: a method that raises on any rank raises :class:`RankError` (a RuntimeError) in the caller, whose
+message starts with the remote exception's last line and names the rank and method, followed by the
+remote traceback. The first failing rank is reported at once: other ranks may be blocked in a collective
+the failed rank never joined, so after a failure inside a collective call :meth:`shutdown` the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+_LOOPBACK = "127.0.0.1"
+
+
+class RankError(RuntimeError):
+    """A worker method failed on one rank (or its actor died)."""
+
+    def __init__(self, message: str, rank: int = -1, method: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.method = method
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep rank and method through pickling (Ray ships it)
+        return (RankError, (self.args[0], self.rank, self.method))
+
+
+def _rank_error(rank: int, world_size: int, method: str, tb: str) -> RankError:
+    last = next((line for line in reversed(tb.strip().splitlines()) if line.strip()), "unknown error")
+    return RankError(
+        f"{last.strip()} [rank {rank} of {world_size}, in {method}]\n--- remote traceback ---\n{tb}",
+        rank,
+        method,
+    )
+
+
+class WorkerGroup(Protocol):
+    """What a trainer needs from its ranks; see :class:`RayWorkerGroup` and :class:`LocalWorkerGroup`."""
+
+    world_size: int
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``worker.method(*args, **kwargs)`` on every rank at once; results in rank order."""
+        ...
+
+    def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The method on one rank only (must not enter a collective)."""
+        ...
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Start the call on every rank; returns per-rank handles for :meth:`wait`."""
+        ...
+
+    def wait(self, handles: Sequence[Any]) -> list[Any]:
+        """Results of the handles from :meth:`call_async` (in that rank order)."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------- in each rank
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _destroy_groups() -> None:
+    """Tear down megatron's parallel state (if this process built one) and torch.distributed."""
+    if "megatron.core.parallel_state" in sys.modules:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _RankActor:
+    """The body of one Ray actor: one torch.distributed rank and the worker object built on it."""
+
+    def __init__(self, rank: int, world_size: int, threads: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.worker: Any = None
+        self.worker_name = "worker"
+        torch.set_num_threads(threads)
+
+    def where(self) -> tuple[str, str]:
+        """(Ray node id, node IP) of this actor."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self, addr: str) -> int:
+        """A TCP port free on ``addr`` now; torch's store on rank 0 binds it moments later."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            return int(s.getsockname()[1])
+
+    def init_group(self, addr: str, port: int, local_rank: int) -> None:
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(local_rank),
+            MASTER_ADDR=addr,
+            MASTER_PORT=str(port),
+        )
+        if addr == _LOOPBACK:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        if torch.cuda.is_available():
+            # Ray gives each rank its own GPU via CUDA_VISIBLE_DEVICES, so it is device 0 of this process.
+            count = torch.cuda.device_count()
+            torch.cuda.set_device(0 if count == 1 else local_rank % count)
+        try:
+            dist.init_process_group(
+                _backend(), init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size
+            )
+        except BaseException:
+            raise _rank_error(
+                self.rank, self.world_size, "init_process_group", traceback.format_exc()
+            ) from None
+
+    def construct(self, spec: tuple[type, tuple, dict]) -> None:
+        worker_cls, args, kwargs = spec
+        self.worker_name = getattr(worker_cls, "__qualname__", str(worker_cls))
+        try:
+            self.worker = worker_cls(*args, **kwargs)
+        except BaseException:
+            raise _rank_error(
+                self.rank, self.world_size, f"{self.worker_name}.__init__", traceback.format_exc()
+            ) from None
+
+    def run(self, method: str, payload: tuple[tuple, dict]) -> Any:
+        args, kwargs = payload
+        try:
+            return getattr(self.worker, method)(*args, **kwargs)
+        except BaseException:
+            raise _rank_error(
+                self.rank, self.world_size, f"{self.worker_name}.{method}", traceback.format_exc()
+            ) from None
+
+    def destroy(self) -> None:
+        self.worker = None
+        _destroy_groups()
+
+
+# ------------------------------------------------------------------------------------------------- Ray
+class RayWorkerGroup:
+    """``world_size`` Ray actors, one torch.distributed rank each, each holding
+    ``worker_cls(*init_args, **init_kwargs)`` built after the process group is up.
+
+    Placement: one bundle per rank in a placement group, STRICT_PACK when one node has the resources for
+    all ranks (a single-node group rendezvouses on loopback), PACK otherwise. Each rank gets one GPU when
+    this process sees CUDA (override with ``num_gpus_per_rank``). ``env`` goes into every actor's
+    environment before it starts (Ray ``runtime_env``), for variables read at import (NCCL_*, OMP_*).
+    Starts a local Ray instance if none is running, as Ray itself does on first use.
+    """
+
+    def __init__(
+        self,
+        worker_cls: type,
+        world_size: int,
+        *init_args: Any,
+        num_cpus_per_rank: float = 1,
+        num_gpus_per_rank: float | None = None,
+        threads_per_rank: int | None = None,
+        env: dict[str, str] | None = None,
+        ready_timeout_s: float = 300.0,
+        **init_kwargs: Any,
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if num_cpus_per_rank <= 0:
+            raise ValueError(f"num_cpus_per_rank must be > 0, got {num_cpus_per_rank}")
+        if threads_per_rank is not None and threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
+        gpus = (1.0 if torch.cuda.is_available() else 0.0) if num_gpus_per_rank is None else num_gpus_per_rank
+        if gpus < 0:
+            raise ValueError(f"num_gpus_per_rank must be >= 0, got {num_gpus_per_rank}")
+        if not ray.is_initialized():
+            ray.init()
+        self.world_size = world_size
+        self._actors: list[Any] = []
+        self._remove_pg = remove_placement_group
+        bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
+        strategy = "STRICT_PACK" if _fits_one_node(bundle, world_size) else "PACK"
+        self._pg = placement_group([dict(bundle)] * world_size, strategy=strategy)
+        try:
+            try:
+                ray.get(self._pg.ready(), timeout=ready_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(
+                    f"RayWorkerGroup: the cluster did not grant {world_size} x {bundle} ({strategy}) within "
+                    f"{ready_timeout_s:.0f}s; available: {ray.available_resources()}"
+                ) from None
+            threads = threads_per_rank or max(1, int(num_cpus_per_rank))
+            actor_cls = ray.remote(_RankActor)
+            runtime_env = {"env_vars": {k: str(v) for k, v in env.items()}} if env else None
+            self._actors = [
+                actor_cls.options(
+                    num_cpus=num_cpus_per_rank,
+                    num_gpus=gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self._pg, placement_group_bundle_index=rank
+                    ),
+                    runtime_env=runtime_env,
+                ).remote(rank, world_size, threads)
+                for rank in range(world_size)
+            ]
+            where = self._gather([a.where.remote() for a in self._actors], "where")
+            nodes = [node for node, _ in where]
+            addr = _LOOPBACK if len(set(nodes)) == 1 else where[0][1]
+            port = self._gather([self._actors[0].free_port.remote(addr)], "free_port")[0]
+            local = [nodes[:r].count(nodes[r]) for r in range(world_size)]
+            self._gather(
+                [a.init_group.remote(addr, port, local[r]) for r, a in enumerate(self._actors)], "init_group"
+            )
+            spec = ray.put((worker_cls, init_args, init_kwargs))
+            self._gather([a.construct.remote(spec) for a in self._actors], f"{worker_cls.__qualname__}()")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._gather(self.call_async(method, *args, **kwargs), method)
+
+    def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        ref = self._live()[rank].run.remote(method, (args, kwargs))
+        return self._gather([ref], method, ranks=[rank])[0]
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[ObjectRef]:
+        """Per-rank ObjectRefs (``ray.get`` gives the values, or :meth:`wait` with rank-named errors).
+        The arguments are serialised into the object store once and shared by every rank."""
+        import ray
+
+        payload = ray.put((args, kwargs))
+        return [a.run.remote(method, payload) for a in self._live()]
+
+    def wait(self, handles: Sequence[ObjectRef]) -> list[Any]:
+        return self._gather(list(handles), "call")
+
+    def shutdown(self) -> None:
+        """Destroy the process groups where the actors still answer, then kill the actors and free the
+        placement group. Safe to call twice."""
+        import ray
+
+        actors, self._actors = self._actors, []
+        if actors:
+            refs = [a.destroy.remote() for a in actors]
+            with contextlib.suppress(Exception):
+                ray.wait(refs, num_returns=len(refs), timeout=10)
+            for a in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(a)
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is not None:
+            with contextlib.suppress(Exception):
+                self._remove_pg(pg)
+
+    def __enter__(self) -> RayWorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -------------------------------------------------------------------------------------------- private
+    def _live(self) -> list[Any]:
+        if not self._actors:
+            raise RuntimeError("RayWorkerGroup: the group was shut down")
+        return self._actors
+
+    def _gather(self, refs: list[Any], what: str, ranks: list[int] | None = None) -> list[Any]:
+        """Values of ``refs`` (rank i's at index i); raises at the first failure to arrive, because ranks
+        that wait in a collective for the failed one would never return."""
+        import ray
+
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        index = {ref: i for i, ref in enumerate(refs)}
+        out: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                i = index[ref]
+                try:
+                    out[i] = ray.get(ref)
+                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                    _drain(pending)
+                    raise self._error(e, ranks[i], what) from None
+        return out
+
+    def _error(self, e: Exception, rank: int, what: str) -> RankError:
+        import ray
+
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, RankError):  # raised by _RankActor with the clean remote traceback
+            return RankError(str(cause), cause.rank, cause.method)
+        if isinstance(e, ray.exceptions.RayActorError):
+            return _rank_error(rank, self.world_size, what, f"the rank's actor died: {e}")
+        return _rank_error(rank, self.world_size, what, str(e))
+
+
+def _drain(refs: list[Any]) -> None:
+    """Collect the results that arrive within moments of a failure (often the same error on the other
+    ranks), so that Ray does not log them as unhandled errors; ranks stuck in a collective are left."""
+    import ray
+
+    if not refs:
+        return
+    with contextlib.suppress(Exception):
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
+        for ref in done:
+            with contextlib.suppress(Exception):
+                ray.get(ref)
+
+
+def _fits_one_node(bundle: dict[str, float], world_size: int) -> bool:
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and all(
+            node.get("Resources", {}).get(k, 0.0) >= v * world_size for k, v in bundle.items()
+        ):
+            return True
+    return False
+
+
+# ----------------------------------------------------------------------------------------------- local
+class _Done:
+    """A finished local call: its value, or the error to raise when waited on."""
+
+    def __init__(self, value: Any = None, error: RankError | None = None) -> None:
+        self.value, self.error = value, error
+
+
+class LocalWorkerGroup:
+    """The same API in this process, world size 1: for tests and stepping through a trainer in a debugger.
+
+    If torch.distributed is not running yet, a 1-rank group is started (gloo; NCCL when CUDA is present)
+    through a FileStore in a temporary directory, and :meth:`shutdown` tears it down again together with
+    megatron's parallel state. ``threads_per_rank`` and ``env`` apply to this process until shutdown;
+    the Ray resource options are accepted and ignored so that callers can switch kinds freely.
+    """
+
+    def __init__(
+        self,
+        worker_cls: type,
+        world_size: int = 1,
+        *init_args: Any,
+        num_cpus_per_rank: float = 1,
+        num_gpus_per_rank: float | None = None,
+        threads_per_rank: int | None = None,
+        env: dict[str, str] | None = None,
+        ready_timeout_s: float = 300.0,
+        **init_kwargs: Any,
+    ) -> None:
+        del num_cpus_per_rank, num_gpus_per_rank, ready_timeout_s  # placement options: nothing to place
+        if world_size != 1:
+            raise ValueError(f"world_size must be 1 for a LocalWorkerGroup, got {world_size}")
+        self.world_size = 1
+        self._saved_env: dict[str, str | None] = {}
+        self._saved_threads = torch.get_num_threads()
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._owns_group = False
+        self._worker: Any = None
+        self._closed = False
+        if threads_per_rank is not None:
+            if threads_per_rank < 1:
+                raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
+            torch.set_num_threads(threads_per_rank)
+        self._set_env(dict(env or {}))
+        try:
+            if not dist.is_initialized():
+                self._set_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+                self._tmp = tempfile.TemporaryDirectory(prefix="mars-local-group-")
+                if torch.cuda.is_available():
+                    torch.cuda.set_device(0)
+                store = dist.FileStore(os.path.join(self._tmp.name, "store"), 1)
+                dist.init_process_group(_backend(), store=store, rank=0, world_size=1)
+                self._owns_group = True
+            elif dist.get_world_size() != 1:
+                raise RuntimeError(
+                    f"LocalWorkerGroup: torch.distributed already runs with {dist.get_world_size()} ranks"
+                )
+            self._name = getattr(worker_cls, "__qualname__", str(worker_cls))
+            try:
+                self._worker = worker_cls(*init_args, **init_kwargs)
+            except Exception:
+                raise _rank_error(0, 1, f"{self._name}.__init__", traceback.format_exc()) from None
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.wait(self.call_async(method, *args, **kwargs))
+
+    def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        if rank != 0:
+            raise ValueError(f"rank must be in [0, 1), got {rank}")
+        return self.call(method, *args, **kwargs)[0]
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[_Done]:
+        """Runs the call now (there is one rank); errors are kept for :meth:`wait`, as with Ray."""
+        if self._closed:
+            raise RuntimeError("LocalWorkerGroup: the group was shut down")
+        try:
+            return [_Done(getattr(self._worker, method)(*args, **kwargs))]
+        except Exception:
+            return [_Done(error=_rank_error(0, 1, f"{self._name}.{method}", traceback.format_exc()))]
+
+    def wait(self, handles: Sequence[_Done]) -> list[Any]:
+        for h in handles:
+            if h.error is not None:
+                raise h.error
+        return [h.value for h in handles]
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._worker = None
+        if self._owns_group:
+            _destroy_groups()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        torch.set_num_threads(self._saved_threads)
+
+    def __enter__(self) -> LocalWorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _set_env(self, env: dict[str, str]) -> None:
+        for key, value in env.items():
+            self._saved_env.setdefault(key, os.environ.get(key))
+            os.environ[key] = str(value)
+
+
+def make_worker_group(
+    kind: Literal["ray", "local"], worker_cls: type, world_size: int, *init_args: Any, **kwargs: Any
+) -> WorkerGroup:
+    """A :class:`RayWorkerGroup` or :class:`LocalWorkerGroup` with the same arguments."""
+    groups: dict[str, Callable[..., WorkerGroup]] = {"ray": RayWorkerGroup, "local": LocalWorkerGroup}
+    if kind not in groups:
+        raise ValueError(f"kind must be one of {sorted(groups)}, got {kind!r}")
+    return groups[kind](worker_cls, world_size, *init_args, **kwargs)

@@ -1,0 +1,61 @@
+"""Worker classes and launch functions for the Ray worker-group tests (Ray actors and spawned processes
+import them by module path, so they cannot live in the test file)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mars_megatron.config import OptimizerConfig, ParallelConfig
+from mars_megatron.training import parallel
+
+
+class TrainerRank:
+    """One trainer rank: megatron's parallel state for ``layout``, the model from ``model_dir`` and an
+    Adam optimizer; built after torch.distributed is up (by a worker group or ``parallel.launch``)."""
+
+    def __init__(self, model_dir: str, layout: dict[str, int], seed: int = 0, lr: float = 1e-2) -> None:
+        from mars_megatron.jobs import load_engine
+
+        parallel.init_model_parallel(ParallelConfig(**layout), seed=seed)
+        self.engine = load_engine(
+            model_dir, ParallelConfig(**layout), dtype=None, impl="local", optimizer=OptimizerConfig(lr=lr)
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """What the group set up on this rank."""
+        return {
+            "rank": dist.get_rank(),
+            "world": dist.get_world_size(),
+            "backend": dist.get_backend(),
+            "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+            "threads": torch.get_num_threads(),
+            "pid": os.getpid(),
+        }
+
+    def train_step(self, seqs: list[list[int]], **step_kwargs: Any) -> dict[str, float]:
+        return self.engine.train_step(seqs, **step_kwargs)
+
+    def logprobs(self, seqs: list[list[int]], micro_batch: int) -> list[list[float]] | None:
+        return self.engine.logprobs(seqs, micro_batch)
+
+    def push_weights(self, rollout: Any) -> Any:
+        """Collective weight sync; ``rollout`` (a RemoteEngine) is used on global rank 0 only."""
+        from mars_megatron.training.weight_sync import WeightSync
+
+        return WeightSync(self.engine.arch, rollout if dist.get_rank() == 0 else None).sync(self.engine.model)
+
+    def fail_on(self, rank: int, message: str) -> int:
+        if dist.get_rank() == rank:
+            raise ValueError(message)
+        return dist.get_rank()
+
+
+def train_once(model_dir: str, layout: dict[str, int], seqs: list[list[int]], step_kwargs: dict) -> dict:
+    """The reference: one train step on ranks spawned by ``parallel.launch`` (one thread each, like the
+    Ray ranks in the test)."""
+    torch.set_num_threads(1)
+    return TrainerRank(model_dir, layout).train_step(seqs, **step_kwargs)
