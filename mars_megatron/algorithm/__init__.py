@@ -19,6 +19,7 @@ from mars_megatron.algorithm.objective import (
     compute_loss,
     loss_inputs,
     make_loss_fn,
+    packed_loss_inputs,
     response_tensor,
 )
 from mars_megatron.algorithm.sample import Sample, Segment
@@ -39,6 +40,7 @@ __all__ = [
     "kl_per_token",
     "loss_inputs",
     "make_loss_fn",
+    "packed_loss_inputs",
     "pois_old_logprobs",
     "policy_loss",
     "response_tensor",

@@ -26,6 +26,7 @@ from mars_megatron.agents.roles import Role
 from mars_megatron.algorithm import losses as L
 from mars_megatron.algorithm.sample import Sample
 from mars_megatron.training.batches import MicroBatch
+from mars_megatron.training.packing import PackedSequence
 
 Importance = Literal["none", "tis", "pois"]
 _IMPORTANCE = ("none", "tis", "pois")
@@ -220,6 +221,53 @@ def loss_inputs(
         ref_logprobs=None if ref_logprobs is None else response_tensor(samples, ref_logprobs, seq_len),
         token_weights=L.role_weights(samples, config.role_weights, seq_len) if config.role_weights else None,
         entropy=entropy,
+    )
+
+
+def packed_loss_inputs(
+    samples: Sequence[Sample],
+    pack: PackedSequence,
+    config: LossConfig,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> LossInputs:
+    """Tensors ``[1, T]`` for one pack: sample ``pack.sample_ids[j]`` (an index into ``samples``) sits at
+    ``pack.sample_spans[j]``; its response token i is predicted at ``start + len(prompt) − 1 + i``.
+    Tokens cut off by truncation are left out. ``old_logprobs``/``ref_logprobs`` are the trainer's and the
+    reference's log-probs of this very pack (already laid out like the pack)."""
+    length = pack.length
+    advantages = torch.zeros(1, length)
+    mask = torch.zeros(1, length)
+    behaviour = torch.zeros(1, length) if config.importance == "tis" else None
+    weights = torch.ones(1, length) if config.role_weights else None
+    for index, (start, end) in zip(pack.sample_ids, pack.sample_spans, strict=True):
+        sample = samples[index]
+        if sample.advantage is None:
+            raise ValueError(f"packed_loss_inputs: sample {sample.sample_id!r} has no advantage")
+        first = start + len(sample.prompt_ids) - 1
+        count = min(sample.response_len, end - 1 - first)  # the last token of a span predicts nothing
+        if count <= 0:
+            continue  # truncated inside the prompt: nothing of the response is trained on
+        span = slice(first, first + count)
+        advantages[0, span] = float(sample.advantage)
+        mask[0, span] = torch.as_tensor(sample.loss_mask[:count], dtype=torch.float32)  # type: ignore[index]
+        if behaviour is not None:
+            if sample.behaviour_logprobs is None:
+                raise ValueError(
+                    f"packed_loss_inputs: importance='tis' needs behaviour_logprobs; sample "
+                    f"{sample.sample_id!r} has none"
+                )
+            behaviour[0, span] = torch.as_tensor(sample.behaviour_logprobs[:count], dtype=torch.float32)
+        if weights is not None:
+            weights[0, span] = float(config.role_weights.get(sample.role, 1.0))
+    return LossInputs(
+        advantages=advantages,
+        mask=mask,
+        old_logprobs=old_logprobs,
+        behaviour_logprobs=behaviour,
+        ref_logprobs=ref_logprobs,
+        token_weights=weights,
     )
 
 
