@@ -38,15 +38,38 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def has_weights(model_dir: str | Path) -> bool:
+    """Whether an HF directory holds weight files, or only config and tokenizer."""
+    return any(Path(model_dir).glob("*.safetensors")) or any(Path(model_dir).glob("*.bin"))
+
+
+def _generation_config(model_dir: str | Path):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json: derive it from config.json
+        from transformers import AutoConfig
+
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
+
+
 class HFEngine:
     """A :class:`~mars_megatron.rollout.engine.RolloutEngine` on a transformers causal LM."""
 
     def __init__(
         self, model_dir: str | Path, *, dtype: str = "float32", max_batch: int = 16, seed: int = 0
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).eval()
+        if has_weights(model_dir):
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).eval()
+        else:
+            # Config only (a mars Megatron checkpoint's hf/ directory): the trainer pushes the weights
+            # with update_weights before the first rollout.
+            config = AutoConfig.from_pretrained(model_dir)
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype)).eval()
+            self.model.generation_config = _generation_config(model_dir)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         pad = self.model.generation_config.pad_token_id

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest
+from mars_megatron.rollout.hf_engine import has_weights
 
 
 def _import_vllm() -> Any:
@@ -73,6 +74,9 @@ class VLLMEngine:
             enforce_eager=True,
             tensor_parallel_size=tensor_parallel_size,
             logprobs_mode="raw_logprobs",
+            # Config only (a mars Megatron checkpoint's hf/ directory): start from dummy weights; the
+            # trainer pushes the real ones with update_weights before the first rollout.
+            load_format="auto" if has_weights(model_dir) else "dummy",
         )
         if torch.cuda.is_available():
             kwargs.update(
