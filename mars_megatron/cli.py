@@ -52,10 +52,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=4)
     _add_layout(p)
 
-    p = sub.add_parser("train", help="train (for now: language-model steps on Megatron)")
+    p = sub.add_parser("train", help="MarsRL: train Solver, Verifier and Corrector jointly with RL")
     p.add_argument("config", help="YAML config (see examples/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    p.add_argument("--nproc", type=int, default=None)
+    p.add_argument("--nproc", type=int, default=None, help="trainer ranks (default: the layout's minimum)")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        help="continue from the latest checkpoint in checkpoint.save_dir, or from the one given",
+    )
+
+    p = sub.add_parser("plot", help="draw the per-role rewards of one or more runs into one figure")
+    p.add_argument("run_dirs", nargs="+", help="run directories (each holding metrics.jsonl)")
+    p.add_argument("--labels", nargs="+", default=None, help="one label per run (default: directory names)")
+    p.add_argument("--out", required=True, help="PNG to write")
 
     p = sub.add_parser("config", help="print the resolved config, or describe every field")
     p.add_argument("config", nargs="?")
@@ -126,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"scored {len(seqs)} sequences -> {args.output}")
         elif args.command == "train":
-            cfg = load_config(args.config, args.overrides)
-            jobs.run(jobs.train_job, cfg.parallel, cfg, nproc=args.nproc)
+            from mars_megatron.rl.trainer import train
+
+            train(load_config(args.config, args.overrides), nproc=args.nproc, resume=args.resume)
+        elif args.command == "plot":
+            from mars_megatron.metrics import plot_runs
+
+            labels = args.labels or [Path(d).name for d in args.run_dirs]
+            print(f"wrote {plot_runs(args.run_dirs, labels, args.out)}")
         elif args.command == "eval":
             from mars_megatron.evaluation.command import run_eval
 

