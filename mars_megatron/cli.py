@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=4)
     _add_layout(p)
 
+    p = sub.add_parser("sft", help="supervised warm start on the tiny task's noisy role demonstrations")
+    p.add_argument("config", help="SFT YAML (see examples/tiny_sft.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.add_argument("--model-dir", required=True, help="HF directory or mars checkpoint to start from")
+    p.add_argument("--out", required=True, help="output: a mars Megatron checkpoint whose hf/ is an HF model")
+    _add_layout(p)
+
     p = sub.add_parser("train", help="MarsRL: train Solver, Verifier and Corrector jointly with RL")
     p.add_argument("config", help="YAML config (see examples/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
@@ -137,6 +144,17 @@ def main(argv: list[str] | None = None) -> int:
                 nproc=args.nproc,
             )
             print(f"scored {len(seqs)} sequences -> {args.output}")
+        elif args.command == "sft":
+            from checkpoints_conversion.convert import check_output_dir
+            from mars_megatron.tasks.sft import SFTConfig, sft_job
+
+            sft = load_config(args.config, [*args.overrides, f"out_dir={args.out}"], root=SFTConfig)
+            check_output_dir(args.out)
+            if not Path(args.model_dir).is_dir():
+                raise FileNotFoundError(f"{args.model_dir}: no such model directory")
+            layout = _layout(args)
+            jobs.run(sft_job, layout, args.model_dir, layout, sft, None, args.impl, nproc=args.nproc)
+            print(f"wrote {args.out}")
         elif args.command == "train":
             from mars_megatron.rl.trainer import train
 

@@ -543,14 +543,20 @@ def _overlaps(a: str, b: str) -> bool:
     return a == b or a.startswith((b + ".", b + "[")) or b.startswith((a + ".", a + "["))
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> MarsConfig:
-    """Load a YAML config (``None`` = all defaults), apply ``dotted.key=value`` overrides, validate."""
+def load_config(
+    path: str | Path | None, overrides: Sequence[str] = (), root: type[Section] | None = None
+) -> Any:
+    """Load a YAML config (``None`` = all defaults), apply ``dotted.key=value`` overrides, validate.
+
+    ``root`` is the section type of the whole file: :class:`MarsConfig` unless given (``mars sft`` reads
+    its own file type the same way)."""
+    root = root or MarsConfig
     raw = _read_yaml(Path(path)) if path is not None else {}
     if isinstance(overrides, str):
         raise TypeError("overrides must be a sequence of 'key=value' strings, not one string")
     origins = {_apply_override(raw, text): f"override {text!r}" for text in overrides}
     try:
-        return _convert(raw, MarsConfig, "")
+        return _convert(raw, root, "")
     except ConfigError as err:
         if err.source is not None:
             raise

@@ -1,0 +1,392 @@
+"""The supervised warm start of the tiny run (``mars sft``) and the per-role rewards it leaves.
+
+:func:`sft_job` runs on every rank of a Megatron layout (like ``jobs.train_job``): it loads a model,
+builds noisy demonstrations of all three roles (:mod:`mars_megatron.tasks.demos`), trains on their
+responses only (prompt tokens carry no loss) with packed sequences, and writes the result as a mars
+Megatron checkpoint whose ``hf/`` folder is also a complete HF model, so the same directory starts
+``mars train`` (``model.mcore_dir``) and the rollout engine (``jobs.tokenizer_dir`` of it).
+
+:func:`role_accuracy` measures what reinforcement learning starts from: the mean reward of each role
+when sampled like MarsRL's rollout (Solver -> Verifier1 -> Corrector1, adaptive input selection, the
+real answer checker and verdict parser).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mars_megatron.agents.prompts import prompt_set
+from mars_megatron.agents.roles import Role
+from mars_megatron.agents.trajectory import Position, RolloutRecord, Strategy, select_inputs
+from mars_megatron.agents.verdict import bug_report, parse_verdict
+from mars_megatron.config import ConfigError, ParallelConfig, Section, _field
+from mars_megatron.evaluation.data import Problem
+from mars_megatron.rewards import AnswerChecker, CheckerConfig, answer_rewards, verifier_reward
+from mars_megatron.tasks.arith import arith_problems, operand_pairs
+from mars_megatron.tasks.demos import DemoConfig, build_demos, encode_demo
+
+
+@dataclass
+class SFTConfig(Section):
+    """The supervised warm start: problems, demos, steps and the optimizer (a config section)."""
+
+    out_dir: str | None = _field(
+        None, "Output: a mars Megatron checkpoint; its hf/ folder is a complete HF model. Must not exist."
+    )
+    steps: int = _field(200, "Optimizer steps, both phases.", min=1)
+    skill_steps: int = _field(
+        150,
+        "Steps of the first phase, on mostly careful demos (share skill_careful for every role): the skills "
+        "are learned from clean lessons. The remaining steps use the demos' own shares at mix_lr, which sets "
+        "how often each role is careless.",
+        min=0,
+    )
+    skill_careful: float = _field(
+        0.8,
+        "Careful share of every role in the first phase. Below 1 so that the careless modes are not new in "
+        "the second phase (measured: from all-careful demos, the switch to the mix dropped the careful "
+        "Solver's accuracy from 77% to 45-54%; from 80% careful it stayed at 72%).",
+        min=0,
+    )
+    demos_per_step: int = _field(64, "Demonstrations per optimizer step (all roles mixed).", min=1)
+    pack_length: int = _field(512, "Tokens per packed training sequence (one pack per micro-batch).", min=2)
+    lr: float = _field(3e-3, "Peak learning rate of the first phase (from random init).", gt=0)
+    min_lr_ratio: float = _field(
+        0.1, "The first phase decays linearly to lr * min_lr_ratio after its warm-up.", min=0
+    )
+    warmup_steps: int = _field(10, "Linear warm-up steps at the start of the first phase.", min=0)
+    mix_lr: float = _field(
+        3e-4,
+        "Constant learning rate of the second phase: low, so that the new mix moves the shares of the "
+        "modes rather than the skills.",
+        gt=0,
+    )
+    weight_decay: float = _field(0.0, "Decoupled weight decay.", min=0)
+    clip_grad: float = _field(1.0, "Global gradient-norm clip; 0 = off.", min=0)
+    prompts: Literal["marsrl", "compact"] = _field("compact", "Prompt set the demos are written in.")
+    problems: int = _field(100, "Distinct addition problems the demos are drawn from.", min=1)
+    max_operand: int = _field(9, "Operands range over 0..max_operand.", min=1)
+    max_sum: int | None = _field(None, "Only problems whose answer is at most this; null = no bound.", min=1)
+    problem_seed: int = _field(0, "Seed of the problem set (the same set the RL run trains on).", min=0)
+    seed: int = _field(1234, "Seed of the data order and of megatron's initialisation.", min=0)
+    demos: DemoConfig = field(default_factory=DemoConfig, metadata={"help": "Noise of the demonstrations."})
+
+    def validate(self) -> None:
+        if self.skill_steps > self.steps:
+            raise ConfigError(f"{self.skill_steps} is more than steps ({self.steps})", "skill_steps")
+        if self.skill_careful > 1:
+            raise ConfigError(f"must be in [0, 1], got {self.skill_careful}", "skill_careful")
+        if self.min_lr_ratio > 1:
+            raise ConfigError(f"must be in [0, 1], got {self.min_lr_ratio}", "min_lr_ratio")
+        available = len(operand_pairs(self.max_operand, self.max_sum))
+        if self.problems > available:
+            raise ConfigError(
+                f"{self.problems} problems, but max_operand={self.max_operand} and max_sum={self.max_sum} "
+                f"give only {available} distinct ones",
+                "problems",
+            )
+
+    def problem_set(self) -> list[Problem]:
+        return arith_problems(
+            self.problems, self.problem_seed, max_operand=self.max_operand, max_sum=self.max_sum
+        )
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of 0-based ``step``: in the first phase a linear warm-up to ``lr`` and a linear
+        decay to ``lr * min_lr_ratio`` at its last step; ``mix_lr`` in the second phase."""
+        if step >= self.skill_steps:
+            return self.mix_lr
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.skill_steps - self.warmup_steps - 1)
+        frac = min(1.0, (step - self.warmup_steps) / span)
+        return self.lr * (1.0 - (1.0 - self.min_lr_ratio) * frac)
+
+
+def step_batches(sft: SFTConfig, tokenizer_path: str | Path) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Token ids and target masks of the demos of every step: ``skill_steps`` steps of mostly careful
+    demos, then the configured mix; every demo is fresh (drawn for its step)."""
+    from mars_megatron.rollout.chat import ChatCodec
+
+    codec = ChatCodec.from_pretrained(tokenizer_path)
+    problems, prompts = sft.problem_set(), prompt_set(sft.prompts)
+    phases = (
+        (sft.demos.with_careful(sft.skill_careful), sft.skill_steps),
+        (sft.demos, sft.steps - sft.skill_steps),
+    )
+    batches = []
+    for k, (cfg, steps) in enumerate(phases):
+        cfg = dataclasses.replace(cfg, seed=cfg.seed + k)
+        demos = build_demos(problems, prompts, cfg, steps * sft.demos_per_step)
+        pairs = [encode_demo(d, codec) for d in demos]
+        for i in range(0, len(pairs), sft.demos_per_step):
+            chunk = pairs[i : i + sft.demos_per_step]
+            batches.append(([ids for ids, _ in chunk], [mask for _, mask in chunk]))
+    return batches
+
+
+def sft_job(
+    model_dir: str,
+    parallel: ParallelConfig,
+    sft: SFTConfig,
+    dtype: str | None = None,
+    impl: str = "auto",
+    log: bool = True,
+) -> list[dict[str, float]]:
+    """Run the warm start on this rank (collective over the world); returns the metrics of every step
+    (the last one also carries ``train_s``, the seconds of the training loop).
+
+    ``model_dir`` is an HF directory or a mars Megatron checkpoint; ``dtype``/``impl`` as in
+    ``jobs.load_engine``. Arguments are positional-friendly for ``jobs.run(sft_job, parallel, ...)``. The
+    output directory is staged and renamed into place when every rank has finished, so a failed run
+    leaves nothing at ``sft.out_dir``; an existing one is refused before any training.
+    """
+    import torch.distributed as dist
+
+    from checkpoints_conversion.convert import check_output_dir
+    from mars_megatron.config import OptimizerConfig
+    from mars_megatron.jobs import load_engine, tokenizer_dir
+    from mars_megatron.training import parallel as par
+    from mars_megatron.training.engine import lm_loss
+
+    if sft.out_dir is None:
+        raise ConfigError("must be set", "sft.out_dir")
+    check_output_dir(sft.out_dir)
+    par.init_model_parallel(parallel, sft.seed)
+    optimizer = OptimizerConfig(lr=sft.lr, weight_decay=sft.weight_decay, clip_grad=sft.clip_grad)
+    engine = load_engine(model_dir, parallel, dtype=dtype, impl=impl, optimizer=optimizer)
+    history = []
+    started = time.perf_counter()
+    for step, (seqs, masks) in enumerate(step_batches(sft, tokenizer_dir(model_dir))):
+        for group in engine.optimizer.param_groups:
+            group["lr"] = sft.lr_at(step)
+        t0 = time.perf_counter()
+        metrics = engine.train_step(seqs, lm_loss, pack_length=sft.pack_length, target_masks=masks)
+        metrics.update(step=step + 1, lr=sft.lr_at(step), step_s=time.perf_counter() - t0)
+        history.append(metrics)
+        if log and dist.get_rank() == 0 and (step % 10 == 0 or step + 1 == sft.steps):
+            print(
+                f"sft step {step + 1:4d}  loss {metrics['loss']:.4f}  tokens {int(metrics['tokens'])}  "
+                f"{metrics['step_s']:.2f}s",
+                flush=True,
+            )
+    train_s = time.perf_counter() - started
+    save_sft_checkpoint(engine, model_dir, sft.out_dir, parallel)
+    if history:
+        history[-1]["train_s"] = train_s
+    return history
+
+
+def save_sft_checkpoint(engine: Any, source_dir: str, out_dir: str | Path, parallel: ParallelConfig) -> None:
+    """Write ``engine``'s weights as a mars Megatron checkpoint whose ``hf/`` is a complete HF model.
+
+    Layout: ``mars_checkpoint.json`` + ``model/`` (megatron dist checkpoint, loadable in any layout) as
+    ``checkpoints_conversion.convert.hf_to_mcore`` writes them, and ``hf/`` with the HF safetensors,
+    config and tokenizer of ``source_dir``. Collective; staged and renamed like the converter's outputs.
+    """
+    import torch.distributed as dist
+
+    from checkpoints_conversion.convert import (
+        FORMAT,
+        META,
+        _finish,
+        _staging_dir,
+        is_mcore_checkpoint,
+        read_meta,
+        save_mcore,
+    )
+    from checkpoints_conversion.hf_io import HFWriter, copy_assets
+    from checkpoints_conversion.model_io import export_weights
+    from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
+    from mars_megatron.dtypes import torch_dtype
+    from mars_megatron.jobs import tokenizer_dir
+
+    arch = engine.arch
+    pad_multiple = read_meta(source_dir)[1]["vocab_pad_multiple"] if is_mcore_checkpoint(source_dir) else 128
+    out = Path(out_dir)
+    tmp = _staging_dir(out)
+    ok = False
+    try:
+        save_mcore(engine.model, tmp / "model")
+        dtype_name = str(engine.config.params_dtype).removeprefix("torch.")
+        writer = None
+        if dist.get_rank() == 0:
+            (tmp / "hf").mkdir()
+            dtype = torch_dtype(dtype_name)
+            layout = {n: (shape, dtype) for n, shape in expected_hf_tensors(arch).items()}
+            writer = HFWriter(tmp / "hf", layout, 5 * 2**30)
+        for name, tensor in export_weights(engine.model, arch):
+            assert writer is not None
+            writer.add(name, tensor)
+        if writer is not None:
+            writer.close()
+            copy_assets(tokenizer_dir(source_dir), tmp / "hf")
+            meta = {
+                "format": FORMAT,
+                "arch": dataclasses.asdict(arch),
+                "dtype": dtype_name,
+                "vocab_pad_multiple": pad_multiple,
+                "written_by_layout": {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep},
+            }
+            (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+        ok = True
+    finally:
+        _finish(tmp, out, ok)
+
+
+def _sample(
+    engine: Any,
+    codec: Any,
+    prompts: list[list[dict]],
+    group: int,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+) -> list[list[str]]:
+    from mars_megatron.rollout.engine import GenerationRequest, SamplingParams
+
+    requests = [
+        GenerationRequest(
+            f"{i}/{j}",
+            codec.encode(messages),
+            SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, seed=seed * 1_000_003 + i * group + j
+            ),
+        )
+        for i, messages in enumerate(prompts)
+        for j in range(group)
+    ]
+    outputs = engine.generate(requests)
+    texts = [codec.decode(o.token_ids) for o in outputs]
+    return [texts[i * group : (i + 1) * group] for i in range(len(prompts))]
+
+
+def role_accuracy(
+    model_dir: str | Path,
+    problems: Sequence[Problem],
+    *,
+    prompts: str = "compact",
+    group_size: int = 4,
+    inputs_per_agent: int = 2,
+    strategy: Strategy = "adaptive",
+    temperature: float = 1.0,
+    max_tokens: int = 32,
+    seed: int = 0,
+    engine: Any = None,
+    max_batch: int = 64,
+) -> dict[str, float]:
+    """Mean reward of each role on the first three trajectory positions, sampled like MarsRL's rollout.
+
+    Solver: ``group_size`` samples per problem. Verifier: ``inputs_per_agent`` Solver outputs per problem
+    chosen by ``strategy`` (adaptive: wrong ones first, as the trainer does), ``group_size`` reports
+    each. Corrector: as many of those reports that rejected their solution, chosen by ``strategy``,
+    ``group_size`` revisions each. Rewards are the real ones (math-verify answers, parsed verdicts).
+
+    Returns ``{"solver", "verifier", "corrector"}`` mean rewards, the sample count of each
+    (``"<role>_samples"``), the Verifier's reward on correct and on wrong solutions
+    (``"verifier_on_correct"``/``"verifier_on_wrong"``, NaN without such inputs) and its share of
+    unparseable reports (``"verifier_unparseable"``). ``engine`` may be a rollout engine already
+    holding the weights (default: an ``HFEngine`` on ``model_dir`` decoding ``max_batch`` requests at once).
+    """
+    from mars_megatron.rollout.chat import ChatCodec
+    from mars_megatron.rollout.hf_engine import HFEngine
+
+    if not problems:
+        raise ValueError("role_accuracy: no problems")
+    codec = ChatCodec.from_pretrained(model_dir)
+    engine = engine if engine is not None else HFEngine(model_dir, seed=seed, max_batch=max_batch)
+    ps = prompt_set(prompts)
+    rng = random.Random(seed)
+
+    def sample(inputs: list[list[dict]], salt: int) -> list[list[str]]:
+        return _sample(engine, codec, inputs, group_size, max_tokens, temperature, seed * 3 + salt)
+
+    with AnswerChecker(CheckerConfig(num_workers=1)) as checker:
+        solver_in = {p.problem_id: [(ps.solver_messages(p.text), None)] for p in problems}
+        solver = _rollout(problems, Position.SOLVER, solver_in, sample, 0)
+        _score_answers(solver, problems, checker)
+        by_id = {r.sample_id: r for r in solver}
+        verifier_in = {
+            p.problem_id: [
+                (ps.verifier_messages(p.text, s.output_text), s.sample_id)
+                for s in select_inputs(_of(solver, p), inputs_per_agent, strategy, Role.VERIFIER, rng)
+            ]
+            for p in problems
+        }
+        verifier = _rollout(problems, Position.VERIFIER_1, verifier_in, sample, 1)
+        for r in verifier:
+            r.verdict = parse_verdict(r.output_text)
+            r.reward = verifier_reward(r.verdict, bool(by_id[r.parent_id].reward))
+        by_id.update((r.sample_id, r) for r in verifier)
+        corrector_in = {
+            p.problem_id: [
+                (
+                    ps.corrector_messages(p.text, by_id[v.parent_id].output_text, bug_report(v.output_text)),
+                    v.sample_id,
+                )
+                for v in select_inputs(_of(verifier, p), inputs_per_agent, strategy, Role.CORRECTOR, rng)
+            ]
+            for p in problems
+        }
+        corrector = _rollout(problems, Position.CORRECTOR_1, corrector_in, sample, 2)
+        _score_answers(corrector, problems, checker)
+    return _summary(solver, verifier, corrector, by_id)
+
+
+def _of(records: list[RolloutRecord], problem: Problem) -> list[RolloutRecord]:
+    return [r for r in records if r.problem_id == problem.problem_id]
+
+
+def _rollout(problems, position, inputs, sample, salt) -> list[RolloutRecord]:
+    flat = [(p, messages, parent) for p in problems for messages, parent in inputs[p.problem_id]]
+    if not flat:
+        return []
+    outputs = sample([messages for _, messages, _ in flat], salt)
+    records = []
+    for k, ((p, messages, parent), group) in enumerate(zip(flat, outputs, strict=True)):
+        records += [
+            RolloutRecord(
+                f"{p.problem_id}/{position.value}/{k}/{j}",
+                p.problem_id,
+                position,
+                messages,
+                text,
+                parent_id=parent,
+            )
+            for j, text in enumerate(group)
+        ]
+    return records
+
+
+def _score_answers(records: list[RolloutRecord], problems: Sequence[Problem], checker: Any) -> None:
+    reference = {p.problem_id: p.reference for p in problems}
+    rewards = answer_rewards([(r.output_text, reference[r.problem_id]) for r in records], checker)
+    for r, reward in zip(records, rewards, strict=True):
+        r.reward = reward
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _summary(solver, verifier, corrector, by_id) -> dict[str, float]:
+    on_correct = [r.reward for r in verifier if by_id[r.parent_id].reward]
+    on_wrong = [r.reward for r in verifier if not by_id[r.parent_id].reward]
+    return {
+        "solver": _mean([r.reward for r in solver]),
+        "verifier": _mean([r.reward for r in verifier]),
+        "corrector": _mean([r.reward for r in corrector]),
+        "solver_samples": float(len(solver)),
+        "verifier_samples": float(len(verifier)),
+        "corrector_samples": float(len(corrector)),
+        "verifier_on_correct": _mean(on_correct),
+        "verifier_on_wrong": _mean(on_wrong),
+        "verifier_unparseable": _mean([float(r.verdict is None) for r in verifier]),
+    }
