@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
-# The main job on CPU: build the tiny Qwen3-MoE, convert it to a Megatron distributed checkpoint with
-# expert parallelism 2, and train it with Megatron-Core on 2 gloo processes, printing the loss per step.
+# The main job on CPU: a complete MarsRL run of the tiny Qwen3-MoE (about 10 minutes on 2 cores).
+#   1. build the random tiny model;  2. `mars sft`: supervised warm start on noisy role demonstrations;
+#   3. `mars train`: MarsRL (Solver -> Verifier -> Corrector, agent-specific rewards) with 2 Megatron
+#      trainer ranks (EP=2) and a transformers rollout engine, all Ray actors; prints per-agent rewards.
+# Extra arguments are config overrides for `mars train` (e.g. algorithm.reward=shared train.steps=20).
+# Ray listens on every interface; as root, the run goes into a network namespace with only loopback up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+if [ -z "${MARS_IN_NETNS:-}" ]; then
+  scripts/setup.sh
+  if [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
+    exec unshare -n env MARS_IN_NETNS=1 bash -c 'ip link set lo up && exec bash "$0" "$@"' "$0" "$@"
+  fi
+fi
 export PATH="$PWD/${MARS_VENV:-.venv}/bin:$PATH"
 RUN=${RUN:-runs/demo}
 rm -rf "$RUN" && mkdir -p "$RUN"
 mars init-model --preset tiny-moe --out "$RUN/hf"
-mars convert hf-to-mcore "$RUN/hf" "$RUN/mcore" --ep 2
-mars train examples/tiny_moe_cpu.yaml model.mcore_dir="$RUN/mcore" logging.run_dir="$RUN/train" "$@"
-echo "metrics: $RUN/train/metrics.jsonl"
+mars sft examples/tiny_sft.yaml --model-dir "$RUN/hf" --out "$RUN/sft"
+mars train examples/tiny_cpu.yaml model.mcore_dir="$RUN/sft" logging.run_dir="$RUN/train" \
+  checkpoint.save_dir="$RUN/checkpoints" "$@"
+echo "metrics: $RUN/train/metrics.jsonl   plot: $RUN/train/rewards.png   tensorboard: $RUN/train/tensorboard"
