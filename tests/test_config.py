@@ -18,7 +18,8 @@ from mars_megatron.config import (
 )
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
+# *_sft.yaml files are `mars sft` configs (root SFTConfig), tested below
+EXAMPLE_FILES = sorted(p for p in EXAMPLES.glob("*.yaml") if not p.name.endswith("_sft.yaml"))
 
 
 def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
@@ -66,6 +67,16 @@ def test_every_example_loads(path: Path) -> None:
     assert isinstance(cfg, MarsConfig)
     raw = yaml.safe_load(path.read_text())
     assert cfg.train.steps == raw["train"]["steps"]  # the file was really read, not defaults
+
+
+def test_sft_example_loads_as_an_sft_config() -> None:
+    from mars_megatron.tasks.sft import SFTConfig
+
+    sft = load_config(EXAMPLES / "tiny_sft.yaml", root=SFTConfig)
+    assert isinstance(sft, SFTConfig)
+    assert sft.prompts == load_config(EXAMPLES / "tiny_cpu.yaml").agents.prompts
+    with pytest.raises(ConfigError, match="stepz: unknown key"):
+        load_config(EXAMPLES / "tiny_sft.yaml", ["stepz=3"], root=SFTConfig)
 
 
 def test_example_layouts() -> None:

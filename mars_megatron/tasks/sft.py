@@ -1,8 +1,9 @@
 """The supervised warm start of the tiny run (``mars sft``) and the per-role rewards it leaves.
 
 :func:`sft_job` runs on every rank of a Megatron layout (like ``jobs.train_job``): it loads a model,
-builds noisy demonstrations of all three roles (:mod:`mars_megatron.tasks.demos`), trains on their
-responses only (prompt tokens carry no loss) with packed sequences, and writes the result as a mars
+builds demonstrations of all three roles with calibrated careless modes (:mod:`mars_megatron.tasks.demos`),
+trains on their responses only (prompt tokens carry no loss) with packed sequences in two phases (skills
+first, then the careless share), and writes the result as a mars
 Megatron checkpoint whose ``hf/`` folder is also a complete HF model, so the same directory starts
 ``mars train`` (``model.mcore_dir``) and the rollout engine (``jobs.tokenizer_dir`` of it).
 
@@ -17,13 +18,13 @@ import dataclasses
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from mars_megatron.agents.prompts import prompt_set
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.roles import Message, Role
 from mars_megatron.agents.trajectory import Position, RolloutRecord, Strategy, select_inputs
 from mars_megatron.agents.verdict import bug_report, parse_verdict
 from mars_megatron.config import ConfigError, ParallelConfig, Section, _field
@@ -244,7 +245,7 @@ def save_sft_checkpoint(engine: Any, source_dir: str, out_dir: str | Path, paral
 def _sample(
     engine: Any,
     codec: Any,
-    prompts: list[list[dict]],
+    prompts: list[list[Message]],
     group: int,
     max_tokens: int,
     temperature: float,
@@ -305,7 +306,7 @@ def role_accuracy(
     ps = prompt_set(prompts)
     rng = random.Random(seed)
 
-    def sample(inputs: list[list[dict]], salt: int) -> list[list[str]]:
+    def sample(inputs: list[list[Message]], salt: int) -> list[list[str]]:
         return _sample(engine, codec, inputs, group_size, max_tokens, temperature, seed * 3 + salt)
 
     with AnswerChecker(CheckerConfig(num_workers=1)) as checker:
@@ -344,7 +345,18 @@ def _of(records: list[RolloutRecord], problem: Problem) -> list[RolloutRecord]:
     return [r for r in records if r.problem_id == problem.problem_id]
 
 
-def _rollout(problems, position, inputs, sample, salt) -> list[RolloutRecord]:
+_Inputs = dict[str, list[tuple[list[Message], str | None]]]
+"""Per problem id: the messages of each input of a position, with the sample id it was built from."""
+
+
+def _rollout(
+    problems: Sequence[Problem],
+    position: Position,
+    inputs: _Inputs,
+    sample: Callable[[list[list[Message]], int], list[list[str]]],
+    salt: int,
+) -> list[RolloutRecord]:
+    """One position's outputs: ``group_size`` samples per input, as records linked to their parents."""
     flat = [(p, messages, parent) for p in problems for messages, parent in inputs[p.problem_id]]
     if not flat:
         return []
@@ -376,7 +388,12 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _summary(solver, verifier, corrector, by_id) -> dict[str, float]:
+def _summary(
+    solver: list[RolloutRecord],
+    verifier: list[RolloutRecord],
+    corrector: list[RolloutRecord],
+    by_id: dict[str, RolloutRecord],
+) -> dict[str, float]:
     on_correct = [r.reward for r in verifier if by_id[r.parent_id].reward]
     on_wrong = [r.reward for r in verifier if not by_id[r.parent_id].reward]
     return {
