@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=4)
     _add_layout(p)
 
-    p = sub.add_parser("sft", help="supervised warm start on the tiny task's noisy role demonstrations")
+    p = sub.add_parser("sft", help="supervised warm start on the tiny task's role demonstrations")
     p.add_argument("config", help="SFT YAML (see examples/tiny_sft.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.add_argument("--model-dir", required=True, help="HF directory or mars checkpoint to start from")

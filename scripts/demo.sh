@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on CPU: a complete MarsRL run of the tiny Qwen3-MoE (about 10 minutes on 2 cores).
-#   1. build the random tiny model;  2. `mars sft`: supervised warm start on noisy role demonstrations;
+#   1. build the random tiny model;  2. `mars sft`: warm start on careful/careless role demonstrations;
 #   3. `mars train`: MarsRL (Solver -> Verifier -> Corrector, agent-specific rewards) with 2 Megatron
 #      trainer ranks (EP=2) and a transformers rollout engine, all Ray actors; prints per-agent rewards.
 # Extra arguments are config overrides for `mars train` (e.g. algorithm.reward=shared train.steps=20).

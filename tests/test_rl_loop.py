@@ -37,7 +37,12 @@ def sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf = init_model("tiny-moe", root / "hf")
     out = root / "sft"
     parallel.launch(
-        sft_job, 1, str(hf), ParallelConfig(), SFTConfig(out_dir=str(out), steps=40), timeout_s=600
+        sft_job,
+        1,
+        str(hf),
+        ParallelConfig(),
+        SFTConfig(out_dir=str(out), steps=40, skill_steps=30),
+        timeout_s=600,
     )
     return out
 
