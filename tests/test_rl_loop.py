@@ -115,3 +115,16 @@ def test_killed_run_resumes_exactly(sft_model: Path, uninterrupted: tuple[Path, 
     keys = ["reward/solver", "reward/verifier", "reward/corrector", "train/loss", "train/grad_norm", "tokens"]
     for a, b in zip(got[2:], want[2:], strict=True):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
+
+
+def test_a_separate_policy_per_role(sft_model: Path, tmp_path: Path) -> None:
+    """algorithm.policies=per_role: three models, three engines, each trained on its own role's samples."""
+    run = tmp_path / "run"
+    _finish(_train(sft_model, run, "algorithm.policies=per_role", "train.steps=2"))
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for role in ("solver", "verifier", "corrector"):
+        assert records[-1][f"policy_version/{role}"] == 2
+        assert records[-1][f"train/{role}/tokens"] > 0
+    saved = sorted(p.name for p in (run / "ckpt" / "step_000002").iterdir() if p.is_dir())
+    assert saved == ["corrector", "solver", "verifier"]

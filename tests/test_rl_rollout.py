@@ -110,6 +110,11 @@ def test_grouped_expansion_and_agent_rewards(codec: ChatCodec, checker) -> None:
     )
     for role in ("solver", "verifier", "corrector"):
         assert f"reward/{role}" in m and f"samples/{role}" in m
+    for role in ("verifier", "corrector"):  # split by whether the judged solution was right
+        mine = [n for n in result.nodes if n.record.role.value == role]
+        assert m[f"{role}/on_right_samples"] + m[f"{role}/on_wrong_samples"] == len(mine)
+        wrong = [n.agent_reward for n in mine if n.judged.agent_reward == 0]
+        assert m[f"{role}/on_wrong"] == pytest.approx(sum(wrong) / len(wrong))
 
 
 def test_adaptive_verifier_takes_incorrect_solutions_first(codec: ChatCodec, checker) -> None:

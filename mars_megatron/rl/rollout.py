@@ -257,6 +257,17 @@ def _metrics(
     verifiers = by_role.get(Role.VERIFIER, [])
     if verifiers:
         out["verifier/unparsed"] = _mean([float(n.record.verdict is None) for n in verifiers])
+    # Verifier and Corrector rewards depend on what they were given: split by whether the judged solution
+    # was right, so a shift in the input mix is not mistaken for learning (or forgetting).
+    for role in (Role.VERIFIER, Role.CORRECTOR):
+        for truth, name in ((True, "on_right"), (False, "on_wrong")):
+            nodes = [
+                n
+                for n in by_role.get(role, [])
+                if n.judged is not None and (n.judged.agent_reward > 0) == truth
+            ]
+            out[f"{role.value}/{name}"] = _mean([n.agent_reward for n in nodes]) if nodes else float("nan")
+            out[f"{role.value}/{name}_samples"] = float(len(nodes))
     return out
 
 
