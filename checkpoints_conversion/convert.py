@@ -87,6 +87,20 @@ def read_meta(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:
     return Qwen3Arch(**arch_fields), meta
 
 
+def write_meta(
+    directory: Path, arch: Qwen3Arch, dtype: str, vocab_pad_multiple: int, parallel: ParallelConfig
+) -> None:
+    """The metadata file that makes ``directory`` a mars checkpoint (:func:`read_meta` reads it back)."""
+    meta = {
+        "format": FORMAT,
+        "arch": dataclasses.asdict(arch),
+        "dtype": dtype,
+        "vocab_pad_multiple": vocab_pad_multiple,
+        "written_by_layout": {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep},
+    }
+    (directory / META).write_text(json.dumps(meta, indent=2) + "\n")
+
+
 def save_mcore(model: torch.nn.Module, directory: Path) -> None:
     from megatron.core import dist_checkpointing
 
@@ -133,14 +147,7 @@ def hf_to_mcore(
         if dist.get_rank() == 0:
             (tmp / "hf").mkdir()
             copy_assets(hf_dir, tmp / "hf")
-            meta = {
-                "format": FORMAT,
-                "arch": dataclasses.asdict(arch),
-                "dtype": dtype or arch.dtype,
-                "vocab_pad_multiple": vocab_pad_multiple,
-                "written_by_layout": {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep},
-            }
-            (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+            write_meta(tmp, arch, dtype or arch.dtype, vocab_pad_multiple, parallel)
         ok = True
     finally:
         _finish(tmp, out, ok)

@@ -15,7 +15,6 @@ real answer checker and verdict parser).
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -195,13 +194,12 @@ def save_sft_checkpoint(engine: Any, source_dir: str, out_dir: str | Path, paral
     import torch.distributed as dist
 
     from checkpoints_conversion.convert import (
-        FORMAT,
-        META,
         _finish,
         _staging_dir,
         is_mcore_checkpoint,
         read_meta,
         save_mcore,
+        write_meta,
     )
     from checkpoints_conversion.hf_io import HFWriter, copy_assets
     from checkpoints_conversion.model_io import export_weights
@@ -229,14 +227,7 @@ def save_sft_checkpoint(engine: Any, source_dir: str, out_dir: str | Path, paral
         if writer is not None:
             writer.close()
             copy_assets(tokenizer_dir(source_dir), tmp / "hf")
-            meta = {
-                "format": FORMAT,
-                "arch": dataclasses.asdict(arch),
-                "dtype": dtype_name,
-                "vocab_pad_multiple": pad_multiple,
-                "written_by_layout": {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep},
-            }
-            (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+            write_meta(tmp, arch, dtype_name, pad_multiple, parallel)
         ok = True
     finally:
         _finish(tmp, out, ok)
