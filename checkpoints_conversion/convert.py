@@ -2,9 +2,13 @@
 
 A Megatron checkpoint written here is a directory::
 
-    mars_checkpoint.json   format tag, architecture, vocabulary padding, dtype
+    mars_checkpoint.json   format tag, architecture, vocabulary padding, dtype, where the weights are
     hf/                    the source's config.json, tokenizer and generation files
     model/                 megatron dist_checkpointing (torch_dist) — loadable into any layout
+
+A policy folder of a ``mars train`` checkpoint is one too: its weights sit beside the optimizer state in
+``dist/`` (the metadata names that folder and the sharding metadata it was saved with), so a trained
+policy starts another run, is evaluated or is exported to HF like any converted checkpoint.
 
 Both directions write into a temporary sibling directory and rename it into place only after every
 rank has finished, so an interrupted or failed conversion never leaves a half-written output.
@@ -15,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +47,19 @@ def check_output_dir(out_dir: str | Path) -> Path:
     if not out.parent.exists():
         raise FileNotFoundError(f"{out.parent}: parent of the output directory does not exist")
     return out
+
+
+@contextmanager
+def staged_output(out: Path) -> Iterator[Path]:
+    """A temporary sibling of ``out`` to write into (collective): renamed to ``out`` when every rank
+    leaves the block without an exception, removed otherwise, so ``out`` is never half-written."""
+    tmp = _staging_dir(out)
+    ok = False
+    try:
+        yield tmp
+        ok = True
+    finally:
+        _finish(tmp, out, ok)
 
 
 def _staging_dir(out: Path) -> Path:
@@ -88,15 +107,31 @@ def read_meta(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:
 
 
 def write_meta(
-    directory: Path, arch: Qwen3Arch, dtype: str, vocab_pad_multiple: int, parallel: ParallelConfig
+    directory: Path,
+    arch: Qwen3Arch,
+    dtype: str,
+    vocab_pad_multiple: int,
+    parallel: ParallelConfig,
+    *,
+    weights: str = "model",
+    state_key: str | None = None,
+    sharded_metadata: dict[str, Any] | None = None,
 ) -> None:
-    """The metadata file that makes ``directory`` a mars checkpoint (:func:`read_meta` reads it back)."""
+    """The metadata file that makes ``directory`` a mars checkpoint (:func:`read_meta` reads it back).
+
+    ``weights`` is the dist-checkpoint folder holding the model; ``state_key`` the key the model's state
+    sits under in it (a training checkpoint saves ``{"model": ..., "optimizer": ...}``; a converted one
+    the model's state alone); ``sharded_metadata`` the content metadata it was saved with.
+    """
     meta = {
         "format": FORMAT,
         "arch": dataclasses.asdict(arch),
         "dtype": dtype,
         "vocab_pad_multiple": vocab_pad_multiple,
         "written_by_layout": {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep},
+        "weights": weights,
+        "state_key": state_key,
+        "sharded_metadata": sharded_metadata,
     }
     (directory / META).write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -109,12 +144,22 @@ def save_mcore(model: torch.nn.Module, directory: Path) -> None:
     dist_checkpointing.save(getattr(model, "module", model).sharded_state_dict(), str(directory))
 
 
-def load_mcore(model: torch.nn.Module, directory: Path) -> None:
+def load_mcore(model: torch.nn.Module, mcore_dir: str | Path) -> None:
+    """Load the weights of the mars checkpoint ``mcore_dir`` into ``model`` (any layout; collective).
+
+    Only the model's tensors are read: a training checkpoint's optimizer state is left on disk.
+    """
     from megatron.core import dist_checkpointing
 
+    _, meta = read_meta(mcore_dir)
+    weights = Path(mcore_dir) / meta.get("weights", "model")
+    if not weights.is_dir():
+        raise CheckpointError(f"{weights}: missing; {mcore_dir} has no model weights")
     inner = getattr(model, "module", model)
-    state = dist_checkpointing.load(inner.sharded_state_dict(), str(directory))
-    inner.load_state_dict(state)
+    sharded = inner.sharded_state_dict(metadata=meta.get("sharded_metadata"))
+    key = meta.get("state_key")
+    state = dist_checkpointing.load({key: sharded} if key else sharded, str(weights))
+    inner.load_state_dict(state[key] if key else state)
 
 
 def hf_to_mcore(
@@ -131,9 +176,7 @@ def hf_to_mcore(
     reader = HFReader(hf_dir)
     validate_hf_checkpoint(reader, arch)
     out = Path(out_dir)
-    tmp = _staging_dir(out)
-    ok = False
-    try:
+    with staged_output(out) as tmp:
         model = build_model(
             arch,
             parallel,
@@ -148,9 +191,6 @@ def hf_to_mcore(
             (tmp / "hf").mkdir()
             copy_assets(hf_dir, tmp / "hf")
             write_meta(tmp, arch, dtype or arch.dtype, vocab_pad_multiple, parallel)
-        ok = True
-    finally:
-        _finish(tmp, out, ok)
 
 
 def mcore_to_hf(
@@ -162,12 +202,11 @@ def mcore_to_hf(
     transformer_impl: str = "auto",
     progress: bool = True,
 ) -> None:
-    """Convert a Megatron checkpoint from :func:`hf_to_mcore` back to HF safetensors (every rank)."""
+    """Convert a mars Megatron checkpoint to HF safetensors (every rank): one from :func:`hf_to_mcore` or
+    ``mars sft``, or a policy folder of a ``mars train`` checkpoint (the trained policy)."""
     arch, meta = read_meta(mcore_dir)
     out = Path(out_dir)
-    tmp = _staging_dir(out)
-    ok = False
-    try:
+    with staged_output(out) as tmp:
         model = build_model(
             arch,
             parallel,
@@ -175,7 +214,7 @@ def mcore_to_hf(
             transformer_impl=transformer_impl,
             vocab_pad_multiple=meta["vocab_pad_multiple"],
         )
-        load_mcore(model, Path(mcore_dir) / "model")
+        load_mcore(model, mcore_dir)
         writer = None
         if dist.get_rank() == 0:
             dtype = torch_dtype(meta["dtype"])
@@ -191,6 +230,3 @@ def mcore_to_hf(
         if writer is not None:
             writer.close()
             copy_assets(Path(mcore_dir) / "hf", tmp)
-        ok = True
-    finally:
-        _finish(tmp, out, ok)

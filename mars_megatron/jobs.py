@@ -64,7 +64,7 @@ def load_engine(
             vocab_pad_multiple=meta["vocab_pad_multiple"],
             optimizer=optimizer,
         )
-        load_mcore(engine.model, Path(model_dir) / "model")
+        load_mcore(engine.model, model_dir)
         return engine
     arch = load_hf_config(model_dir)
     reader = HFReader(model_dir)

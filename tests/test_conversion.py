@@ -443,7 +443,7 @@ def bad_inputs(
     src = mcore_copy("model-missing")
     shutil.rmtree(src / "model")
     cases["model-missing"] = BadInput(
-        Op("to_hf", str(src), str(root / "model-missing.out"), S), "CheckpointingException"
+        Op("to_hf", str(src), str(root / "model-missing.out"), S), "CheckpointError"
     )
 
     src = mcore_copy("meta-disagrees")
@@ -555,7 +555,7 @@ def test_mcore_to_hf_on_a_foreign_format_tag(bad_inputs: dict[str, Any]) -> None
 def test_failure_after_staging_removes_it_missing_model(bad_inputs: dict[str, Any]) -> None:
     out, message = _raised(bad_inputs, "model-missing")
     model = Path(bad_inputs["cases"]["model-missing"].op.src) / "model"
-    assert message == f"Checkpoint directory {model} does not exist"
+    assert message == f"{model}: missing; {model.parent} has no model weights"
     assert_nothing_written(out)
 
 

@@ -22,6 +22,7 @@ from mars_megatron.metrics import read_metrics
 from mars_megatron.models.presets import init_model
 from mars_megatron.tasks.sft import SFTConfig, sft_job
 from mars_megatron.training import parallel
+from tests.test_cli import TOKENS, assert_close_to, hf_logprobs, mars, ok, read_logprobs, write_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
@@ -128,3 +129,19 @@ def test_a_separate_policy_per_role(sft_model: Path, tmp_path: Path) -> None:
         assert records[-1][f"train/{role}/tokens"] > 0
     saved = sorted(p.name for p in (run / "ckpt" / "step_000002").iterdir() if p.is_dir())
     assert saved == ["corrector", "solver", "verifier"]
+
+
+def test_trained_policy_checkpoint_exports_and_scores(
+    sft_model: Path, uninterrupted: tuple[Path, str], tmp_path: Path
+) -> None:
+    """A policy folder of a training checkpoint is a mars checkpoint: ``mars convert mcore-to-hf`` exports
+    the trained weights (not the starting ones), and ``mars score`` reads the same weights from it."""
+    ckpt = uninterrupted[0] / "ckpt" / "step_000004" / "shared"
+    hf = tmp_path / "hf"
+    ok(mars("convert", "mcore-to-hf", ckpt, hf, cwd=tmp_path))
+    trained, start = hf_logprobs(hf, TOKENS), hf_logprobs(sft_model / "hf", TOKENS)
+    assert max(float((a - b).abs().max()) for a, b in zip(trained, start, strict=True)) > 1e-3
+    scores = tmp_path / "scores.jsonl"
+    ok(mars("score", "--model-dir", ckpt, "--input", write_tokens(tmp_path / "t.jsonl", TOKENS),
+            "--output", scores, cwd=tmp_path))  # fmt: skip
+    assert_close_to(read_logprobs(scores), trained)

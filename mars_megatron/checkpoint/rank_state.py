@@ -7,6 +7,9 @@ collective). A policy's part of a checkpoint is the directory ``<checkpoint>/<na
     rng/rank_<r>.pt       this rank's python / numpy / torch / CUDA / megatron-tracker RNG states
     layout.json           the parallel layout it was written with
     engine_state.json     engine counters (skipped steps) and whether the optimizer was saved
+    mars_checkpoint.json  + hf/: what makes the folder a mars checkpoint of its own (given the tokenizer
+                          assets), so ``model.mcore_dir``, ``mars eval`` and ``mars convert mcore-to-hf``
+                          take a trained policy directly
 
 The distributed optimizer is saved in its ``dp_reshardable`` form (what megatron's own training loop
 uses): every rank writes its own buckets (fp32 master weights, Adam moments) with no gathering, and reads
@@ -45,6 +48,7 @@ LAYOUT_FILE = "layout.json"
 ENGINE_FILE = "engine_state.json"
 DIST_DIR = "dist"
 RNG_DIR = "rng"
+MODEL_KEY = "model"
 
 
 # ------------------------------------------------------------------------------------- JSON-able python RNG
@@ -124,7 +128,7 @@ def _sharded_metadata(engine: Any) -> dict[str, Any]:
 
 def _sharded_state(engine: Any, metadata: dict[str, Any], *, with_optimizer: bool, loading: bool) -> dict:
     inner = getattr(engine.model, "module", engine.model)
-    state: dict[str, Any] = {"model": inner.sharded_state_dict(metadata=metadata)}
+    state: dict[str, Any] = {MODEL_KEY: inner.sharded_state_dict(metadata=metadata)}
     if with_optimizer:
         state["optimizer"] = engine.optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
     return state
@@ -192,11 +196,15 @@ def _fsynced_save(obj: Any, path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ public
-def save_rank_state(directory: str | Path, name: str, engine: Any) -> None:
+def save_rank_state(
+    directory: str | Path, name: str, engine: Any, *, assets: str | Path | None = None
+) -> None:
     """Save ``engine``'s model, optimizer (if it has one) and this rank's RNG into ``directory/name``.
 
     Collective over the engine's world. ``directory`` is normally a staging directory from
-    :meth:`CheckpointStore.begin`; ``name`` the policy (``"policy"``, ``"solver"``, ...).
+    :meth:`CheckpointStore.begin`; ``name`` the policy (``"policy"``, ``"solver"``, ...). ``assets``:
+    a folder with the model's config and tokenizer files; with it the policy folder is also a mars
+    checkpoint (:mod:`checkpoints_conversion.convert`).
     """
     from megatron.core import dist_checkpointing
 
@@ -219,7 +227,27 @@ def save_rank_state(directory: str | Path, name: str, engine: Any) -> None:
         write_text_atomic(out / LAYOUT_FILE, json.dumps(parallel_layout(engine), indent=1, sort_keys=True))
         engine_state = {"skipped_steps": engine.skipped_steps, "optimizer": with_optimizer}
         write_text_atomic(out / ENGINE_FILE, json.dumps(engine_state, indent=1, sort_keys=True))
+        if assets is not None:
+            _write_checkpoint_meta(out, engine, Path(assets), metadata)
     dist.barrier()
+
+
+def _write_checkpoint_meta(out: Path, engine: Any, assets: Path, metadata: dict[str, Any]) -> None:
+    from checkpoints_conversion.convert import write_meta
+    from checkpoints_conversion.hf_io import copy_assets
+
+    (out / "hf").mkdir(exist_ok=True)
+    copy_assets(assets, out / "hf")
+    write_meta(
+        out,
+        engine.arch,
+        engine.dtype,
+        engine.vocab_pad_multiple,
+        engine.parallel,
+        weights=DIST_DIR,
+        state_key=MODEL_KEY,
+        sharded_metadata=metadata,
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -268,7 +296,7 @@ def load_rank_state(directory: str | Path, name: str, engine: Any) -> None:
     # no_grad: with fp32 weights the distributed optimizer's master weights are views of the parameters,
     # which megatron-core 0.16.1 copies into in place (autograd refuses that on a leaf that needs grad).
     with torch.no_grad():
-        inner.load_state_dict(loaded["model"])
+        inner.load_state_dict(loaded[MODEL_KEY])
         if with_optimizer:
             _default_zero_step(loaded["optimizer"])
             engine.optimizer.load_state_dict(loaded["optimizer"])

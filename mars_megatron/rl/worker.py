@@ -80,6 +80,7 @@ class PolicyWorker:
 
         par.init_model_parallel(cfg.parallel, cfg.train.seed)
         self.cfg = cfg
+        self.model_dir = model_dir
         self.loss = loss_config(cfg)
         self.policies: dict[str, _Policy] = {}
         for name in names:
@@ -179,9 +180,11 @@ class PolicyWorker:
     # ---------------------------------------------------------------------------------------- checkpoint
     def save(self, directory: str) -> None:
         from mars_megatron.checkpoint.rank_state import save_rank_state
+        from mars_megatron.jobs import tokenizer_dir
 
+        assets = tokenizer_dir(self.model_dir)
         for name, policy in self.policies.items():
-            save_rank_state(Path(directory), name, policy.engine)
+            save_rank_state(Path(directory), name, policy.engine, assets=assets)
 
     def load(self, directory: str) -> None:
         from mars_megatron.checkpoint.rank_state import load_rank_state

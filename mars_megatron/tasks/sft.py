@@ -193,14 +193,7 @@ def save_sft_checkpoint(engine: Any, source_dir: str, out_dir: str | Path, paral
     """
     import torch.distributed as dist
 
-    from checkpoints_conversion.convert import (
-        _finish,
-        _staging_dir,
-        is_mcore_checkpoint,
-        read_meta,
-        save_mcore,
-        write_meta,
-    )
+    from checkpoints_conversion.convert import save_mcore, staged_output, write_meta
     from checkpoints_conversion.hf_io import HFWriter, copy_assets
     from checkpoints_conversion.model_io import export_weights
     from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
@@ -208,17 +201,13 @@ def save_sft_checkpoint(engine: Any, source_dir: str, out_dir: str | Path, paral
     from mars_megatron.jobs import tokenizer_dir
 
     arch = engine.arch
-    pad_multiple = read_meta(source_dir)[1]["vocab_pad_multiple"] if is_mcore_checkpoint(source_dir) else 128
     out = Path(out_dir)
-    tmp = _staging_dir(out)
-    ok = False
-    try:
+    with staged_output(out) as tmp:
         save_mcore(engine.model, tmp / "model")
-        dtype_name = str(engine.config.params_dtype).removeprefix("torch.")
         writer = None
         if dist.get_rank() == 0:
             (tmp / "hf").mkdir()
-            dtype = torch_dtype(dtype_name)
+            dtype = torch_dtype(engine.dtype)
             layout = {n: (shape, dtype) for n, shape in expected_hf_tensors(arch).items()}
             writer = HFWriter(tmp / "hf", layout, 5 * 2**30)
         for name, tensor in export_weights(engine.model, arch):
@@ -227,10 +216,7 @@ def save_sft_checkpoint(engine: Any, source_dir: str, out_dir: str | Path, paral
         if writer is not None:
             writer.close()
             copy_assets(tokenizer_dir(source_dir), tmp / "hf")
-            write_meta(tmp, arch, dtype_name, pad_multiple, parallel)
-        ok = True
-    finally:
-        _finish(tmp, out, ok)
+            write_meta(tmp, arch, engine.dtype, engine.vocab_pad_multiple, parallel)
 
 
 def _sample(

@@ -50,6 +50,8 @@ class MegatronEngine:
 
         self.arch = arch
         self.parallel = parallel
+        self.dtype = dtype or arch.dtype
+        self.vocab_pad_multiple = vocab_pad_multiple
         self.padded_vocab = arch.padded_vocab_size(vocab_pad_multiple)
         self.impl = resolve_impl(transformer_impl)
         self.model = build_model(
