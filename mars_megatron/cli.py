@@ -88,8 +88,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Overrides may also follow the options (``mars sft CFG --out D steps=10``): argparse's positional
+    list ends at the first option, so later ``key=value`` words are added to it here."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [w for w in extra if w.startswith("-") or "=" not in w or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     from mars_megatron import jobs
 
     try:

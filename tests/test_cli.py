@@ -141,6 +141,14 @@ def test_config_prints_resolved_values(work: Path) -> None:
     assert printed["train"]["pack_length"] == load_config(EXAMPLE).train.pack_length
 
 
+def test_overrides_may_follow_options(work: Path) -> None:
+    """``key=value`` words after an option still reach the config (here: rejected, naming the field)."""
+    result = mars("train", EXAMPLE, "--nproc", "2", "parallel.tp=3", cwd=work)
+    assert_failed(result, 2, "parallel.tp = 3")
+    result = mars("train", EXAMPLE, "--nproc", "2", "oops", cwd=work)
+    assert result.returncode == 2 and "unrecognized arguments: oops" in result.stderr
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 def assert_failed(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:
     """Exit ``code``, nothing on stdout, and one ``mars <command>: error: ...`` line holding ``needles``
