@@ -22,6 +22,10 @@ drowned the skill. The same steps on clean demos gave 99%. With modes, every car
 lesson, the careless ones only teach how often to skip the work, and reinforcement learning has one
 early decision per response to shift (work it out) whose pay-off is shared across all problems.
 
+The shares are low (20 % careful by default) so that every role starts mostly careless and the room left
+to reinforcement learning is the decision to work carefully, not arithmetic it never learned: the warm
+start's skill phase makes careful sums right 92-97 % of the time (``SFTConfig.skill_steps``).
+
 Demos are chat conversations in a prompt set (``compact`` for the tiny model); :func:`encode_demo`
 turns one into token ids with the policy's chat template and the mask of the tokens that are trained.
 """
@@ -48,10 +52,10 @@ class DemoConfig(Section):
     """How often each role works carefully in the demos, and the mix of roles (a config section)."""
 
     solver_careful: float = _field(
-        0.4, "Share of Solver demos that work the sum out (the rest guess a random number).", min=0
+        0.2, "Share of Solver demos that work the sum out (the rest guess a random number).", min=0
     )
     verifier_careful: float = _field(
-        0.4,
+        0.2,
         "Share of Verifier demos that recompute the sum and compare (the rest accept the solution "
         "unchecked).",
         min=0,
@@ -60,7 +64,7 @@ class DemoConfig(Section):
         0.5, "Share of the Verifier demos' solutions that are correct.", min=0
     )
     corrector_careful: float = _field(
-        0.4, "Share of Corrector demos that work the sum out (the rest repeat the rejected answer).", min=0
+        0.2, "Share of Corrector demos that work the sum out (the rest repeat the rejected answer).", min=0
     )
     solver_weight: float = _field(1.0, "Relative number of Solver demos.", min=0)
     verifier_weight: float = _field(1.0, "Relative number of Verifier demos.", min=0)
@@ -167,7 +171,9 @@ def _corrector_demo(p: Problem, prompts: PromptSet, cfg: DemoConfig, rng: random
     a, b = operands(p)
     previous = _wrong(rng, a + b, top)
     report = careful_report(a, b, previous).split("\nCorrectness:")[0]
-    messages = prompts.corrector_messages(p.text, boxed(previous), report)
+    # the rejected solution in either of the Solver's formats: a careful Solver's slips reach it too
+    solution = f"{a}+{b}={previous}. {boxed(previous)}" if rng.random() < 0.5 else boxed(previous)
+    messages = prompts.corrector_messages(p.text, solution, report)
     careful = rng.random() < cfg.corrector_careful
     response = careful_solution(a, b) if careful else boxed(previous)
     return _demo(Role.CORRECTOR, p, messages, response, careful, a + b)

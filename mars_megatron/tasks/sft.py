@@ -40,12 +40,14 @@ class SFTConfig(Section):
     out_dir: str | None = _field(
         None, "Output: a mars Megatron checkpoint; its hf/ folder is a complete HF model. Must not exist."
     )
-    steps: int = _field(200, "Optimizer steps, both phases.", min=1)
+    steps: int = _field(350, "Optimizer steps, both phases.", min=1)
     skill_steps: int = _field(
-        150,
+        300,
         "Steps of the first phase, on mostly careful demos (share skill_careful for every role): the skills "
         "are learned from clean lessons. The remaining steps use the demos' own shares at mix_lr, which sets "
-        "how often each role is careless.",
+        "how often each role is careless. Measured: after 150 steps a careful sum sampled at temperature 1 "
+        "was right only 56-67% of the time, so the wrong solutions reaching the Corrector were those the "
+        "model could not add and its reward barely rose under RL (+10); after 300 steps, 92-97%.",
         min=0,
     )
     skill_careful: float = _field(
