@@ -219,6 +219,7 @@ def save_rank_state(
     if with_optimizer:
         _allocate_adam_state(engine.optimizer)  # a checkpoint before the first step (same as no state)
     metadata = _sharded_metadata(engine)
+    saved_with = dict(metadata)  # megatron adds process groups to ``metadata`` while it shards
     state = _sharded_state(engine, metadata, with_optimizer=with_optimizer, loading=False)
     dist_checkpointing.save(state, str(out / DIST_DIR), content_metadata=metadata)
     _fsynced_save(rng, out / RNG_DIR / f"rank_{rank}.pt")
@@ -228,7 +229,7 @@ def save_rank_state(
         engine_state = {"skipped_steps": engine.skipped_steps, "optimizer": with_optimizer}
         write_text_atomic(out / ENGINE_FILE, json.dumps(engine_state, indent=1, sort_keys=True))
         if assets is not None:
-            _write_checkpoint_meta(out, engine, Path(assets), metadata)
+            _write_checkpoint_meta(out, engine, Path(assets), saved_with)
     dist.barrier()
 
 
