@@ -117,14 +117,15 @@ def test_an_existing_output_is_refused_before_training(moe: Path, tmp_path: Path
 def test_role_accuracy_samples_every_role(trained: tuple[Path, list[dict]]) -> None:
     out, _ = trained
     problems = arith_problems(4, seed=0)
-    stats = role_accuracy(out / "hf", problems, group_size=2, inputs_per_agent=2, max_tokens=24, seed=1)
-    assert stats["solver_samples"] == 8
-    assert stats["verifier_samples"] == 16  # 2 solutions per problem, 2 reports each
-    assert 0 <= stats["corrector_samples"] <= 16
+    kwargs = {"group_size": 2, "inputs_per_agent": 2, "max_steps": 3, "max_tokens": 24, "seed": 1}
+    stats = role_accuracy(out / "hf", problems, **kwargs)
+    assert stats["samples/solver"] == 8
+    assert stats["samples/verifier"] == 16  # 2 solutions per problem, 2 reports each
+    assert 0 <= stats["samples/corrector"] <= 16
     for role in ("solver", "verifier"):
-        assert 0.0 <= stats[role] <= 1.0
-    assert math.isnan(stats["corrector"]) == (stats["corrector_samples"] == 0)
-    again = role_accuracy(out / "hf", problems, group_size=2, max_tokens=24, seed=1)
+        assert 0.0 <= stats[f"reward/{role}"] <= 1.0
+    assert math.isnan(stats["reward/corrector"]) == (stats["samples/corrector"] == 0)
+    again = role_accuracy(out / "hf", problems, **kwargs)
     assert stats.keys() == again.keys()
     for key, value in stats.items():  # seeded sampling: the same measurement twice
         assert value == again[key] or (math.isnan(value) and math.isnan(again[key])), key

@@ -159,6 +159,7 @@ def test_demo_mix_is_what_the_config_says(careful: float, weights: tuple[int, in
 
 
 def test_demo_modes_look_as_documented() -> None:
+    corrector_inputs = set()
     for d in _demos(600):
         a, b = operands(d.messages[0]["content"].split("\n")[0])
         if d.careful and d.role is not Role.VERIFIER:
@@ -168,12 +169,16 @@ def test_demo_modes_look_as_documented() -> None:
             assert d.response == f"{a}+{b}={a + b}.\nCorrectness: {verdict}"
         elif d.role is Role.VERIFIER:
             assert d.response == CARELESS_REPORT
-        elif d.role is Role.CORRECTOR:  # stubborn: its previous (wrong) answer again
-            assert d.response == d.messages[1]["content"] and d.response != f"\\boxed{{{a + b}}}"
+        elif d.role is Role.CORRECTOR:  # stubborn: its previous (wrong) answer again, boxed
+            previous = d.messages[1]["content"]  # either of the Solver's formats
+            assert previous in (d.response, f"{a}+{b}={d.response[7:-1]}. {d.response}")
+            corrector_inputs.add(previous == d.response)
+            assert d.response != f"\\boxed{{{a + b}}}"
             report = bug_report(f"{a}+{b}={a + b}.\nCorrectness: Wrong")  # a careful rejection
             assert d.messages[2]["content"].startswith(f"Findings: {report}\n")
         else:
             assert re.fullmatch(r"\\boxed\{\d+\}", d.response)
+    assert corrector_inputs == {True, False}  # rejected solutions come in both formats
 
 
 def _shown(verifier_demo) -> str:

@@ -8,27 +8,24 @@ Megatron checkpoint whose ``hf/`` folder is also a complete HF model, so the sam
 ``mars train`` (``model.mcore_dir``) and the rollout engine (``jobs.tokenizer_dir`` of it).
 
 :func:`role_accuracy` measures what reinforcement learning starts from: the mean reward of each role
-when sampled like MarsRL's rollout (Solver -> Verifier1 -> Corrector1, adaptive input selection, the
-real answer checker and verdict parser).
+in one step of MarsRL's own rollout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from mars_megatron.agents.prompts import prompt_set
-from mars_megatron.agents.roles import Message, Role
-from mars_megatron.agents.trajectory import Position, RolloutRecord, Strategy, select_inputs
-from mars_megatron.agents.verdict import bug_report, parse_verdict
+from mars_megatron.agents.roles import Role
+from mars_megatron.agents.trajectory import Strategy
 from mars_megatron.config import ConfigError, ParallelConfig, Section, _field
 from mars_megatron.evaluation.data import Problem
-from mars_megatron.rewards import AnswerChecker, CheckerConfig, answer_rewards, verifier_reward
+from mars_megatron.rewards import AnswerChecker, CheckerConfig
 from mars_megatron.tasks.arith import arith_problems, operand_pairs
 from mars_megatron.tasks.demos import DemoConfig, build_demos, encode_demo
 
@@ -221,33 +218,6 @@ def save_sft_checkpoint(engine: Any, source_dir: str, out_dir: str | Path, paral
             write_meta(tmp, arch, engine.dtype, engine.vocab_pad_multiple, parallel)
 
 
-def _sample(
-    engine: Any,
-    codec: Any,
-    prompts: list[list[Message]],
-    group: int,
-    max_tokens: int,
-    temperature: float,
-    seed: int,
-) -> list[list[str]]:
-    from mars_megatron.rollout.engine import GenerationRequest, SamplingParams
-
-    requests = [
-        GenerationRequest(
-            f"{i}/{j}",
-            codec.encode(messages),
-            SamplingParams(
-                max_tokens=max_tokens, temperature=temperature, seed=seed * 1_000_003 + i * group + j
-            ),
-        )
-        for i, messages in enumerate(prompts)
-        for j in range(group)
-    ]
-    outputs = engine.generate(requests)
-    texts = [codec.decode(o.token_ids) for o in outputs]
-    return [texts[i * group : (i + 1) * group] for i in range(len(prompts))]
-
-
 def role_accuracy(
     model_dir: str | Path,
     problems: Sequence[Problem],
@@ -255,6 +225,7 @@ def role_accuracy(
     prompts: str = "compact",
     group_size: int = 4,
     inputs_per_agent: int = 2,
+    max_steps: int = 5,
     strategy: Strategy = "adaptive",
     temperature: float = 1.0,
     max_tokens: int = 32,
@@ -262,127 +233,32 @@ def role_accuracy(
     engine: Any = None,
     max_batch: int = 64,
 ) -> dict[str, float]:
-    """Mean reward of each role on the first three trajectory positions, sampled like MarsRL's rollout.
+    """Each role's mean reward where reinforcement learning starts: one step of MarsRL's own rollout
+    (:class:`~mars_megatron.rl.rollout.AgenticRollout`: positions, input selection, real answer checker
+    and verdict parser) on ``problems``, so the figure is on the scale of ``mars train``'s
+    ``reward/<role>``.
 
-    Solver: ``group_size`` samples per problem. Verifier: ``inputs_per_agent`` Solver outputs per problem
-    chosen by ``strategy`` (adaptive: wrong ones first, as the trainer does), ``group_size`` reports
-    each. Corrector: as many of those reports that rejected their solution, chosen by ``strategy``,
-    ``group_size`` revisions each. Rewards are the real ones (math-verify answers, parsed verdicts).
-
-    Returns ``{"solver", "verifier", "corrector"}`` mean rewards, the sample count of each
-    (``"<role>_samples"``), the Verifier's reward on correct and on wrong solutions
-    (``"verifier_on_correct"``/``"verifier_on_wrong"``, NaN without such inputs) and its share of
-    unparseable reports (``"verifier_unparseable"``). ``engine`` may be a rollout engine already
-    holding the weights (default: an ``HFEngine`` on ``model_dir`` decoding ``max_batch`` requests at once).
+    Returns the rollout's metrics: ``reward/<role>``, ``samples/<role>``, ``position_reward/<position>``,
+    ``verifier/on_right|on_wrong``, ``corrector/on_right|on_wrong`` (NaN where a role got no input),
+    ``verifier/unparsed``, …. ``engine`` may be a rollout engine already holding the weights (default:
+    an ``HFEngine`` on ``model_dir`` decoding ``max_batch`` requests at once).
     """
+    from mars_megatron.agents.trajectory import TrainingConfig
+    from mars_megatron.rl.rollout import AgenticRollout, RolloutSettings
     from mars_megatron.rollout.chat import ChatCodec
+    from mars_megatron.rollout.engine import SamplingParams
     from mars_megatron.rollout.hf_engine import HFEngine
 
     if not problems:
         raise ValueError("role_accuracy: no problems")
     codec = ChatCodec.from_pretrained(model_dir)
     engine = engine if engine is not None else HFEngine(model_dir, seed=seed, max_batch=max_batch)
-    ps = prompt_set(prompts)
-    rng = random.Random(seed)
-
-    def sample(inputs: list[list[Message]], salt: int) -> list[list[str]]:
-        return _sample(engine, codec, inputs, group_size, max_tokens, temperature, seed * 3 + salt)
-
+    settings = RolloutSettings(
+        TrainingConfig(group_size, inputs_per_agent, max_steps, strategy),
+        SamplingParams(max_tokens=max_tokens, temperature=temperature),
+    )
     with AnswerChecker(CheckerConfig(num_workers=1)) as checker:
-        solver_in = {p.problem_id: [(ps.solver_messages(p.text), None)] for p in problems}
-        solver = _rollout(problems, Position.SOLVER, solver_in, sample, 0)
-        _score_answers(solver, problems, checker)
-        by_id = {r.sample_id: r for r in solver}
-        verifier_in = {
-            p.problem_id: [
-                (ps.verifier_messages(p.text, s.output_text), s.sample_id)
-                for s in select_inputs(_of(solver, p), inputs_per_agent, strategy, Role.VERIFIER, rng)
-            ]
-            for p in problems
-        }
-        verifier = _rollout(problems, Position.VERIFIER_1, verifier_in, sample, 1)
-        for r in verifier:
-            r.verdict = parse_verdict(r.output_text)
-            r.reward = verifier_reward(r.verdict, bool(by_id[r.parent_id].reward))
-        by_id.update((r.sample_id, r) for r in verifier)
-        corrector_in = {
-            p.problem_id: [
-                (
-                    ps.corrector_messages(p.text, by_id[v.parent_id].output_text, bug_report(v.output_text)),
-                    v.sample_id,
-                )
-                for v in select_inputs(_of(verifier, p), inputs_per_agent, strategy, Role.CORRECTOR, rng)
-            ]
-            for p in problems
-        }
-        corrector = _rollout(problems, Position.CORRECTOR_1, corrector_in, sample, 2)
-        _score_answers(corrector, problems, checker)
-    return _summary(solver, verifier, corrector, by_id)
-
-
-def _of(records: list[RolloutRecord], problem: Problem) -> list[RolloutRecord]:
-    return [r for r in records if r.problem_id == problem.problem_id]
-
-
-_Inputs = dict[str, list[tuple[list[Message], str | None]]]
-"""Per problem id: the messages of each input of a position, with the sample id it was built from."""
-
-
-def _rollout(
-    problems: Sequence[Problem],
-    position: Position,
-    inputs: _Inputs,
-    sample: Callable[[list[list[Message]], int], list[list[str]]],
-    salt: int,
-) -> list[RolloutRecord]:
-    """One position's outputs: ``group_size`` samples per input, as records linked to their parents."""
-    flat = [(p, messages, parent) for p in problems for messages, parent in inputs[p.problem_id]]
-    if not flat:
-        return []
-    outputs = sample([messages for _, messages, _ in flat], salt)
-    records = []
-    for k, ((p, messages, parent), group) in enumerate(zip(flat, outputs, strict=True)):
-        records += [
-            RolloutRecord(
-                f"{p.problem_id}/{position.value}/{k}/{j}",
-                p.problem_id,
-                position,
-                messages,
-                text,
-                parent_id=parent,
-            )
-            for j, text in enumerate(group)
-        ]
-    return records
-
-
-def _score_answers(records: list[RolloutRecord], problems: Sequence[Problem], checker: Any) -> None:
-    reference = {p.problem_id: p.reference for p in problems}
-    rewards = answer_rewards([(r.output_text, reference[r.problem_id]) for r in records], checker)
-    for r, reward in zip(records, rewards, strict=True):
-        r.reward = reward
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
-def _summary(
-    solver: list[RolloutRecord],
-    verifier: list[RolloutRecord],
-    corrector: list[RolloutRecord],
-    by_id: dict[str, RolloutRecord],
-) -> dict[str, float]:
-    on_correct = [r.reward for r in verifier if by_id[r.parent_id].reward]
-    on_wrong = [r.reward for r in verifier if not by_id[r.parent_id].reward]
-    return {
-        "solver": _mean([r.reward for r in solver]),
-        "verifier": _mean([r.reward for r in verifier]),
-        "corrector": _mean([r.reward for r in corrector]),
-        "solver_samples": float(len(solver)),
-        "verifier_samples": float(len(verifier)),
-        "corrector_samples": float(len(corrector)),
-        "verifier_on_correct": _mean(on_correct),
-        "verifier_on_wrong": _mean(on_wrong),
-        "verifier_unparseable": _mean([float(r.verdict is None) for r in verifier]),
-    }
+        rollout = AgenticRollout(
+            dict.fromkeys(Role, engine), codec, checker, prompt_set(prompts), settings, lambda _: 0
+        )
+        return rollout.run(problems, step=0, seed=seed).metrics
