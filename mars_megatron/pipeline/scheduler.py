@@ -1,0 +1,476 @@
+"""The agentic pipeline's scheduler: what to decode next, what to score, what to train on, and when.
+
+Pure bookkeeping: no engines, no Ray, no clock. The real pipeline (Ray actors) and the simulator
+(:mod:`mars_megatron.pipeline.simulate`, a virtual clock) both drive this one class, so the benchmark
+measures the schedule the trainer actually runs.
+
+The unit of work is a *segment*: at most ``segment_tokens`` more tokens of one agent output
+(:class:`Seq`). A sequence that is not finished after its segment is carried over and continues with
+whatever weights the engines hold by then; each segment records that policy version. When a sequence
+finishes it is scored; when every output of a position for a problem is scored, the next position's
+inputs are selected (:func:`~mars_megatron.agents.trajectory.select_inputs`) and its sequences start at
+once, without waiting for other problems; when every member of a group (same role, same input) is
+scored, the group joins the training queue. Nothing waits for whole trajectories.
+
+Staleness. A segment decoded by version ``v`` and trained by the update of version ``u`` (the update that
+makes ``u + 1``) is ``u - v`` versions stale; ``max_staleness[role]`` bounds it. The scheduler keeps the
+bound by construction, so nothing is ever dropped or restarted for it:
+
+* *admission*: at most ``problems_per_update`` new problems start per policy version, so rollout never
+  runs further ahead of training than the data one update consumes;
+* *issue*: no segment of a role with bound 0 is issued while an update runs (only a later update could
+  train it);
+* *update start*: update ``u`` waits while an unscored sequence began at a version ``<= u - bound`` (it
+  could only be trained by ``u + 1`` or later); carried-over sequences are decoded first, so the wait is
+  short. Otherwise it starts once ``batch_groups`` groups are complete (or nothing else is coming) and
+  takes the oldest ``batch_groups`` groups plus every complete group that would be too stale for the
+  update after it.
+
+With bound 0 for every role this is exactly the synchronous loop — admit ``problems_per_update``
+problems, finish all their trajectories, train on everything — which is how ``pipeline.mode=sync`` is
+run: one schedule, two settings, the same training data for the same seed.
+
+Fault tolerance. Every sequence has a stable ``sample_id`` and a state. A worker that dies loses the
+segments and scores it held; :meth:`Scheduler.requeue` puts those sequences back exactly as they were
+before the lost call (the tokens of a lost segment were never recorded), so nothing is lost and nothing
+is recorded twice. :meth:`Scheduler.check` verifies the counts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from mars_megatron.agents.roles import Role
+from mars_megatron.agents.trajectory import Position, RolloutRecord, TrainingConfig, group_id, select_inputs
+from mars_megatron.algorithm.sample import Segment
+from mars_megatron.evaluation.data import Problem
+from mars_megatron.rl.rollout import derive_seed
+
+
+class SeqState(StrEnum):
+    READY = "ready"
+    """Waiting for its next segment (new, or carried over)."""
+    DECODING = "decoding"
+    """A segment is out at a rollout worker."""
+    SCORING = "scoring"
+    """Finished decoding; its reward is being computed."""
+    DONE = "done"
+    """Scored; waiting in (or already taken from) the training queue."""
+
+
+@dataclass
+class Seq:
+    """One agent output, decoded over one or more segments."""
+
+    sample_id: str
+    problem: Problem
+    position: Position
+    parent_id: str | None
+    """The output this one's input was built from (None for the Solver)."""
+    judged_id: str | None
+    """Verifier: the solution it judges. Corrector: the solution it revises. None for the Solver."""
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    state: SeqState = SeqState.READY
+    first_version: int | None = None
+    """The policy version its first segment was issued at (None until then)."""
+    issued_version: int | None = None
+    """The policy version of the segment now being decoded."""
+    finish_reason: str | None = None
+    text: str = ""
+    reward: float | None = None
+    verdict: bool | None = None
+
+    @property
+    def role(self) -> Role:
+        return self.position.role
+
+    @property
+    def group_id(self) -> str:
+        return group_id(self.problem.problem_id, self.position, self.parent_id)
+
+    @property
+    def oldest_version(self) -> int | None:
+        return self.segments[0].version if self.segments else None
+
+    def record(self) -> RolloutRecord:
+        return RolloutRecord(
+            sample_id=self.sample_id,
+            problem_id=self.problem.problem_id,
+            position=self.position,
+            messages=[],
+            output_text=self.text,
+            parent_id=self.parent_id,
+            reward=self.reward,
+            verdict=self.verdict,
+        )
+
+
+@dataclass(frozen=True)
+class SegmentJob:
+    """What a rollout worker decodes: ``max_tokens`` more tokens after the input ``prompt_ids`` and the
+    ``prefix`` decoded so far, sampled with ``seed``, by the weights of policy ``version``."""
+
+    sample_id: str
+    role: Role
+    prompt_ids: list[int]
+    prefix: list[int]
+    """The sequence's tokens so far (shared with the scheduler; unchanged while the job is out)."""
+    max_tokens: int
+    seed: int
+    version: int
+
+    def context(self) -> list[int]:
+        """The engine's prompt: the input followed by the tokens decoded so far."""
+        return self.prompt_ids + self.prefix
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The schedule's knobs (``pipeline.*`` in the config; see :class:`Scheduler`)."""
+
+    max_response_tokens: int
+    segment_tokens: int
+    """Tokens per segment; >= max_response_tokens decodes every output in one segment."""
+    max_staleness: Mapping[Role, int]
+    problems_per_update: int
+    batch_groups: int
+    """Complete groups an update waits for (ignored where a bound of 0 makes it drain)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_response_tokens", "segment_tokens", "problems_per_update", "batch_groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
+        missing = [r.value for r in Role if r not in self.max_staleness]
+        if missing or any(v < 0 for v in self.max_staleness.values()):
+            raise ValueError(f"Limits.max_staleness needs a bound >= 0 for every role (missing {missing})")
+
+
+PromptFn = Callable[[Position, Problem, "Seq | None", "Seq | None"], list[int]]
+"""(position, problem, parent output, judged solution) -> the prompt's token ids."""
+
+
+@dataclass
+class Batch:
+    """One update's training data: complete groups, oldest first."""
+
+    version: int
+    """The policy version this update trains (it produces ``version + 1``)."""
+    groups: list[list[Seq]]
+
+    @property
+    def seqs(self) -> list[Seq]:
+        return [s for g in self.groups for s in g]
+
+
+class Scheduler:
+    """The agentic schedule of one run; see the module docstring for the rules."""
+
+    def __init__(self, agents: TrainingConfig, limits: Limits, prompt_fn: PromptFn, *, seed: int = 0) -> None:
+        self.agents = agents
+        self.limits = limits
+        self.prompt_fn = prompt_fn
+        self.seed = seed
+        self.version = 0
+        """The policy version the rollout engines hold."""
+        self.training: int | None = None
+        """The version an update is now training, or None."""
+        self.seqs: dict[str, Seq] = {}
+        self._waiting: deque[Problem] = deque()
+        self._admitted_at: dict[int, int] = {}  # version -> problems admitted while it was current
+        self._active: dict[str, int] = {}  # problem id -> unfinished sequences
+        self._queue: list[str] = []  # group ids complete and not yet trained, in completion order
+        self._groups: dict[str, list[str]] = {}
+        self._by_problem: dict[str, list[str]] = {}  # problem id -> its sample ids
+        self._untrained: dict[str, int] = {}  # problem id -> groups not yet trained
+        self._position_left: dict[tuple[str, Position], int] = {}
+        self._trained: set[str] = set()
+        self._unfinished: dict[Role, int] = dict.fromkeys(Role, 0)
+        # per role: unscored sequences by the version of their first segment (see update_ready)
+        self._open_oldest: dict[Role, Counter[int]] = {r: Counter() for r in Role}
+        self._ready: dict[str, tuple[int, str]] = {}  # READY sample ids -> their order among new work
+        self._depth = {p: i for i, p in enumerate(agents.positions)}
+        self.counters = {"requeued": 0, "problems": 0}
+
+    # ------------------------------------------------------------------------------------------ problems
+    def add_problems(self, problems: Iterable[Problem]) -> None:
+        self._waiting.extend(problems)
+
+    def _admit(self) -> None:
+        budget = self.limits.problems_per_update - self._admitted_at.get(self.version, 0)
+        while budget > 0 and self._waiting:
+            problem = self._waiting.popleft()
+            if problem.problem_id in self._active:
+                raise ValueError(f"problem {problem.problem_id!r} is already in flight")
+            self._admitted_at[self.version] = self._admitted_at.get(self.version, 0) + 1
+            self.counters["problems"] += 1
+            self._active[problem.problem_id] = 0
+            self._by_problem[problem.problem_id] = []
+            self._untrained[problem.problem_id] = 0
+            self._spawn(Position.SOLVER, problem, None, None)
+            budget -= 1
+
+    def _spawn(self, position: Position, problem: Problem, parent: Seq | None, judged: Seq | None) -> None:
+        prompt = list(self.prompt_fn(position, problem, parent, judged))
+        gid = group_id(problem.problem_id, position, parent.sample_id if parent else None)
+        members = []
+        for k in range(self.agents.group_size):
+            sid = f"{gid}/{k}"
+            if sid in self.seqs:
+                raise ValueError(f"sample id {sid!r} issued twice")
+            self.seqs[sid] = Seq(
+                sid,
+                problem,
+                position,
+                parent.sample_id if parent else None,
+                judged.sample_id if judged else None,
+                prompt,
+            )
+            members.append(sid)
+            self._unfinished[position.role] += 1
+            self._ready[sid] = (-self._depth[position], sid)
+        self._groups[gid] = members
+        self._by_problem[problem.problem_id].extend(members)
+        self._untrained[problem.problem_id] += 1
+        key = (problem.problem_id, position)
+        self._position_left[key] = self._position_left.get(key, 0) + len(members)
+        self._active[problem.problem_id] += len(members)
+
+    # ---------------------------------------------------------------------------------------- rollouts
+    def take_segments(self, limit: int | None = None) -> list[SegmentJob]:
+        """Up to ``limit`` segments to decode now: carried-over sequences first, then later positions
+        (they finish trajectories), then new Solver work; admits new problems first."""
+        self._admit()
+        order = sorted(self._ready, key=lambda sid: (not self.seqs[sid].tokens, self._ready[sid]))
+        jobs = []
+        for seq in (self.seqs[sid] for sid in order):
+            if limit is not None and len(jobs) >= limit:
+                break
+            if self.limits.max_staleness[seq.role] == 0 and self.training is not None:
+                continue  # anything decoded now could only be trained by a later update
+            jobs.append(self._issue(seq))
+        return jobs
+
+    def _issue(self, seq: Seq) -> SegmentJob:
+        left = self.limits.max_response_tokens - len(seq.tokens)
+        seq.state = SeqState.DECODING
+        del self._ready[seq.sample_id]
+        seq.issued_version = self.version
+        if seq.first_version is None:
+            seq.first_version = self.version
+            self._open_oldest[seq.role][self.version] += 1
+        return SegmentJob(
+            seq.sample_id,
+            seq.role,
+            seq.prompt_ids,
+            seq.tokens,
+            min(self.limits.segment_tokens, left),
+            derive_seed(self.seed, seq.sample_id, len(seq.segments)),
+            self.version,
+        )
+
+    def on_segment(
+        self, sample_id: str, token_ids: Sequence[int], logprobs: Sequence[float], *, stopped: bool
+    ) -> bool:
+        """Record a decoded segment; True when the sequence is finished (then score it).
+
+        ``stopped``: the engine ended the sequence (end-of-turn or stop token) rather than the segment's
+        token budget.
+        """
+        seq = self._expect(sample_id, SeqState.DECODING)
+        if len(token_ids) != len(logprobs):
+            raise ValueError(f"{sample_id}: {len(token_ids)} tokens but {len(logprobs)} log-probs")
+        assert seq.issued_version is not None
+        if token_ids:
+            start = len(seq.tokens)
+            seq.tokens.extend(token_ids)
+            seq.logprobs.extend(logprobs)
+            seq.segments.append(Segment(start, len(seq.tokens), seq.issued_version))
+        seq.issued_version = None
+        full = len(seq.tokens) >= self.limits.max_response_tokens
+        if stopped or full or not token_ids:
+            seq.finish_reason = "stop" if stopped else "length"
+            seq.state = SeqState.SCORING
+            return True
+        seq.state = SeqState.READY
+        self._ready[seq.sample_id] = (-self._depth[seq.position], seq.sample_id)
+        return False
+
+    # ------------------------------------------------------------------------------------------ scoring
+    def on_scored(self, sample_id: str, text: str, reward: float, verdict: bool | None = None) -> None:
+        """Record a finished sequence's reward; completes groups and starts the next position."""
+        seq = self._expect(sample_id, SeqState.SCORING)
+        seq.text, seq.reward, seq.verdict = text, reward, verdict
+        seq.state = SeqState.DONE
+        self._unfinished[seq.role] -= 1
+        if seq.first_version is not None:
+            self._open_oldest[seq.role][seq.first_version] -= 1
+        pid = seq.problem.problem_id
+        self._active[pid] -= 1
+        gid = seq.group_id
+        if all(self.seqs[m].state is SeqState.DONE for m in self._groups[gid]):
+            self._queue.append(gid)
+        key = (pid, seq.position)
+        self._position_left[key] -= 1
+        if self._position_left[key] == 0:
+            self._next_position(seq.problem, seq.position)
+        if self._active[pid] == 0:
+            del self._active[pid]
+            self._retire(pid)
+
+    def _retire(self, pid: str) -> None:
+        """Forget a problem whose sequences are all done and whose groups are all trained."""
+        if pid in self._active or self._untrained.get(pid, 1) > 0:
+            return
+        for sid in self._by_problem.pop(pid):
+            seq = self.seqs.pop(sid)
+            self._groups.pop(seq.group_id, None)
+            self._position_left.pop((pid, seq.position), None)
+        del self._untrained[pid]
+
+    def _next_position(self, problem: Problem, position: Position) -> None:
+        nxt = self.agents.next_position(position)
+        if nxt is None:
+            return
+        candidates = [self.seqs[sid] for sid in self._by_problem[problem.problem_id]]
+        candidates = sorted((s for s in candidates if s.position is position), key=lambda s: s.sample_id)
+        rng = random.Random(derive_seed(self.seed, problem.problem_id, position.value, "select"))
+        chosen = select_inputs(
+            [s.record() for s in candidates],
+            self.agents.inputs_per_agent,
+            self.agents.strategy,
+            nxt.role,
+            rng,
+        )
+        for record in chosen:
+            parent = self.seqs[record.sample_id]
+            judged = parent if nxt.role is Role.VERIFIER else self.seqs[parent.judged_id or ""]
+            self._spawn(nxt, problem, parent, judged)
+
+    # ----------------------------------------------------------------------------------------- training
+    def unfinished(self, roles: Iterable[Role] | None = None) -> int:
+        """Sequences not yet scored, of ``roles`` (default: all)."""
+        return sum(self._unfinished[r] for r in (roles if roles is not None else Role))
+
+    def update_ready(self) -> bool:
+        """Whether the next update should start now (no side effects; see the module docstring)."""
+        if self.training is not None or not self._queue:
+            return False
+        more_now = bool(self._waiting) and self._admission_open()  # problems this version still takes
+        zero = [r for r, b in self.limits.max_staleness.items() if b == 0]
+        if zero:
+            return not (self.unfinished(zero) or more_now)
+        # An update now would leave unscored sequences begun at version <= u - bound only updates
+        # u + 1 and later: too stale. Wait for them (they are decoded first, so this is short).
+        u = self.version
+        for role, bound in self.limits.max_staleness.items():
+            if any(n > 0 and v <= u - bound for v, n in self._open_oldest[role].items()):
+                return False
+        return len(self._queue) >= self.limits.batch_groups or not (self.unfinished() or more_now)
+
+    def take_batch(self) -> Batch | None:
+        """The next update's groups, or None if it should wait."""
+        if not self.update_ready():
+            return None
+        zero = [r for r, b in self.limits.max_staleness.items() if b == 0]
+        u = self.version
+        chosen: list[list[Seq]] = []
+        kept: list[str] = []
+        for gid in self._queue:
+            members = [self.seqs[m] for m in self._groups[gid]]
+            bound = self.limits.max_staleness[members[0].role]
+            oldest = min((s.segments[0].version for s in members if s.segments), default=u)
+            if u - oldest > bound:  # update_ready and the rule below make this impossible
+                raise AssertionError(f"group {gid} is {u - oldest} versions old, bound {bound}")
+            if len(chosen) < self.limits.batch_groups or zero or u + 1 - oldest > bound:
+                chosen.append(members)
+            else:
+                kept.append(gid)
+        self._queue = kept
+        if not chosen:
+            return None
+        self.training = u
+        for members in chosen:
+            for seq in members:
+                if seq.sample_id in self._trained:
+                    raise AssertionError(f"{seq.sample_id} would be trained twice")
+                self._trained.add(seq.sample_id)
+        return Batch(u, chosen)
+
+    def _settle(self, pid: str) -> None:
+        self._untrained[pid] -= 1
+        self._retire(pid)
+
+    def _admission_open(self) -> bool:
+        return self._admitted_at.get(self.version, 0) < self.limits.problems_per_update
+
+    def on_trained(self) -> None:
+        """The running update finished: the engines now hold ``version + 1``."""
+        if self.training is None:
+            raise RuntimeError("on_trained: no update is running")
+        self.training = None
+        self.version += 1
+
+    def release(self, batch: Batch) -> None:
+        """The driver is done with ``batch``'s sequences (samples built): let finished problems go."""
+        for members in batch.groups:
+            self._settle(members[0].problem.problem_id)
+
+    # ---------------------------------------------------------------------------------- fault tolerance
+    def requeue(self, sample_ids: Iterable[str]) -> None:
+        """Sequences whose segment or score was lost with a worker: back to where they were before."""
+        for sid in sample_ids:
+            seq = self.seqs[sid]
+            if seq.state is SeqState.DECODING:
+                seq.state = SeqState.READY
+                seq.issued_version = None
+                if not seq.segments and seq.first_version is not None:  # its first segment was lost
+                    self._open_oldest[seq.role][seq.first_version] -= 1
+                    seq.first_version = None
+                self._ready[sid] = (-self._depth[seq.position], sid)
+            elif seq.state is not SeqState.SCORING:  # SCORING stays: the driver sends it to score again
+                raise ValueError(f"requeue: {sid} is {seq.state.value}, not in flight")
+            self.counters["requeued"] += 1
+
+    def idle(self) -> bool:
+        """Nothing left to decode, score or train, and no problem waiting."""
+        return not self._waiting and not self._active and not self._queue and self.training is None
+
+    @property
+    def trained(self) -> int:
+        """Samples handed to updates so far (each at most once)."""
+        return len(self._trained)
+
+    def check(self) -> None:
+        """Groups are whole and distinct; every trained sample was done when it was trained."""
+        seen: set[str] = set()
+        for gid, members in self._groups.items():
+            if len(members) != self.agents.group_size or seen.intersection(members):
+                raise AssertionError(f"group {gid}: {members}")
+            seen.update(members)
+        for sid in self._trained:
+            seq = self.seqs.get(sid)
+            if seq is not None and seq.state is not SeqState.DONE:
+                raise AssertionError(f"{sid} was trained but is {seq.state.value}")
+
+    def _expect(self, sample_id: str, state: SeqState) -> Seq:
+        seq = self.seqs.get(sample_id)
+        if seq is None:
+            raise KeyError(f"unknown sample id {sample_id!r}")
+        if seq.state is not state:
+            raise ValueError(f"{sample_id}: expected state {state.value}, it is {seq.state.value}")
+        return seq
+
+    # ---------------------------------------------------------------------------------------- metrics
+    def stats(self) -> dict[str, Any]:
+        by_state: dict[str, int] = {}
+        for s in self.seqs.values():
+            by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
+        return {**self.counters, **{f"seqs/{k}": v for k, v in by_state.items()}, "queue": len(self._queue)}

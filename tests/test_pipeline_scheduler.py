@@ -1,0 +1,203 @@
+"""The agentic pipeline's scheduler: streaming, whole groups, the staleness bound, zero staleness = sync,
+and nothing lost or trained twice when work is lost. Driven by the simulator and by a small driver here
+that completes work in a random order (the scheduler must not depend on timing)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from mars_megatron.agents.roles import Role
+from mars_megatron.agents.trajectory import Position, TrainingConfig
+from mars_megatron.evaluation.data import Problem
+from mars_megatron.pipeline.scheduler import Batch, Limits, Scheduler, SeqState
+from mars_megatron.pipeline.simulate import Costs, Lengths, SimResult, Simulation, simple_prompts
+from mars_megatron.rl.rollout import derive_seed
+
+LENGTHS = Lengths({Role.SOLVER: 12, Role.VERIFIER: 6, Role.CORRECTOR: 12}, sigma=0.8, prompt_tokens=4)
+ACCURACY = {Role.SOLVER: 0.5, Role.VERIFIER: 0.7, Role.CORRECTOR: 0.5}
+
+
+def problems(n: int, start: int = 0) -> list[Problem]:
+    return [Problem(f"p{i}", f"q{i}", "1", i + 1) for i in range(start, start + n)]
+
+
+def scheduler(bound: int, *, segment: int = 8, per_update: int = 2, batch_groups: int = 4, g: int = 2,
+              steps: int = 5, n: int = 12, seed: int = 0) -> Scheduler:  # fmt: skip
+    limits = Limits(64, segment, dict.fromkeys(Role, bound), per_update, batch_groups)
+    s = Scheduler(TrainingConfig(group_size=g, inputs_per_agent=2, max_steps=steps), limits,
+                  simple_prompts(LENGTHS), seed=seed)  # fmt: skip
+    s.add_problems(problems(n))
+    return s
+
+
+def simulate(s: Scheduler, updates: int = 6, **kwargs) -> tuple[Simulation, SimResult]:
+    kwargs.setdefault("workers", 2)
+    kwargs.setdefault("worker_batch", 3)
+    sim = Simulation(s, costs=Costs(1.0, 0.1, 0.05, 0.5), lengths=LENGTHS, accuracy=ACCURACY, **kwargs)
+    return sim, sim.run(updates)
+
+
+def drive(s: Scheduler, rng: random.Random, on_batch: Callable[[Batch], None] = lambda b: None,
+          lose: float = 0.0, max_rounds: int = 10_000) -> list[Batch]:  # fmt: skip
+    """Complete segments and scores in a random order, one at a time; lose some (requeue) when asked;
+    train (instantly) whenever an update is due. Lengths and rewards are functions of the sample."""
+    batches, out, scoring = [], [], []
+    for _ in range(max_rounds):
+        if s.update_ready():
+            batch = s.take_batch()
+            assert batch is not None
+            on_batch(batch)
+            batches.append(batch)
+            s.on_trained()
+            s.release(batch)
+            continue
+        out += s.take_segments(rng.randint(1, 4))
+        if not out and not scoring:
+            if s.idle():
+                break
+            raise AssertionError(f"stuck: {s.stats()}")
+        if scoring and (not out or rng.random() < 0.5):
+            sid = scoring.pop(rng.randrange(len(scoring)))
+            if rng.random() < lose:
+                s.requeue([sid])
+                scoring.append(sid)
+                continue
+            seq = s.seqs[sid]
+            reward = float(derive_seed(sid, "r") % 2)
+            verdict = None if seq.role is not Role.VERIFIER else bool(derive_seed(sid, "v") % 3)
+            s.on_scored(sid, "", reward, verdict)
+            continue
+        job = out.pop(rng.randrange(len(out)))
+        if rng.random() < lose:
+            s.requeue([job.sample_id])
+            continue
+        seq = s.seqs[job.sample_id]
+        target = 1 + derive_seed(job.sample_id) % 20
+        n = min(job.max_tokens, target - len(job.prefix))
+        if s.on_segment(job.sample_id, [7] * n, [-0.5] * n, stopped=len(job.prefix) + n >= target):
+            scoring.append(job.sample_id)
+    return batches
+
+
+# ------------------------------------------------------------------------------------------- streaming
+def test_outputs_reach_training_before_their_trajectories_finish() -> None:
+    seen_early = []
+
+    def on_batch(batch: Batch) -> None:
+        for seq in batch.seqs:
+            assert seq.state is SeqState.DONE
+        problems_in_batch = {q.problem.problem_id for q in batch.seqs}
+        pending = [q for q in s.seqs.values() if q.state is not SeqState.DONE]
+        seen_early.extend(q for q in pending if q.problem.problem_id in problems_in_batch)
+
+    s = scheduler(1, batch_groups=2)
+    drive(s, random.Random(0), on_batch)
+    assert seen_early, "every batch waited for whole trajectories"
+    assert {q.position for q in seen_early} - {Position.SOLVER}  # later agents still running
+
+
+def test_groups_are_trained_whole_and_once() -> None:
+    s = scheduler(2, segment=4)
+    batches = drive(s, random.Random(1))
+    ids = [q.sample_id for b in batches for q in b.seqs]
+    assert len(ids) == len(set(ids)) and len(ids) > 0
+    for b in batches:
+        for group in b.groups:
+            assert len(group) == 2 and len({q.group_id for q in group}) == 1
+    # every sample of every admitted problem was trained (none dropped with these settings)
+    assert len(ids) == s.trained and s.idle()
+    s.check()
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_staleness_bound_is_never_exceeded(bound: int) -> None:
+    s = scheduler(bound, segment=3, batch_groups=2)
+    mixed = []
+
+    def on_batch(batch: Batch) -> None:
+        for q in batch.seqs:
+            assert all(batch.version - seg.version <= bound for seg in q.segments), q.sample_id
+            if len({seg.version for seg in q.segments}) > 1:
+                mixed.append(q)
+
+    drive(s, random.Random(bound), on_batch)
+    assert mixed, "no sample carried over a weight update: the bound was never tested"
+    _, result = simulate(scheduler(bound, segment=3, batch_groups=2))
+    assert result.updates == 6 and 0 < max(result.staleness) <= bound
+
+
+def test_an_update_waits_for_a_sequence_it_would_make_too_stale() -> None:
+    """Bound 1: an update may not start while a sequence begun a version earlier is unscored."""
+    s = scheduler(1, segment=2, batch_groups=1, per_update=3, steps=1, g=1)
+    waited = []
+    rng = random.Random(3)
+
+    def on_batch(batch: Batch) -> None:
+        open_old = [q for q in s.seqs.values() if q.state is not SeqState.DONE and q.first_version is not None
+                    and q.first_version <= batch.version - 1]  # fmt: skip
+        assert not open_old
+        waited.append(batch.version)
+
+    drive(s, rng, on_batch)
+    assert len(waited) > 3
+    s.check()
+
+
+# ----------------------------------------------------------------------------------- zero staleness = sync
+def _data(batches: list[Batch]) -> list[tuple[int, list[tuple[str, int, float | None]]]]:
+    return [(b.version, sorted((q.sample_id, len(q.tokens), q.reward) for q in b.seqs)) for b in batches]
+
+
+def test_zero_staleness_is_the_synchronous_loop_whatever_the_timing() -> None:
+    """Bound 0 drains: each update trains exactly the trajectories of the problems admitted for its
+    version, all of them, whatever the order work completes in or the segment size."""
+    runs = [drive(scheduler(0, segment=seg), random.Random(k)) for k, seg in [(0, 64), (1, 64), (2, 5)]]
+    assert _data(runs[0]) == _data(runs[1])  # same samples, tokens and rewards in every update
+    members = [[sorted(q.sample_id for q in b.seqs) for b in batches] for batches in runs]
+    assert members[0] == members[2]  # segmenting changes sampling seeds, not the schedule
+    for batches in runs:
+        assert len(batches) == 6
+        for k, b in enumerate(batches):
+            assert b.version == k
+            assert {q.problem.problem_id for q in b.seqs} == {f"p{2 * k}", f"p{2 * k + 1}"}
+    sims = [simulate(scheduler(0), workers=w, worker_batch=wb)[0] for w, wb in [(1, 1), (3, 4)]]
+    assert _data(sims[0].batches) == _data(sims[1].batches)
+
+
+# --------------------------------------------------------------------------------------- lost work
+def test_lost_segments_and_scores_are_requeued_nothing_lost_or_twice() -> None:
+    s = scheduler(1, segment=4)
+    batches = drive(s, random.Random(5), lose=0.2)
+    assert s.counters["requeued"] > 0
+    ids = [q.sample_id for b in batches for q in b.seqs]
+    assert len(ids) == len(set(ids)) == s.trained
+    clean = scheduler(1, segment=4)
+    drive(clean, random.Random(5))
+    assert s.counters["problems"] == clean.counters["problems"] == 12
+    assert s.idle() and clean.idle()
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_bad_calls_name_the_sample_or_field() -> None:
+    with pytest.raises(ValueError, match="segment_tokens must be >= 1"):
+        Limits(64, 0, dict.fromkeys(Role, 1), 1, 1)
+    with pytest.raises(ValueError, match=r"a bound >= 0 for every role \(missing \['corrector'\]\)"):
+        Limits(64, 8, {Role.SOLVER: 1, Role.VERIFIER: 1}, 1, 1)
+    s = scheduler(1)
+    job = s.take_segments(1)[0]
+    with pytest.raises(ValueError, match=f"{job.sample_id}: 2 tokens but 1 log-probs"):
+        s.on_segment(job.sample_id, [1, 2], [-0.1], stopped=False)
+    with pytest.raises(KeyError, match="unknown sample id 'nope'"):
+        s.on_segment("nope", [], [], stopped=True)
+    with pytest.raises(ValueError, match="expected state scoring, it is decoding"):
+        s.on_scored(job.sample_id, "", 1.0)
+    with pytest.raises(RuntimeError, match="no update is running"):
+        s.on_trained()
+    s.add_problems(problems(1))  # p0 again, while p0 is in flight
+    s._waiting.rotate(1)
+    with pytest.raises(ValueError, match="problem 'p0' is already in flight"):
+        s._admitted_at.clear()
+        s.take_segments()
