@@ -311,6 +311,47 @@ class AlgorithmConfig(Section):
 
 
 @dataclass
+class PipelineConfig(Section):
+    mode: Literal["sync", "agentic"] = _field(
+        "sync",
+        "'sync': roll out a batch of trajectories, then train. 'agentic': every agent output enters the "
+        "training queue once scored and the next agent starts on it at once; rollouts and training overlap "
+        "(mars_megatron/pipeline/).",
+    )
+    segment_tokens: int = _field(
+        0,
+        "Agentic: tokens a sequence decodes per scheduling step; an unfinished one continues later, possibly "
+        "with newer weights. 0 = the whole response at once.",
+        min=0,
+    )
+    max_staleness: int = _field(
+        1,
+        "Agentic: most policy versions between a segment and the update that trains it (0 makes the "
+        "pipeline synchronous).",
+        min=0,
+    )
+    staleness_per_role: dict[str, int] = _field(  # noqa: RUF009 — _field gives mutable defaults a factory
+        {}, "Agentic: per-role bounds overriding max_staleness, e.g. {verifier: 0}."
+    )
+    batch_groups: int = _field(
+        0,
+        "Agentic: complete groups an update waits for; 0 = data.problems_per_step. An update also takes "
+        "every group that would be too stale for the next one.",
+        min=0,
+    )
+    rollout_workers: int = _field(1, "Agentic: rollout engines (Ray actors) per policy.", min=1)
+    reward_workers: int = _field(1, "Agentic: reward workers (Ray actors with math-verify).", min=1)
+
+    def validate(self) -> None:
+        roles = ("solver", "verifier", "corrector")
+        for role, bound in self.staleness_per_role.items():
+            if role not in roles:
+                raise ConfigError(f"unknown role {role!r}; expected one of {roles}", "staleness_per_role")
+            if not isinstance(bound, int) or bound < 0:
+                raise ConfigError(f"{role}: expected an int >= 0, got {bound!r}", "staleness_per_role")
+
+
+@dataclass
 class CheckpointConfig(Section):
     save_dir: str | None = _field(None, "Directory for Megatron distributed checkpoints; null = never save.")
     save_interval: int = _field(0, "Save every this many steps; 0 = only at the end of training.", min=0)
@@ -348,6 +389,9 @@ class MarsConfig(Section):
     algorithm: AlgorithmConfig = field(
         default_factory=AlgorithmConfig, metadata={"help": "Rewards, advantages and the policy loss."}
     )
+    pipeline: PipelineConfig = field(
+        default_factory=PipelineConfig, metadata={"help": "Synchronous loop or the agentic pipeline."}
+    )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
     logging: LoggingConfig = field(
         default_factory=LoggingConfig, metadata={"help": "Logs and run directory."}
@@ -367,6 +411,12 @@ class MarsConfig(Section):
                 f"{pack} is shorter than rollout.max_response_tokens ({self.rollout.max_response_tokens}): "
                 "every long response would be cut",
                 "train.pack_length",
+            )
+        if self.pipeline.mode == "agentic" and self.algorithm.reward == "shared":
+            raise ConfigError(
+                "the shared (trajectory-level) reward needs whole trajectories, which the agentic pipeline "
+                "does not wait for; use pipeline.mode=sync for the ablation",
+                "algorithm.reward",
             )
 
     def check_world_size(self, world_size: int) -> int:

@@ -196,8 +196,13 @@ def test_bad_calls_name_the_sample_or_field() -> None:
         s.on_scored(job.sample_id, "", 1.0)
     with pytest.raises(RuntimeError, match="no update is running"):
         s.on_trained()
-    s.add_problems(problems(1))  # p0 again, while p0 is in flight
-    s._waiting.rotate(1)
-    with pytest.raises(ValueError, match="problem 'p0' is already in flight"):
-        s._admitted_at.clear()
-        s.take_segments()
+
+
+def test_a_problem_met_again_is_a_new_trajectory_tree() -> None:
+    """Epochs repeat problems: each admission gets its own sample and group ids."""
+    s = scheduler(1, n=0)
+    s.add_problems(problems(2) + problems(2))
+    batches = drive(s, random.Random(7))
+    ids = [q.sample_id for b in batches for q in b.seqs]
+    assert len(ids) == len(set(ids))
+    assert {q.key for b in batches for q in b.seqs} == {"p0@0", "p1@1", "p0@2", "p1@3"}

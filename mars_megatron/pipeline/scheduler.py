@@ -20,9 +20,9 @@ bound by construction, so nothing is ever dropped or restarted for it:
   runs further ahead of training than the data one update consumes;
 * *issue*: no segment of a role with bound 0 is issued while an update runs (only a later update could
   train it);
-* *update start*: update ``u`` waits while an unscored sequence began at a version ``<= u - bound`` (it
-  could only be trained by ``u + 1`` or later); carried-over sequences are decoded first, so the wait is
-  short. Otherwise it starts once ``batch_groups`` groups are complete (or nothing else is coming) and
+* *update start*: update ``u`` waits while a group is incomplete whose first segment was issued at a
+  version ``<= u - bound`` (it could only be trained by ``u + 1`` or later); carried-over sequences and
+  the siblings of started groups are decoded first, so the wait is short. Otherwise it starts once ``batch_groups`` groups are complete (or nothing else is coming) and
   takes the oldest ``batch_groups`` groups plus every complete group that would be too stale for the
   update after it.
 
@@ -69,6 +69,9 @@ class Seq:
 
     sample_id: str
     problem: Problem
+    key: str
+    """This admission of the problem (``<problem id>@<n>``): a problem met again in a later epoch is a
+    new trajectory tree with new sample ids."""
     position: Position
     parent_id: str | None
     """The output this one's input was built from (None for the Solver)."""
@@ -94,7 +97,7 @@ class Seq:
 
     @property
     def group_id(self) -> str:
-        return group_id(self.problem.problem_id, self.position, self.parent_id)
+        return group_id(self.key, self.position, self.parent_id)
 
     @property
     def oldest_version(self) -> int | None:
@@ -193,33 +196,39 @@ class Scheduler:
         self._position_left: dict[tuple[str, Position], int] = {}
         self._trained: set[str] = set()
         self._unfinished: dict[Role, int] = dict.fromkeys(Role, 0)
-        # per role: unscored sequences by the version of their first segment (see update_ready)
+        # per role: incomplete groups by the version their first segment was issued at (update_ready)
         self._open_oldest: dict[Role, Counter[int]] = {r: Counter() for r in Role}
+        self._group_first: dict[str, int] = {}
         self._ready: dict[str, tuple[int, str]] = {}  # READY sample ids -> their order among new work
         self._depth = {p: i for i, p in enumerate(agents.positions)}
-        self.counters = {"requeued": 0, "problems": 0}
+        self.counters = {"requeued": 0, "problems": 0, "spawned": 0}
 
     # ------------------------------------------------------------------------------------------ problems
     def add_problems(self, problems: Iterable[Problem]) -> None:
         self._waiting.extend(problems)
 
+    def waiting(self) -> int:
+        """Problems given but not yet started."""
+        return len(self._waiting)
+
     def _admit(self) -> None:
         budget = self.limits.problems_per_update - self._admitted_at.get(self.version, 0)
         while budget > 0 and self._waiting:
             problem = self._waiting.popleft()
-            if problem.problem_id in self._active:
-                raise ValueError(f"problem {problem.problem_id!r} is already in flight")
+            key = f"{problem.problem_id}@{self.counters['problems']}"
             self._admitted_at[self.version] = self._admitted_at.get(self.version, 0) + 1
             self.counters["problems"] += 1
-            self._active[problem.problem_id] = 0
-            self._by_problem[problem.problem_id] = []
-            self._untrained[problem.problem_id] = 0
-            self._spawn(Position.SOLVER, problem, None, None)
+            self._active[key] = 0
+            self._by_problem[key] = []
+            self._untrained[key] = 0
+            self._spawn(Position.SOLVER, problem, key, None, None)
             budget -= 1
 
-    def _spawn(self, position: Position, problem: Problem, parent: Seq | None, judged: Seq | None) -> None:
+    def _spawn(
+        self, position: Position, problem: Problem, key: str, parent: Seq | None, judged: Seq | None
+    ) -> None:
         prompt = list(self.prompt_fn(position, problem, parent, judged))
-        gid = group_id(problem.problem_id, position, parent.sample_id if parent else None)
+        gid = group_id(key, position, parent.sample_id if parent else None)
         members = []
         for k in range(self.agents.group_size):
             sid = f"{gid}/{k}"
@@ -228,31 +237,44 @@ class Scheduler:
             self.seqs[sid] = Seq(
                 sid,
                 problem,
+                key,
                 position,
                 parent.sample_id if parent else None,
                 judged.sample_id if judged else None,
                 prompt,
             )
             members.append(sid)
+            self.counters["spawned"] += 1
             self._unfinished[position.role] += 1
             self._ready[sid] = (-self._depth[position], sid)
         self._groups[gid] = members
-        self._by_problem[problem.problem_id].extend(members)
-        self._untrained[problem.problem_id] += 1
-        key = (problem.problem_id, position)
-        self._position_left[key] = self._position_left.get(key, 0) + len(members)
-        self._active[problem.problem_id] += len(members)
+        self._by_problem[key].extend(members)
+        self._untrained[key] += 1
+        self._position_left[key, position] = self._position_left.get((key, position), 0) + len(members)
+        self._active[key] += len(members)
 
     # ---------------------------------------------------------------------------------------- rollouts
-    def take_segments(self, limit: int | None = None) -> list[SegmentJob]:
-        """Up to ``limit`` segments to decode now: carried-over sequences first, then later positions
-        (they finish trajectories), then new Solver work; admits new problems first."""
+    def take_segments(
+        self, limit: int | None = None, roles: Iterable[Role] | None = None
+    ) -> list[SegmentJob]:
+        """Up to ``limit`` segments to decode now (of ``roles`` only, e.g. one policy's): carried-over
+        sequences first, then later positions (they finish trajectories), then new Solver work; admits
+        new problems first."""
         self._admit()
-        order = sorted(self._ready, key=lambda sid: (not self.seqs[sid].tokens, self._ready[sid]))
+        started = self._group_first
+
+        def priority(sid: str) -> tuple[bool, bool, tuple[int, str]]:
+            seq = self.seqs[sid]
+            return (not seq.tokens, seq.group_id not in started, self._ready[sid])
+
+        order = sorted(self._ready, key=priority)
         jobs = []
+        wanted = set(roles) if roles is not None else None
         for seq in (self.seqs[sid] for sid in order):
             if limit is not None and len(jobs) >= limit:
                 break
+            if wanted is not None and seq.role not in wanted:
+                continue
             if self.limits.max_staleness[seq.role] == 0 and self.training is not None:
                 continue  # anything decoded now could only be trained by a later update
             jobs.append(self._issue(seq))
@@ -265,6 +287,8 @@ class Scheduler:
         seq.issued_version = self.version
         if seq.first_version is None:
             seq.first_version = self.version
+        if seq.group_id not in self._group_first:
+            self._group_first[seq.group_id] = self.version
             self._open_oldest[seq.role][self.version] += 1
         return SegmentJob(
             seq.sample_id,
@@ -310,17 +334,16 @@ class Scheduler:
         seq.text, seq.reward, seq.verdict = text, reward, verdict
         seq.state = SeqState.DONE
         self._unfinished[seq.role] -= 1
-        if seq.first_version is not None:
-            self._open_oldest[seq.role][seq.first_version] -= 1
-        pid = seq.problem.problem_id
+        pid = seq.key
         self._active[pid] -= 1
         gid = seq.group_id
         if all(self.seqs[m].state is SeqState.DONE for m in self._groups[gid]):
             self._queue.append(gid)
+            self._open_oldest[seq.role][self._group_first.pop(gid)] -= 1
         key = (pid, seq.position)
         self._position_left[key] -= 1
         if self._position_left[key] == 0:
-            self._next_position(seq.problem, seq.position)
+            self._next_position(seq.problem, seq.key, seq.position)
         if self._active[pid] == 0:
             del self._active[pid]
             self._retire(pid)
@@ -335,13 +358,13 @@ class Scheduler:
             self._position_left.pop((pid, seq.position), None)
         del self._untrained[pid]
 
-    def _next_position(self, problem: Problem, position: Position) -> None:
+    def _next_position(self, problem: Problem, key: str, position: Position) -> None:
         nxt = self.agents.next_position(position)
         if nxt is None:
             return
-        candidates = [self.seqs[sid] for sid in self._by_problem[problem.problem_id]]
+        candidates = [self.seqs[sid] for sid in self._by_problem[key]]
         candidates = sorted((s for s in candidates if s.position is position), key=lambda s: s.sample_id)
-        rng = random.Random(derive_seed(self.seed, problem.problem_id, position.value, "select"))
+        rng = random.Random(derive_seed(self.seed, key, position.value, "select"))
         chosen = select_inputs(
             [s.record() for s in candidates],
             self.agents.inputs_per_agent,
@@ -352,7 +375,7 @@ class Scheduler:
         for record in chosen:
             parent = self.seqs[record.sample_id]
             judged = parent if nxt.role is Role.VERIFIER else self.seqs[parent.judged_id or ""]
-            self._spawn(nxt, problem, parent, judged)
+            self._spawn(nxt, problem, key, parent, judged)
 
     # ----------------------------------------------------------------------------------------- training
     def unfinished(self, roles: Iterable[Role] | None = None) -> int:
@@ -367,8 +390,8 @@ class Scheduler:
         zero = [r for r, b in self.limits.max_staleness.items() if b == 0]
         if zero:
             return not (self.unfinished(zero) or more_now)
-        # An update now would leave unscored sequences begun at version <= u - bound only updates
-        # u + 1 and later: too stale. Wait for them (they are decoded first, so this is short).
+        # An update now would leave groups begun at version <= u - bound (a member decoded then) to
+        # updates u + 1 and later: too stale. Wait for them (their sequences are decoded first).
         u = self.version
         for role, bound in self.limits.max_staleness.items():
             if any(n > 0 and v <= u - bound for v, n in self._open_oldest[role].items()):
@@ -421,7 +444,7 @@ class Scheduler:
     def release(self, batch: Batch) -> None:
         """The driver is done with ``batch``'s sequences (samples built): let finished problems go."""
         for members in batch.groups:
-            self._settle(members[0].problem.problem_id)
+            self._settle(members[0].key)
 
     # ---------------------------------------------------------------------------------- fault tolerance
     def requeue(self, sample_ids: Iterable[str]) -> None:
@@ -431,8 +454,7 @@ class Scheduler:
             if seq.state is SeqState.DECODING:
                 seq.state = SeqState.READY
                 seq.issued_version = None
-                if not seq.segments and seq.first_version is not None:  # its first segment was lost
-                    self._open_oldest[seq.role][seq.first_version] -= 1
+                if not seq.segments:  # its first segment was lost (the group keeps its start version)
                     seq.first_version = None
                 self._ready[sid] = (-self._depth[seq.position], sid)
             elif seq.state is not SeqState.SCORING:  # SCORING stays: the driver sends it to score again
@@ -448,8 +470,26 @@ class Scheduler:
         """Samples handed to updates so far (each at most once)."""
         return len(self._trained)
 
+    def census(self) -> dict[str, int]:
+        """Every sample ever started is trained, scored and waiting (for its group or an update), or not
+        yet scored."""
+        trained = len(self._trained)
+        done = sum(1 for s in self.seqs.values() if s.state is SeqState.DONE) - sum(
+            1 for sid in self._trained if sid in self.seqs
+        )
+        return {
+            "spawned": self.counters["spawned"],
+            "trained": trained,
+            "scored": done,
+            "unfinished": self.unfinished(),
+        }
+
     def check(self) -> None:
-        """Groups are whole and distinct; every trained sample was done when it was trained."""
+        """Nothing lost or counted twice (:meth:`census` adds up); groups are whole and distinct; every
+        trained sample was done when it was trained."""
+        c = self.census()
+        if c["spawned"] != c["trained"] + c["scored"] + c["unfinished"]:
+            raise AssertionError(f"sample count mismatch: {c}")
         seen: set[str] = set()
         for gid, members in self._groups.items():
             if len(members) != self.agents.group_size or seen.intersection(members):

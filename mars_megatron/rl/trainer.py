@@ -1,12 +1,15 @@
-"""``mars train``: the synchronous MarsRL loop.
+"""``mars train``: the MarsRL loop, synchronous (``pipeline.mode=sync``) or agentic (``agentic``).
 
-Per step: take problems → grouped agentic rollout on the engines (Solver → Verifier → Corrector …) →
-agent-specific rewards → GRPO advantages per group → packed Megatron train step on every trainer rank →
-weight sync into the engines → metrics (and a checkpoint when due).
+Synchronous, per step: take problems → grouped agentic rollout on the engines (Solver → Verifier →
+Corrector …) → agent-specific rewards → GRPO advantages per group → packed Megatron train step on every
+trainer rank → weight sync into the engines → metrics (and a checkpoint when due).
 
 Processes: this driver holds the data, the rewards and the loop; the trainer ranks are Ray actors holding
 torch.distributed groups (:class:`~mars_megatron.rl.worker.PolicyWorker`); each policy's rollout engine is
 a Ray actor of its own. Everything is checked before any of them starts.
+
+Agentic: the same trainer ranks, engines and weight sync, driven by the pipeline
+(:mod:`mars_megatron.pipeline`): a step is one update, and rollouts of every role go on while it trains.
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ def prepare(cfg: MarsConfig, *, nproc: int | None, resume: str | bool | None) ->
     dataset = load_problems(cfg.data.train_file)
     if not dataset.problems:
         raise ValueError(f"{cfg.data.train_file}: no usable problems ({len(dataset.skipped)} bad lines)")
+    if cfg.pipeline.mode == "agentic" and cfg.checkpoint.save_dir is not None:
+        raise ConfigError(
+            "checkpoints of the agentic pipeline (its in-flight sequences) are not built yet; "
+            "use pipeline.mode=sync to checkpoint, or leave checkpoint.save_dir unset",
+            "checkpoint.save_dir",
+        )
     resume_from = None
     if resume:
         if cfg.checkpoint.save_dir is None:
@@ -104,29 +113,20 @@ class MarsRLTrainer:
         from mars_megatron.rl.rollout import AgenticRollout, RolloutSettings
         from mars_megatron.rollout.chat import ChatCodec
         from mars_megatron.rollout.engine import SamplingParams
-        from mars_megatron.rollout.factory import engine_recipe
-        from mars_megatron.rollout.ray_engine import start_rollout_actor
         from mars_megatron.training.ray_group import RayWorkerGroup
 
         self.cfg, self.plan, self.log = cfg, plan, log
         self.names = policy_names(cfg)
         cores = os.cpu_count() or 1
-        _start_ray(max(cores, plan.world_size + len(self.names)))
-        threads = cfg.rollout.threads or cores
-        self.engines = {
-            name: start_rollout_actor(
-                engine_recipe(
-                    cfg.rollout.engine,
-                    plan.engine_dir,
-                    dtype=cfg.model.dtype,
-                    seed=cfg.train.seed,
-                    max_batch=cfg.rollout.max_batch,
-                ),
-                num_cpus=1,
-                threads=threads,
-            )
-            for name in self.names
-        }
+        agentic = cfg.pipeline.mode == "agentic"
+        per_policy = cfg.pipeline.rollout_workers if agentic else 1
+        actors = (
+            plan.world_size + len(self.names) * per_policy + (cfg.pipeline.reward_workers if agentic else 0)
+        )
+        _start_ray(max(cores, actors))
+        self._threads = cfg.rollout.threads or cores
+        self.workers = [(name, self._start_engine()) for name in self.names for _ in range(per_policy)]
+        self.engines = {name: next(e for n, e in self.workers if n == name) for name in self.names}
         self.group = RayWorkerGroup(
             PolicyWorker,
             plan.world_size,
@@ -136,7 +136,7 @@ class MarsRLTrainer:
             num_cpus_per_rank=1,
             threads_per_rank=max(1, cores // plan.world_size),
         )
-        self.group.call("attach_engines", self.engines)
+        self.group.call("attach_engines", self._engine_groups())
         self.writer_rank = next(i for i, info in enumerate(self.group.call("rank_info")) if info["writer"])
         self.checker = AnswerChecker(CheckerConfig(num_workers=max(1, min(4, cores // 2))))
         self.stream: ProblemStream[Any] = ProblemStream(
@@ -171,12 +171,106 @@ class MarsRLTrainer:
             lambda role: self.versions[policy_of(role, self.names)],
         )
         self.step = 0
+        self.driver = self._pipeline(settings, codec) if agentic else None
+
+    def _start_engine(self) -> Any:
+        from mars_megatron.rollout.factory import engine_recipe
+        from mars_megatron.rollout.ray_engine import start_rollout_actor
+
+        cfg = self.cfg
+        recipe = engine_recipe(
+            cfg.rollout.engine,
+            self.plan.engine_dir,
+            dtype=cfg.model.dtype,
+            seed=cfg.train.seed,
+            max_batch=cfg.rollout.max_batch,
+        )
+        return start_rollout_actor(recipe, num_cpus=1, threads=self._threads)
+
+    def _engine_groups(self) -> dict[str, Any]:
+        from mars_megatron.rollout.ray_engine import EngineGroup
+
+        return {name: EngineGroup([e for n, e in self.workers if n == name]) for name in self.names}
+
+    def _pipeline(self, settings: Any, codec: Any) -> Any:
+        import ray
+
+        from mars_megatron.agents.prompts import prompt_set
+        from mars_megatron.pipeline.driver import PipelineDriver, RewardActor, prompt_builder
+        from mars_megatron.pipeline.scheduler import Limits, Scheduler
+
+        cfg, p = self.cfg, self.cfg.pipeline
+        bounds = {r: p.staleness_per_role.get(r.value, p.max_staleness) for r in Role}
+        limits = Limits(
+            max_response_tokens=cfg.rollout.max_response_tokens,
+            segment_tokens=p.segment_tokens or cfg.rollout.max_response_tokens,
+            max_staleness=bounds,
+            problems_per_update=cfg.data.problems_per_step,
+            batch_groups=p.batch_groups or cfg.data.problems_per_step,
+        )
+        scheduler = Scheduler(
+            settings.agents,
+            limits,
+            prompt_builder(prompt_set(cfg.agents.prompts), codec.encode),
+            seed=cfg.train.seed,
+        )
+        return PipelineDriver(
+            scheduler,
+            engines=self.workers,
+            policy_of=lambda role: policy_of(role, self.names),
+            start_reward=lambda: ray.remote(RewardActor).options(num_cpus=1).remote(),
+            reward_workers=p.reward_workers,
+            restart_rollout=self._restart_rollout,
+            decode=codec.decode,
+            sampling=settings.sampling,
+            feed=lambda: self.stream.take(cfg.data.problems_per_step),
+            train=lambda batches: self.group.call_async("train", batches),
+            finish_train=self._finish_update,
+            samples_for=self._samples_for,
+            max_batch=cfg.rollout.max_batch,
+        )
+
+    def _restart_rollout(self, index: int) -> Any:
+        """A new engine in place of a dead one, holding the current weights and version."""
+        name = self.workers[index][0]
+        engine = self._start_engine()
+        self.workers[index] = (name, engine)
+        self.engines[name] = next(e for n, e in self.workers if n == name)
+        self.group.call("attach_engines", self._engine_groups())
+        self._sync(self.versions)
+        self.log(f"rollout worker {index} ({name}) died: restarted at policy version {self.versions[name]}")
+        return engine
+
+    def _samples_for(self, batch: Any) -> tuple[dict[str, list], dict[str, float]]:
+        from mars_megatron.algorithm.advantages import assign_advantages
+        from mars_megatron.pipeline.driver import to_sample
+
+        raw = [to_sample(q) for q in batch.seqs]
+        samples, adv = assign_advantages(raw, filter_zero_variance=self.cfg.algorithm.filter_zero_variance)
+        batches: dict[str, list] = {name: [] for name in self.names}
+        for s in samples:
+            batches[policy_of(s.role, self.names)].append(s)
+        stats = {
+            "tokens": float(sum(len(s.prompt_ids) + s.response_len for s in samples)),
+            "samples": float(len(raw)),
+            "samples/trained": float(len(samples)),
+            "groups/filtered": adv["filtered_groups"],
+        }
+        return batches, stats
+
+    def _finish_update(self, results: list[Any]) -> dict[str, float]:
+        metrics: dict[str, float] = dict(results[self.writer_rank])
+        metrics.update(self._sync({name: v + 1 for name, v in self.versions.items()}))
+        metrics["policy_version"] = float(max(self.versions.values()))
+        if len(self.names) > 1:
+            metrics.update({f"policy_version/{n}": float(v) for n, v in self.versions.items()})
+        return metrics
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
         self.checker.close()
         self.group.shutdown()
-        for engine in self.engines.values():
+        for _, engine in self.workers:
             engine.kill()
 
     def __enter__(self) -> MarsRLTrainer:
@@ -252,6 +346,8 @@ class MarsRLTrainer:
 
         cfg = self.cfg
         self.step += 1
+        if self.driver is not None:
+            return self.driver.run_update()
         t0 = time.perf_counter()
         problems = self.stream.take(cfg.data.problems_per_step)
         result = self.rollout.run(problems, step=self.step, seed=cfg.train.seed)

@@ -62,6 +62,11 @@ class RolloutActor:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         return self.engine.generate(requests)
 
+    def generate_versioned(self, requests: Sequence[GenerationRequest]) -> tuple[list[GenerationOutput], int]:
+        """``generate``, and the policy version that decoded it: the actor runs one call at a time, so a
+        call never straddles a weight update (the agentic pipeline records this per segment)."""
+        return self.engine.generate(requests), self._version
+
     def begin_update(self) -> None:
         """Start collecting a new set of weights (drops a previous, uncommitted one)."""
         self._pending, self._buckets, self._bytes, self._largest = [], 0, 0, 0
@@ -200,6 +205,23 @@ class RemoteEngine:
         import ray
 
         ray.kill(self.actor)
+
+
+class EngineGroup:
+    """Several rollout engines of one policy behind one ``update_weights``: every engine gets the same
+    weights and version. The tensors are gathered once and held while they go out to each engine."""
+
+    def __init__(self, engines: Sequence[RemoteEngine]) -> None:
+        if not engines:
+            raise ValueError("EngineGroup: no engines")
+        self.engines = list(engines)
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> int:
+        tensors = [(name, _portable(t)) for name, t in named_tensors]
+        counts = {e.update_weights(iter(tensors), version) for e in self.engines}
+        return counts.pop() if len(counts) == 1 else max(counts)
 
 
 def start_rollout_actor(

@@ -60,9 +60,18 @@ class WeightSync:
             self._plan = (id(model), plan_export(model, self.arch))  # collective, once per model
         stream = export_weights(model, self.arch, self._plan[1])
         if self.engine is not None:
-            self.engine.update_weights(counted(stream))
+            if _takes_version(self.engine):  # Ray engines: set the version (a restarted one starts at 0)
+                self.engine.update_weights(counted(stream), version=self.version + 1)  # type: ignore[call-arg]
+            else:
+                self.engine.update_weights(counted(stream))
         else:
             for _ in stream:  # take part in the gathers and sends
                 pass
         self.version += 1
         return SyncStats(self.version, counts[0], counts[1], time.perf_counter() - start)
+
+
+def _takes_version(engine: Any) -> bool:
+    import inspect
+
+    return "version" in inspect.signature(engine.update_weights).parameters

@@ -1,0 +1,352 @@
+"""The agentic pipeline on Ray: the :class:`~.scheduler.Scheduler` driving rollout workers, reward workers
+and the trainer group at once.
+
+The driver owns no heavy work. It asks the scheduler for segments and hands them to idle rollout workers
+(:class:`~mars_megatron.rollout.ray_engine.RolloutActor`, one engine each), sends finished outputs to
+reward workers (:class:`RewardActor`), and starts an update on the trainer group whenever the scheduler
+says one is due, all without blocking: ``ray.wait`` on whatever is in flight, and react to the first
+result. So rollouts go on while the trainer trains, and every output reaches the training queue the
+moment its reward is known.
+
+Versions: a rollout worker reports the policy version its engine held for each call (an actor runs one
+call at a time, so a call never straddles a weight update), and that is what the segment records.
+Weights are pushed by the trainer's rank 0 into every engine after each update, as in the synchronous
+loop.
+
+Failures: a rollout or reward worker that dies is replaced by a new actor (weights re-synced for a
+rollout worker) and the work it held is requeued from its last recorded state; the scheduler's counts
+are checked after every update.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mars_megatron.agents.prompts import PromptSet
+from mars_megatron.agents.roles import Role
+from mars_megatron.agents.trajectory import Position
+from mars_megatron.agents.verdict import bug_report, parse_verdict
+from mars_megatron.algorithm.sample import Sample
+from mars_megatron.evaluation.data import Problem
+from mars_megatron.pipeline.scheduler import Batch, Scheduler, SegmentJob, Seq
+from mars_megatron.rollout.engine import GenerationRequest, SamplingParams
+
+
+class RewardActor:
+    """Body of a reward worker (wrap with ``ray.remote``): math-verify answers and parsed verdicts."""
+
+    def __init__(self) -> None:
+        from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
+
+        self.checker = AnswerChecker(CheckerConfig(num_workers=1))
+
+    def score(self, items: Sequence[tuple[str, str, str, Any, bool]]) -> list[tuple[str, float, bool | None]]:
+        """``(sample_id, role, text, reference, judged_right)`` -> ``(sample_id, reward, verdict)``.
+
+        Solver/Corrector: 1 if the last boxed answer matches the reference. Verifier: 1 if its verdict is
+        right about the solution it judged (``judged_right``)."""
+        from mars_megatron.rewards.agent_rewards import answer_rewards, verifier_reward
+
+        answers = [(i, text, ref) for i, (_, role, text, ref, _) in enumerate(items) if role != "verifier"]
+        rewards = answer_rewards([(text, ref) for _, text, ref in answers], self.checker)
+        out: list[tuple[str, float, bool | None]] = [("", 0.0, None)] * len(items)
+        for (i, _, _), reward in zip(answers, rewards, strict=True):
+            out[i] = (items[i][0], reward, None)
+        for i, (sid, role, text, _, judged_right) in enumerate(items):
+            if role == "verifier":
+                verdict = parse_verdict(text)
+                out[i] = (sid, verifier_reward(verdict, judged_right), verdict)
+        return out
+
+    def ping(self) -> bool:
+        return True
+
+
+def prompt_builder(prompts: PromptSet, encode: Callable[[list[Any]], Sequence[int]]) -> Callable:
+    """The scheduler's prompt function for real engines: the role's chat messages, tokenised."""
+
+    def prompt_fn(position: Position, problem: Problem, parent: Seq | None, judged: Seq | None) -> list[int]:
+        if position.role is Role.SOLVER:
+            messages = prompts.solver_messages(problem.text)
+        elif position.role is Role.VERIFIER:
+            assert parent is not None
+            messages = prompts.verifier_messages(problem.text, parent.text)
+        else:
+            assert parent is not None and judged is not None
+            messages = prompts.corrector_messages(problem.text, judged.text, bug_report(parent.text))
+        return list(encode(messages))
+
+    return prompt_fn
+
+
+def to_sample(seq: Seq) -> Sample:
+    """The trainer's record of a scored sequence (segments keep their policy versions)."""
+    return Sample(
+        prompt_ids=list(seq.prompt_ids),
+        response_ids=list(seq.tokens),
+        position=seq.position,
+        problem_id=seq.problem.problem_id,
+        group_id=seq.group_id,
+        reward=seq.reward,
+        behaviour_logprobs=[min(lp, 0.0) for lp in seq.logprobs],
+        segment_versions=list(seq.segments),
+        sample_id=seq.sample_id,
+    )
+
+
+def batch_metrics(
+    batch: Batch, seqs: Mapping[str, Seq], judged_right: Mapping[str, bool]
+) -> dict[str, float]:
+    """Per-role rewards of an update's samples, on the synchronous loop's scale and names."""
+    out: dict[str, float] = {}
+    by_role: dict[Role, list[Seq]] = {}
+    by_position: dict[Position, list[Seq]] = {}
+    for q in batch.seqs:
+        by_role.setdefault(q.role, []).append(q)
+        by_position.setdefault(q.position, []).append(q)
+    for position, members in by_position.items():
+        out[f"position_reward/{position.value}"] = _mean([q.reward or 0.0 for q in members])
+        out[f"position_samples/{position.value}"] = float(len(members))
+    for role in Role:
+        members = by_role.get(role, [])
+        out[f"samples/{role.value}"] = float(len(members))
+        if not members:
+            out[f"reward/{role.value}"] = float("nan")
+            continue
+        out[f"reward/{role.value}"] = _mean([q.reward or 0.0 for q in members])
+        out[f"response_len/{role.value}"] = _mean([float(len(q.tokens)) for q in members])
+        out[f"truncated/{role.value}"] = _mean([float(q.finish_reason == "length") for q in members])
+    for role in (Role.VERIFIER, Role.CORRECTOR):
+        for truth, name in ((True, "on_right"), (False, "on_wrong")):
+            members = [q for q in by_role.get(role, []) if judged_right.get(q.sample_id) == truth]
+            out[f"{role.value}/{name}"] = (
+                _mean([q.reward or 0.0 for q in members]) if members else float("nan")
+            )
+            out[f"{role.value}/{name}_samples"] = float(len(members))
+    staleness = [batch.version - s.version for q in batch.seqs for s in q.segments]
+    out["pipeline/staleness_max"] = float(max(staleness, default=0))
+    out["pipeline/staleness_mean"] = _mean([float(x) for x in staleness])
+    out["pipeline/multi_version_samples"] = float(
+        sum(len({s.version for s in q.segments}) > 1 for q in batch.seqs)
+    )
+    out["rollout/prompt_tokens"] = float(sum(len(q.prompt_ids) for q in batch.seqs))
+    out["rollout/response_tokens"] = float(sum(len(q.tokens) for q in batch.seqs))
+    return out
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+@dataclass
+class _InFlight:
+    kind: str  # "rollout" | "reward" | "train"
+    worker: int = -1
+    payload: Any = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class PipelineDriver:
+    """Runs the agentic schedule; :meth:`run_update` returns when the next update has finished.
+
+    ``engines``: rollout workers as ``(policy name, RemoteEngine)``; ``start_reward``/``restart_rollout``
+    build a replacement actor after a death. ``train``: submits one update's samples (per policy) to the
+    trainer group and returns the handles to wait on; ``finish_train`` turns their results into metrics
+    and pushes the new weights.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        engines: list[tuple[str, Any]],
+        policy_of: Callable[[Role], str],
+        start_reward: Callable[[], Any],
+        reward_workers: int,
+        restart_rollout: Callable[[int], Any],
+        decode: Callable[[Sequence[int]], str],
+        sampling: SamplingParams,
+        feed: Callable[[], list[Problem]],
+        train: Callable[[dict[str, list[Sample]]], list[Any]],
+        finish_train: Callable[[list[Any]], dict[str, float]],
+        samples_for: Callable[[Batch], tuple[dict[str, list[Sample]], dict[str, float]]],
+        max_batch: int,
+    ) -> None:
+        self.s = scheduler
+        self.engines = list(engines)
+        self.policy_of = policy_of
+        self.start_reward = start_reward
+        self.rewards = [start_reward() for _ in range(reward_workers)]
+        self.restart_rollout = restart_rollout
+        self.decode = decode
+        self.sampling = sampling
+        self.feed = feed
+        self.train = train
+        self.finish_train = finish_train
+        self.samples_for = samples_for
+        self.max_batch = max_batch
+        self.flight: dict[Any, _InFlight] = {}
+        self.to_score: list[str] = []
+        self.judged_right: dict[str, bool] = {}
+        self.busy_rollout: set[int] = set()
+        self.busy_reward: set[int] = set()
+        self.train_handles: list[Any] | None = None
+        self.counters = {"rollout_restarts": 0, "reward_restarts": 0}
+        self._idle_since = time.perf_counter()
+        self._train_busy = 0.0
+
+    # ------------------------------------------------------------------------------------------ dispatch
+    def _dispatch(self) -> None:
+        if self.s.waiting() < self.s.limits.problems_per_update:
+            self.s.add_problems(self.feed())
+        for w, (name, engine) in enumerate(self.engines):
+            if w in self.busy_rollout:
+                continue
+            jobs = [j for j in self.s.take_segments(self.max_batch, roles=self._roles_of(name))]
+            if not jobs:
+                continue
+            ref = engine.actor.generate_versioned.remote([self._request(j) for j in jobs])
+            self.flight[ref] = _InFlight("rollout", w, jobs)
+            self.busy_rollout.add(w)
+        while self.to_score:
+            free = [i for i in range(len(self.rewards)) if i not in self.busy_reward]
+            if not free:
+                break
+            w = free[0]
+            items = [self._reward_item(sid) for sid in self.to_score]
+            ref = self.rewards[w].score.remote(items)
+            self.flight[ref] = _InFlight("reward", w, list(self.to_score))
+            self.busy_reward.add(w)
+            self.to_score = []
+
+    def _roles_of(self, name: str) -> set[Role]:
+        return {r for r in Role if self.policy_of(r) == name}
+
+    def _request(self, job: SegmentJob) -> GenerationRequest:
+        base = self.sampling
+        sampling = SamplingParams(
+            max_tokens=job.max_tokens,
+            temperature=base.temperature,
+            top_p=base.top_p,
+            top_k=base.top_k,
+            seed=job.seed,
+            stop_token_ids=base.stop_token_ids,
+        )
+        return GenerationRequest(job.sample_id, tuple(job.context()), sampling)
+
+    def _reward_item(self, sid: str) -> tuple[str, str, str, Any, bool]:
+        seq = self.s.seqs[sid]
+        judged = True
+        if seq.judged_id is not None:
+            judged = bool(self.s.seqs[seq.judged_id].reward)
+            self.judged_right[sid] = judged
+        return (sid, seq.role.value, seq.text, seq.problem.reference, judged)
+
+    # ----------------------------------------------------------------------------------------- results
+    def _on_rollout(self, item: _InFlight, result: tuple[list[Any], int]) -> None:
+        outputs, version = result
+        self.busy_rollout.discard(item.worker)
+        for job, out in zip(item.payload, outputs, strict=True):
+            seq = self.s.seqs[job.sample_id]
+            seq.issued_version = version  # the weights that actually decoded it
+            if self.s.on_segment(
+                job.sample_id, out.token_ids, out.logprobs, stopped=out.finish_reason == "stop"
+            ):
+                seq.text = self.decode(seq.tokens)
+                self.to_score.append(job.sample_id)
+
+    def _on_reward(self, item: _InFlight, results: list[tuple[str, float, bool | None]]) -> None:
+        self.busy_reward.discard(item.worker)
+        for sid, reward, verdict in results:
+            self.s.on_scored(sid, self.s.seqs[sid].text, reward, verdict)
+
+    def _lost(self, item: _InFlight) -> None:
+        """The worker of ``item`` died: replace it and put its work back."""
+        import ray
+
+        if item.kind == "rollout":
+            self.counters["rollout_restarts"] += 1
+            name, engine = self.engines[item.worker]
+            try:
+                ray.kill(engine.actor)
+            except Exception:  # already gone
+                pass
+            self.engines[item.worker] = (name, self.restart_rollout(item.worker))
+            self.busy_rollout.discard(item.worker)
+            self.s.requeue(job.sample_id for job in item.payload)
+        else:
+            self.counters["reward_restarts"] += 1
+            self.rewards[item.worker] = self.start_reward()
+            self.busy_reward.discard(item.worker)
+            self.s.requeue(item.payload)
+            self.to_score.extend(item.payload)
+
+    # -------------------------------------------------------------------------------------------- loop
+    def run_update(self) -> dict[str, float]:
+        """Drive everything until one update has finished; returns its metrics."""
+        import ray
+
+        t0 = time.perf_counter()
+        batch: Batch | None = None
+        stats: dict[str, float] = {}
+        while True:
+            self._dispatch()
+            if self.train_handles is None and self.s.update_ready():
+                batch = self.s.take_batch()
+                assert batch is not None
+                samples, stats = self.samples_for(batch)
+                self.train_handles = self.train(samples)
+                self.flight[self.train_handles[0]] = _InFlight("train", payload=batch)
+                for h in self.train_handles[1:]:
+                    self.flight[h] = _InFlight("train-rank", payload=batch)
+                self._train_started = time.perf_counter()
+            if not self.flight:
+                if self.s.idle():
+                    raise StopIteration("no more problems")
+                raise RuntimeError(f"pipeline stalled: {self.s.stats()}")
+            ready, _ = ray.wait(list(self.flight), num_returns=1)
+            ref = ready[0]
+            item = self.flight.pop(ref)
+            if item.kind == "train-rank":
+                continue
+            if item.kind == "train":
+                rest = [h for h in self.train_handles or [] if h is not ref]
+                for h in rest:
+                    self.flight.pop(h, None)
+                results = [ray.get(ref), *ray.get(rest)]
+                train_s = time.perf_counter() - self._train_started
+                metrics = self.finish_train(results)
+                done = item.payload
+                self.s.on_trained()
+                self.s.release(done)
+                self.s.check()
+                self.train_handles = None
+                step_s = time.perf_counter() - t0
+                metrics.update(batch_metrics(done, self.s.seqs, self.judged_right))
+                metrics.update(stats)
+                metrics.update(
+                    {
+                        "time/step": step_s,
+                        "time/train": train_s,
+                        "pipeline/trainer_busy": min(1.0, train_s / step_s) if step_s > 0 else 0.0,
+                        "pipeline/queue_groups": float(self.s.stats()["queue"]),
+                        "pipeline/rollout_restarts": float(self.counters["rollout_restarts"]),
+                        "pipeline/reward_restarts": float(self.counters["reward_restarts"]),
+                        "pipeline/requeued": float(self.s.counters["requeued"]),
+                    }
+                )
+                for sid in [q.sample_id for q in done.seqs]:
+                    self.judged_right.pop(sid, None)
+                return metrics
+            try:
+                result = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
+                self._lost(item)
+                continue
+            if item.kind == "rollout":
+                self._on_rollout(item, result)
+            else:
+                self._on_reward(item, result)
