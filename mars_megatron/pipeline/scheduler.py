@@ -22,13 +22,14 @@ bound by construction, so nothing is ever dropped or restarted for it:
   train it);
 * *update start*: update ``u`` waits while a group is incomplete whose first segment was issued at a
   version ``<= u - bound`` (it could only be trained by ``u + 1`` or later); carried-over sequences and
-  the siblings of started groups are decoded first, so the wait is short. Otherwise it starts once ``batch_groups`` groups are complete (or nothing else is coming) and
-  takes the oldest ``batch_groups`` groups plus every complete group that would be too stale for the
-  update after it.
+  the siblings of started groups are decoded first, so the wait is short. Otherwise it starts once
+  ``batch_groups`` groups are complete (or nothing else is coming) and takes the oldest ``batch_groups``
+  groups plus every complete group that would be too stale for the update after it.
 
-With bound 0 for every role this is exactly the synchronous loop — admit ``problems_per_update``
-problems, finish all their trajectories, train on everything — which is how ``pipeline.mode=sync`` is
-run: one schedule, two settings, the same training data for the same seed.
+With bound 0 for every role this is exactly the synchronous schedule — admit ``problems_per_update``
+problems, finish all their trajectories, train on everything — whatever the timing (tested). Today
+``pipeline.mode=sync`` still runs the older loop of :mod:`mars_megatron.rl.trainer`; moving it onto this
+scheduler (bound 0) is the next step, after which the two modes differ only in their settings.
 
 Fault tolerance. Every sequence has a stable ``sample_id`` and a state. A worker that dies loses the
 segments and scores it held; :meth:`Scheduler.requeue` puts those sequences back exactly as they were
