@@ -75,12 +75,35 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
     assert [m["policy_version"] for m in [first, *rest]] == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
-def test_agentic_pipeline_refuses_what_it_cannot_do_yet(sft_model: Path, tmp_path: Path) -> None:
+def test_agentic_run_resumes_its_in_flight_state(sft_model: Path, tmp_path: Path) -> None:
+    """The step-2 checkpoint holds sequences still in flight; --resume continues the schedule from it."""
+    import torch
+
+    from mars_megatron.rl.trainer import train
+
+    run = tmp_path / "run"
+    ckpt = [f"checkpoint.save_dir={run / 'ckpt'}", "checkpoint.save_interval=1"]
+    first = train(_config(sft_model, run, "train.steps=2", *ckpt))
+    state = torch.load(run / "ckpt" / "step_000002" / "pipeline_state.pt", weights_only=False)
+    assert [q for q in state["scheduler"]["seqs"] if q["state"] != "done"]
+    second = train(_config(sft_model, run, "train.steps=4", *ckpt), resume=True)
+    assert [m["step"] for m in second] == [3, 4]
+    assert [m["policy_version"] for m in second] == [3.0, 4.0]
+    # the restored schedule counts on: every sample trained once across the restart
+    assert second[0]["pipeline/trained_total"] == first[-1]["pipeline/trained_total"] + second[0]["samples"]
+
+
+def test_agentic_pipeline_refuses_the_shared_reward(sft_model: Path, tmp_path: Path) -> None:
     from mars_megatron.config import ConfigError
-    from mars_megatron.rl.trainer import prepare
 
     with pytest.raises(ConfigError, match=r"algorithm\.reward: the shared .* needs whole trajectories"):
         _config(sft_model, tmp_path / "a", "algorithm.reward=shared")
-    cfg = _config(sft_model, tmp_path / "b", f"checkpoint.save_dir={tmp_path / 'ckpt'}")
-    with pytest.raises(ConfigError, match=r"checkpoint\.save_dir: checkpoints of the agentic pipeline"):
-        prepare(cfg, nproc=None, resume=None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_down():
+    """These tests start Ray in this process; later modules start their own."""
+    yield
+    import ray
+
+    ray.shutdown()

@@ -41,11 +41,11 @@ def simulate(s: Scheduler, updates: int = 6, **kwargs) -> tuple[Simulation, SimR
 
 
 def drive(s: Scheduler, rng: random.Random, on_batch: Callable[[Batch], None] = lambda b: None,
-          lose: float = 0.0, max_rounds: int = 10_000) -> list[Batch]:  # fmt: skip
+          lose: float = 0.0, updates: int | None = None) -> list[Batch]:  # fmt: skip
     """Complete segments and scores in a random order, one at a time; lose some (requeue) when asked;
     train (instantly) whenever an update is due. Lengths and rewards are functions of the sample."""
     batches, out, scoring = [], [], []
-    for _ in range(max_rounds):
+    for _ in range(10_000):
         if s.update_ready():
             batch = s.take_batch()
             assert batch is not None
@@ -53,6 +53,9 @@ def drive(s: Scheduler, rng: random.Random, on_batch: Callable[[Batch], None] = 
             batches.append(batch)
             s.on_trained()
             s.release(batch)
+            if updates is not None and len(batches) == updates:
+                s.requeue([j.sample_id for j in out] + scoring)  # what a crash would lose
+                return batches
             continue
         out += s.take_segments(rng.randint(1, 4))
         if not out and not scoring:
@@ -206,3 +209,23 @@ def test_a_problem_met_again_is_a_new_trajectory_tree() -> None:
     ids = [q.sample_id for b in batches for q in b.seqs]
     assert len(ids) == len(set(ids))
     assert {q.key for b in batches for q in b.seqs} == {"p0@0", "p1@1", "p0@2", "p1@3"}
+
+
+def test_a_saved_schedule_continues_like_the_original() -> None:
+    """Save between updates (work out at workers is lost, as in a crash), restore in a fresh scheduler:
+    both continue to the same batches, and nothing is trained twice across the restart."""
+    import pickle
+
+    from mars_megatron.pipeline.scheduler import restore_scheduler, scheduler_state
+
+    original = scheduler(1, segment=4)
+    before = drive(original, random.Random(11), updates=3)
+    state = pickle.loads(pickle.dumps(scheduler_state(original)))
+    restored = Scheduler(original.agents, original.limits, original.prompt_fn, seed=original.seed)
+    restore_scheduler(restored, state)
+    assert restored.census() == original.census()
+    after = [drive(x, random.Random(12)) for x in (original, restored)]
+    assert _data(after[0]) == _data(after[1]) and after[0]
+    ids = [q.sample_id for b in before + after[1] for q in b.seqs]
+    assert len(ids) == len(set(ids))
+    assert restored.idle()

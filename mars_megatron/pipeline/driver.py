@@ -284,6 +284,23 @@ class PipelineDriver:
             self.s.requeue(item.payload)
             self.to_score.extend(item.payload)
 
+    # -------------------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule between updates (work out at workers resumes from its last recorded segment)."""
+        from mars_megatron.pipeline.scheduler import scheduler_state
+
+        return {"scheduler": scheduler_state(self.s), "counters": dict(self.counters)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        from mars_megatron.pipeline.scheduler import SeqState, restore_scheduler
+
+        restore_scheduler(self.s, state["scheduler"])
+        self.counters.update(state["counters"])
+        self.to_score = [sid for sid, q in self.s.seqs.items() if q.state is SeqState.SCORING]
+        for sid, q in self.s.seqs.items():
+            if q.state is SeqState.DONE and q.judged_id is not None:
+                self.judged_right[sid] = bool(self.s.seqs[q.judged_id].reward)
+
     # -------------------------------------------------------------------------------------------- loop
     def run_update(self) -> dict[str, float]:
         """Drive everything until one update has finished; returns its metrics."""
@@ -336,6 +353,7 @@ class PipelineDriver:
                         "pipeline/rollout_restarts": float(self.counters["rollout_restarts"]),
                         "pipeline/reward_restarts": float(self.counters["reward_restarts"]),
                         "pipeline/requeued": float(self.s.counters["requeued"]),
+                        "pipeline/trained_total": float(self.s.census()["trained"]),
                     }
                 )
                 for sid in [q.sample_id for q in done.seqs]:

@@ -515,3 +515,106 @@ class Scheduler:
         for s in self.seqs.values():
             by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
         return {**self.counters, **{f"seqs/{k}": v for k, v in by_state.items()}, "queue": len(self._queue)}
+
+
+# -------------------------------------------------------------------------------------------- checkpoints
+def _problem_state(p: Problem) -> dict[str, Any]:
+    return {"problem_id": p.problem_id, "text": p.text, "reference": p.reference, "line": p.line}
+
+
+def scheduler_state(s: Scheduler) -> dict[str, Any]:
+    """Everything needed to continue ``s`` in a new process (between updates): token and log-prob arrays
+    are numpy (compact in ``torch.save``). A segment out at a worker is not saved: its sequence resumes
+    from its recorded segments (as if the worker had died); scores out are redone."""
+    import numpy as np
+
+    if s.training is not None:
+        raise RuntimeError("scheduler_state: an update is running; save between updates")
+    seqs = []
+    for q in s.seqs.values():
+        seqs.append(
+            {
+                "sample_id": q.sample_id,
+                "problem": _problem_state(q.problem),
+                "key": q.key,
+                "position": q.position.value,
+                "parent_id": q.parent_id,
+                "judged_id": q.judged_id,
+                "prompt_ids": np.asarray(q.prompt_ids, dtype=np.int64),
+                "tokens": np.asarray(q.tokens, dtype=np.int64),
+                "logprobs": np.asarray(q.logprobs, dtype=np.float32),
+                "segments": [(g.start, g.end, g.version) for g in q.segments],
+                "state": (SeqState.READY if q.state is SeqState.DECODING else q.state).value,
+                "first_version": q.first_version if q.segments or q.state is SeqState.DONE else None,
+                "finish_reason": q.finish_reason,
+                "text": q.text,
+                "reward": q.reward,
+                "verdict": q.verdict,
+            }
+        )
+    return {
+        "version": s.version,
+        "seqs": seqs,
+        "groups": dict(s._groups),
+        "waiting": [_problem_state(p) for p in s._waiting],
+        "admitted_at": dict(s._admitted_at),
+        "queue": list(s._queue),
+        "trained": sorted(s._trained),
+        "group_first": dict(s._group_first),
+        "counters": dict(s.counters),
+    }
+
+
+def restore_scheduler(s: Scheduler, state: Mapping[str, Any]) -> None:
+    """Load :func:`scheduler_state` into a fresh scheduler built with the same config."""
+    if s.seqs or s._waiting or s.version:
+        raise RuntimeError("restore_scheduler: the scheduler is not fresh")
+    s.version = int(state["version"])
+    for d in state["seqs"]:
+        q = Seq(
+            d["sample_id"],
+            Problem(**d["problem"]),
+            d["key"],
+            Position(d["position"]),
+            d["parent_id"],
+            d["judged_id"],
+            [int(x) for x in d["prompt_ids"]],
+            tokens=[int(x) for x in d["tokens"]],
+            logprobs=[float(x) for x in d["logprobs"]],
+            segments=[Segment(*g) for g in d["segments"]],
+            state=SeqState(d["state"]),
+            first_version=d["first_version"],
+            finish_reason=d["finish_reason"],
+            text=d["text"],
+            reward=d["reward"],
+            verdict=d["verdict"],
+        )
+        s.seqs[q.sample_id] = q
+        s._by_problem.setdefault(q.key, []).append(q.sample_id)
+        if q.state is not SeqState.DONE:
+            s._unfinished[q.role] += 1
+            s._active[q.key] = s._active.get(q.key, 0) + 1
+            s._position_left[q.key, q.position] = s._position_left.get((q.key, q.position), 0) + 1
+        else:
+            s._position_left.setdefault((q.key, q.position), 0)
+        if q.state is SeqState.READY:
+            s._ready[q.sample_id] = (-s._depth[q.position], q.sample_id)
+    s._groups = {g: list(m) for g, m in state["groups"].items()}
+    s._trained = set(state["trained"])
+    for members in s._groups.values():
+        key = s.seqs[members[0]].key
+        if not all(m in s._trained for m in members):
+            s._untrained[key] = s._untrained.get(key, 0) + 1
+    for key in s._by_problem:
+        s._untrained.setdefault(key, 0)
+        s._active.setdefault(key, 0)
+        if s._active[key] == 0:
+            del s._active[key]
+    s._waiting.extend(Problem(**p) for p in state["waiting"])
+    s._admitted_at = {int(k): int(v) for k, v in state["admitted_at"].items()}
+    s._queue = list(state["queue"])
+    s._group_first = {g: int(v) for g, v in state["group_first"].items()}
+    for gid, version in s._group_first.items():
+        s._open_oldest[s.seqs[s._groups[gid][0]].role][version] += 1
+    s.counters.update(state["counters"])
+    s.check()

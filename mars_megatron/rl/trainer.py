@@ -28,6 +28,7 @@ from mars_megatron.rl.data import ProblemStream
 from mars_megatron.rl.worker import PolicyWorker, policy_names, policy_of
 
 STATE_VERSION = 1
+PIPELINE_FILE = "pipeline_state.pt"
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,6 @@ def prepare(cfg: MarsConfig, *, nproc: int | None, resume: str | bool | None) ->
     dataset = load_problems(cfg.data.train_file)
     if not dataset.problems:
         raise ValueError(f"{cfg.data.train_file}: no usable problems ({len(dataset.skipped)} bad lines)")
-    if cfg.pipeline.mode == "agentic" and cfg.checkpoint.save_dir is not None:
-        raise ConfigError(
-            "checkpoints of the agentic pipeline (its in-flight sequences) are not built yet; "
-            "use pipeline.mode=sync to checkpoint, or leave checkpoint.save_dir unset",
-            "checkpoint.save_dir",
-        )
     resume_from = None
     if resume:
         if cfg.checkpoint.save_dir is None:
@@ -310,8 +305,22 @@ class MarsRLTrainer:
         self.step = int(state["step"])
         self.stream.load_state_dict(state["data"])
         set_python_rng_state(state["python_rng"])
-        if state["unfinished_samples"]:
-            raise ValueError("this synchronous trainer leaves no unfinished samples; the checkpoint has some")
+        saved_pipeline = state["unfinished_samples"]
+        if saved_pipeline and self.driver is None:
+            raise ConfigError(
+                f"{self.plan.resume_from} holds an agentic pipeline's in-flight state; resume it with "
+                "pipeline.mode=agentic",
+                "pipeline.mode",
+            )
+        if self.driver is not None:
+            if saved_pipeline:
+                import torch
+
+                self.driver.load_state_dict(
+                    torch.load(self.plan.resume_from / saved_pipeline, weights_only=False)
+                )
+            else:  # a synchronous checkpoint continued by the pipeline: nothing in flight yet
+                self.driver.s.version = max(state["policy_versions"].values())
         self._sync(state["policy_versions"])
         self.log(f"resumed from {self.plan.resume_from} at step {self.step}")
 
@@ -324,6 +333,10 @@ class MarsRLTrainer:
         staging = store.begin(self.step)
         try:
             self.group.call("save", str(staging))
+            if self.driver is not None:  # the pipeline's in-flight sequences, queue and counts
+                import torch
+
+                torch.save(self.driver.state_dict(), staging / PIPELINE_FILE)
         except BaseException:
             store.abort(staging)
             raise
@@ -334,9 +347,9 @@ class MarsRLTrainer:
             "policy_versions": self.versions,
             "data": self.stream.state_dict(),
             "python_rng": python_rng_state(),
-            # The synchronous loop finishes every sample within its step; the agentic pipeline (which
-            # carries partial rollouts across steps) stores them here.
-            "unfinished_samples": [],
+            # The synchronous loop finishes every sample within its step; the agentic pipeline carries
+            # partial rollouts across steps and saves them (with its whole schedule) in this file.
+            "unfinished_samples": PIPELINE_FILE if self.driver is not None else [],
         }
         return store.commit(staging, self.step, state)
 
