@@ -186,13 +186,23 @@ def main() -> None:
             f"{'idle sync':>11}{'idle agentic':>14}{'max staleness':>15}"
         )
         for workers in (4, 8, 16, 32):
-            sync = paper_sim(0, 65536, costs, workers=workers, block=args.block, updates=args.updates)
-            agentic = paper_sim(1, 16384, costs, workers=workers, block=args.block, updates=args.updates)
-            print(
-                f"{workers:<16}{sync.samples_per_s:>15.3f}{agentic.samples_per_s:>10.3f}"
-                f"{agentic.samples_per_s / sync.samples_per_s:>8.2f}x{sync.trainer_idle:>11.0%}"
-                f"{agentic.trainer_idle:>14.0%}{max(agentic.staleness):>15}"
-            )
+            _row(str(workers), costs, workers, args)
+        # Sensitivity, not a measurement: the same schedule with training cheaper per token relative to
+        # decoding (on GPUs long-tail decoding, not the update, usually dominates a synchronous step).
+        print("\ntraining cost x (16 rollout workers; decode costs as measured)")
+        for scale in (0.3, 0.1, 0.03):
+            scaled = Costs(costs.decode_step_s, costs.decode_step_per_seq_s, costs.train_s_per_token * scale)
+            _row(f"x{scale}", scaled, 16, args)
+
+
+def _row(label: str, costs: Costs, workers: int, args: argparse.Namespace) -> None:
+    sync = paper_sim(0, 65536, costs, workers=workers, block=args.block, updates=args.updates)
+    agentic = paper_sim(1, 16384, costs, workers=workers, block=args.block, updates=args.updates)
+    print(
+        f"{label:<16}{sync.samples_per_s:>15.3f}{agentic.samples_per_s:>10.3f}"
+        f"{agentic.samples_per_s / sync.samples_per_s:>8.2f}x{sync.trainer_idle:>11.0%}"
+        f"{agentic.trainer_idle:>14.0%}{max(agentic.staleness):>15}"
+    )
 
 
 if __name__ == "__main__":
