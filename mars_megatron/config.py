@@ -340,6 +340,11 @@ class PipelineConfig(Section):
         min=0,
     )
     rollout_workers: int = _field(1, "Agentic: rollout engines (Ray actors) per policy.", min=1)
+    placement: Literal["none", "colocated", "disaggregated"] = _field(
+        "none",
+        "Devices of trainer ranks and engines (pipeline/placement.py): 'colocated' shares bundles (engines "
+        "sleep through updates), 'disaggregated' gives each its own; 'none' lets Ray place them.",
+    )
     reward_workers: int = _field(1, "Agentic: reward workers (Ray actors with math-verify).", min=1)
 
     def validate(self) -> None:

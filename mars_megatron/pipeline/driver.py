@@ -174,6 +174,7 @@ class PipelineDriver:
         finish_train: Callable[[list[Any]], dict[str, float]],
         samples_for: Callable[[Batch], tuple[dict[str, list[Sample]], dict[str, float]]],
         max_batch: int,
+        colocated: bool = False,
     ) -> None:
         self.s = scheduler
         self.engines = list(engines)
@@ -188,21 +189,24 @@ class PipelineDriver:
         self.finish_train = finish_train
         self.samples_for = samples_for
         self.max_batch = max_batch
+        self.colocated = colocated
+        """Engines share devices with the trainer: they finish their segments, sleep through the update
+        and wake for the weight sync (no overlap)."""
         self.flight: dict[Any, _InFlight] = {}
         self.to_score: list[str] = []
         self.judged_right: dict[str, bool] = {}
         self.busy_rollout: set[int] = set()
         self.busy_reward: set[int] = set()
         self.train_handles: list[Any] | None = None
-        self.counters = {"rollout_restarts": 0, "reward_restarts": 0}
+        self.counters = {"rollout_restarts": 0, "reward_restarts": 0, "segments_during_update": 0}
         self._idle_since = time.perf_counter()
         self._train_busy = 0.0
 
     # ------------------------------------------------------------------------------------------ dispatch
-    def _dispatch(self) -> None:
+    def _dispatch(self, rollouts: bool = True) -> None:
         if self.s.waiting() < self.s.limits.problems_per_update:
             self.s.add_problems(self.feed())
-        for w, (name, engine) in enumerate(self.engines):
+        for w, (name, engine) in enumerate(self.engines if rollouts else []):
             if w in self.busy_rollout:
                 continue
             jobs = [j for j in self.s.take_segments(self.max_batch, roles=self._roles_of(name))]
@@ -284,6 +288,11 @@ class PipelineDriver:
             self.s.requeue(item.payload)
             self.to_score.extend(item.payload)
 
+    def _each_engine(self, method: str) -> None:
+        import ray
+
+        ray.get([getattr(engine.actor, method).remote() for _, engine in self.engines])
+
     # -------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The schedule between updates (work out at workers resumes from its last recorded segment)."""
@@ -310,8 +319,11 @@ class PipelineDriver:
         batch: Batch | None = None
         stats: dict[str, float] = {}
         while True:
-            self._dispatch()
-            if self.train_handles is None and self.s.update_ready():
+            due = self.train_handles is None and self.s.update_ready()
+            self._dispatch(rollouts=not (self.colocated and (due or self.train_handles is not None)))
+            if due and not (self.colocated and self.busy_rollout):
+                if self.colocated:
+                    self._each_engine("sleep")
                 batch = self.s.take_batch()
                 assert batch is not None
                 samples, stats = self.samples_for(batch)
@@ -335,6 +347,8 @@ class PipelineDriver:
                     self.flight.pop(h, None)
                 results = [ray.get(ref), *ray.get(rest)]
                 train_s = time.perf_counter() - self._train_started
+                if self.colocated:
+                    self._each_engine("wake")
                 metrics = self.finish_train(results)
                 done = item.payload
                 self.s.on_trained()
@@ -352,6 +366,7 @@ class PipelineDriver:
                         "pipeline/queue_groups": float(self.s.stats()["queue"]),
                         "pipeline/rollout_restarts": float(self.counters["rollout_restarts"]),
                         "pipeline/reward_restarts": float(self.counters["reward_restarts"]),
+                        "pipeline/segments_during_update": float(self.counters["segments_during_update"]),
                         "pipeline/requeued": float(self.s.counters["requeued"]),
                         "pipeline/trained_total": float(self.s.census()["trained"]),
                     }
@@ -365,6 +380,8 @@ class PipelineDriver:
                 self._lost(item)
                 continue
             if item.kind == "rollout":
+                if self.train_handles is not None:
+                    self.counters["segments_during_update"] += 1
                 self._on_rollout(item, result)
             else:
                 self._on_reward(item, result)

@@ -120,7 +120,13 @@ class MarsRLTrainer:
         )
         _start_ray(max(cores, actors))
         self._threads = cfg.rollout.threads or cores
-        self.workers = [(name, self._start_engine()) for name in self.names for _ in range(per_policy)]
+        self.placement = None
+        if cfg.pipeline.placement != "none":
+            from mars_megatron.pipeline.placement import place
+
+            self.placement = place(cfg.pipeline.placement, plan.world_size, len(self.names) * per_policy)
+        names = [name for name in self.names for _ in range(per_policy)]
+        self.workers = [(name, self._start_engine(i)) for i, name in enumerate(names)]
         self.engines = {name: next(e for n, e in self.workers if n == name) for name in self.names}
         self.group = RayWorkerGroup(
             PolicyWorker,
@@ -128,8 +134,8 @@ class MarsRLTrainer:
             cfg,
             plan.model_dir,
             self.names,
-            num_cpus_per_rank=1,
             threads_per_rank=max(1, cores // plan.world_size),
+            **self._trainer_placement(),
         )
         self.group.call("attach_engines", self._engine_groups())
         self.writer_rank = next(i for i, info in enumerate(self.group.call("rank_info")) if info["writer"])
@@ -168,7 +174,7 @@ class MarsRLTrainer:
         self.step = 0
         self.driver = self._pipeline(settings, codec) if agentic else None
 
-    def _start_engine(self) -> Any:
+    def _start_engine(self, index: int) -> Any:
         from mars_megatron.rollout.factory import engine_recipe
         from mars_megatron.rollout.ray_engine import start_rollout_actor
 
@@ -180,7 +186,26 @@ class MarsRLTrainer:
             seed=cfg.train.seed,
             max_batch=cfg.rollout.max_batch,
         )
-        return start_rollout_actor(recipe, num_cpus=1, threads=self._threads)
+        if self.placement is None:
+            return start_rollout_actor(recipe, num_cpus=1, threads=self._threads)
+        res = self.placement.resources()
+        return start_rollout_actor(
+            recipe,
+            num_cpus=res["num_cpus"],
+            num_gpus=res["num_gpus"],
+            threads=self._threads,
+            scheduling_strategy=self.placement.strategy(self.placement.engine_bundles[index]),
+        )
+
+    def _trainer_placement(self) -> dict[str, Any]:
+        if self.placement is None:
+            return {"num_cpus_per_rank": 1}
+        res = self.placement.resources()
+        return {
+            "num_cpus_per_rank": res["num_cpus"],
+            "num_gpus_per_rank": res["num_gpus"],
+            "placement": (self.placement.group, self.placement.trainer_bundles),
+        }
 
     def _engine_groups(self) -> dict[str, Any]:
         from mars_megatron.rollout.ray_engine import EngineGroup
@@ -223,12 +248,13 @@ class MarsRLTrainer:
             finish_train=self._finish_update,
             samples_for=self._samples_for,
             max_batch=cfg.rollout.max_batch,
+            colocated=p.placement == "colocated",
         )
 
     def _restart_rollout(self, index: int) -> Any:
         """A new engine in place of a dead one, holding the current weights and version."""
         name = self.workers[index][0]
-        engine = self._start_engine()
+        engine = self._start_engine(index)
         self.workers[index] = (name, engine)
         self.engines[name] = next(e for n, e in self.workers if n == name)
         self.group.call("attach_engines", self._engine_groups())
@@ -267,6 +293,8 @@ class MarsRLTrainer:
         self.group.shutdown()
         for _, engine in self.workers:
             engine.kill()
+        if self.placement is not None:
+            self.placement.remove()
 
     def __enter__(self) -> MarsRLTrainer:
         return self

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, RolloutEngine
+from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, RolloutEngine, Sleepable
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 MAX_BUCKETS_IN_FLIGHT = 2
@@ -112,6 +112,27 @@ class RolloutActor:
 
     def version(self) -> int:
         return self._version
+
+    def sleep(self) -> None:
+        """Free the engine's device memory while a colocated trainer updates (no-op for engines that
+        cannot, e.g. transformers on CPU)."""
+        if isinstance(self.engine, Sleepable):
+            self.engine.sleep()
+
+    def wake(self) -> None:
+        if isinstance(self.engine, Sleepable):
+            self.engine.wake()
+
+    def resources(self) -> dict[str, Any]:
+        """The Ray resources this actor holds, its (logical) GPU ids and placement group."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            **ctx.get_assigned_resources(),
+            "gpu_ids": [int(i) for i in ray.get_gpu_ids()],
+            "placement_group": ctx.get_placement_group_id(),
+        }
 
     def last_update(self) -> UpdateStats | None:
         return self._last
@@ -232,6 +253,7 @@ def start_rollout_actor(
     threads: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     env: dict[str, str] | None = None,
+    scheduling_strategy: Any = None,
 ) -> RemoteEngine:
     """Start a :class:`RolloutActor` running ``factory()`` and wait until the engine is built (so a bad
     model directory fails here, not at the first rollout). ``threads`` defaults to ``num_cpus``."""
@@ -247,6 +269,7 @@ def start_rollout_actor(
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             runtime_env={"env_vars": {k: str(v) for k, v in env.items()}} if env else None,
+            scheduling_strategy=scheduling_strategy,
         )
         .remote(factory, threads if threads is not None else max(1, int(num_cpus)))
     )

@@ -113,6 +113,17 @@ class _RankActor:
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
+    def resources(self) -> dict[str, Any]:
+        """The Ray resources this rank holds, its (logical) GPU ids and placement group."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            **ctx.get_assigned_resources(),
+            "gpu_ids": [int(i) for i in ray.get_gpu_ids()],
+            "placement_group": ctx.get_placement_group_id(),
+        }
+
     def free_port(self, addr: str) -> int:
         """A TCP port free on ``addr`` now; torch's store on rank 0 binds it moments later."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -188,6 +199,7 @@ class RayWorkerGroup:
         threads_per_rank: int | None = None,
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 300.0,
+        placement: tuple[Any, list[int]] | None = None,
         **init_kwargs: Any,
     ) -> None:
         import ray
@@ -210,7 +222,16 @@ class RayWorkerGroup:
         self._remove_pg = remove_placement_group
         bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
         strategy = "STRICT_PACK" if _fits_one_node(bundle, world_size) else "PACK"
-        self._pg = placement_group([dict(bundle)] * world_size, strategy=strategy)
+        self._own_pg = placement is None
+        if placement is None:
+            self._pg, bundles = (
+                placement_group([dict(bundle)] * world_size, strategy=strategy),
+                list(range(world_size)),
+            )
+        else:  # bundles of a placement group shared with the rollout engines (pipeline/placement.py)
+            self._pg, bundles = placement
+            if len(bundles) != world_size:
+                raise ValueError(f"placement gives {len(bundles)} bundles for {world_size} ranks")
         try:
             try:
                 ray.get(self._pg.ready(), timeout=ready_timeout_s)
@@ -227,7 +248,7 @@ class RayWorkerGroup:
                     num_cpus=num_cpus_per_rank,
                     num_gpus=gpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self._pg, placement_group_bundle_index=rank
+                        placement_group=self._pg, placement_group_bundle_index=bundles[rank]
                     ),
                     runtime_env=runtime_env,
                 ).remote(rank, world_size, threads)
@@ -246,6 +267,12 @@ class RayWorkerGroup:
         except BaseException:
             self.shutdown()
             raise
+
+    def resources(self) -> list[dict[str, Any]]:
+        """The Ray resources each rank holds, its (logical) GPU ids and placement group."""
+        import ray
+
+        return ray.get([a.resources.remote() for a in self._actors])
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self._gather(self.call_async(method, *args, **kwargs), method)
@@ -281,7 +308,7 @@ class RayWorkerGroup:
                 with contextlib.suppress(Exception):
                     ray.kill(a)
         pg, self._pg = getattr(self, "_pg", None), None
-        if pg is not None:
+        if pg is not None and getattr(self, "_own_pg", True):  # a shared one belongs to its creator
             with contextlib.suppress(Exception):
                 self._remove_pg(pg)
 
@@ -380,6 +407,7 @@ class LocalWorkerGroup:
         threads_per_rank: int | None = None,
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 300.0,
+        placement: tuple[Any, list[int]] | None = None,
         **init_kwargs: Any,
     ) -> None:
         del num_cpus_per_rank, num_gpus_per_rank, ready_timeout_s  # placement options: nothing to place
