@@ -9,30 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from mars_megatron.config import ParallelConfig, load_config
-from mars_megatron.models.presets import init_model
-from mars_megatron.tasks.sft import SFTConfig, sft_job
-from mars_megatron.training import parallel
+from mars_megatron.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
 DATA = REPO / "examples" / "data" / "arith_train.jsonl"
-
-
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("pipe")
-    hf = init_model("tiny-moe", root / "hf")
-    out = root / "sft"
-    parallel.launch(
-        sft_job,
-        1,
-        str(hf),
-        ParallelConfig(),
-        SFTConfig(out_dir=str(out), steps=40, skill_steps=30),
-        timeout_s=600,
-    )
-    return out
 
 
 def _config(model: Path, run: Path, *extra: str):

@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mars_megatron.config import ParallelConfig, load_config
-from mars_megatron.models.presets import init_model
-from mars_megatron.tasks.sft import SFTConfig, sft_job
-from mars_megatron.training import parallel
+from mars_megatron.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,17 +20,6 @@ def cluster():
     ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("place")
-    hf = init_model("tiny-moe", root / "hf")
-    out = root / "sft"
-    parallel.launch(
-        sft_job, 1, str(hf), ParallelConfig(), SFTConfig(out_dir=str(out), steps=8, skill_steps=6)
-    )
-    return out
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])

@@ -18,11 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mars_megatron.config import ParallelConfig
 from mars_megatron.metrics import read_metrics
-from mars_megatron.models.presets import init_model
-from mars_megatron.tasks.sft import SFTConfig, sft_job
-from mars_megatron.training import parallel
 from tests.test_cli import TOKENS, assert_close_to, hf_logprobs, mars, ok, read_logprobs, write_tokens
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,22 +27,6 @@ DATA = REPO / "examples" / "data" / "arith_train.jsonl"
 STEPS = 4
 REQUIRED = ["reward/solver", "reward/verifier", "reward/corrector", "samples/solver", "samples/verifier",
             "samples/corrector", "tokens", "time/step", "policy_version"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("loop")
-    hf = init_model("tiny-moe", root / "hf")
-    out = root / "sft"
-    parallel.launch(
-        sft_job,
-        1,
-        str(hf),
-        ParallelConfig(),
-        SFTConfig(out_dir=str(out), steps=40, skill_steps=30),
-        timeout_s=600,
-    )
-    return out
 
 
 def _train(model: Path, run: Path, *extra: str, resume: bool = False) -> subprocess.Popen:
