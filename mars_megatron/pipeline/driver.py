@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mars_megatron.agents.prompts import PromptSet
@@ -97,9 +97,7 @@ def to_sample(seq: Seq) -> Sample:
     )
 
 
-def batch_metrics(
-    batch: Batch, seqs: Mapping[str, Seq], judged_right: Mapping[str, bool]
-) -> dict[str, float]:
+def batch_metrics(batch: Batch, judged_right: Mapping[str, bool]) -> dict[str, float]:
     """Per-role rewards of an update's samples, on the synchronous loop's scale and names."""
     out: dict[str, float] = {}
     by_role: dict[Role, list[Seq]] = {}
@@ -143,10 +141,9 @@ def _mean(values: Sequence[float]) -> float:
 
 @dataclass
 class _InFlight:
-    kind: str  # "rollout" | "reward" | "train"
+    kind: str  # "rollout" | "reward" | "train" | "train-rank"
     worker: int = -1
     payload: Any = None
-    started: float = field(default_factory=time.perf_counter)
 
 
 class PipelineDriver:
@@ -199,8 +196,7 @@ class PipelineDriver:
         self.busy_reward: set[int] = set()
         self.train_handles: list[Any] | None = None
         self.counters = {"rollout_restarts": 0, "reward_restarts": 0, "segments_during_update": 0}
-        self._idle_since = time.perf_counter()
-        self._train_busy = 0.0
+        self._train_started = 0.0
 
     # ------------------------------------------------------------------------------------------ dispatch
     def _dispatch(self, rollouts: bool = True) -> None:
@@ -209,7 +205,7 @@ class PipelineDriver:
         for w, (name, engine) in enumerate(self.engines if rollouts else []):
             if w in self.busy_rollout:
                 continue
-            jobs = [j for j in self.s.take_segments(self.max_batch, roles=self._roles_of(name))]
+            jobs = self.s.take_segments(self.max_batch, roles=self._roles_of(name))
             if not jobs:
                 continue
             ref = engine.actor.generate_versioned.remote([self._request(j) for j in jobs])
@@ -255,9 +251,9 @@ class PipelineDriver:
         self.busy_rollout.discard(item.worker)
         for job, out in zip(item.payload, outputs, strict=True):
             seq = self.s.seqs[job.sample_id]
-            seq.issued_version = version  # the weights that actually decoded it
+            stopped = out.finish_reason == "stop"
             if self.s.on_segment(
-                job.sample_id, out.token_ids, out.logprobs, stopped=out.finish_reason == "stop"
+                job.sample_id, out.token_ids, out.logprobs, stopped=stopped, version=version
             ):
                 seq.text = self.decode(seq.tokens)
                 self.to_score.append(job.sample_id)
@@ -356,7 +352,7 @@ class PipelineDriver:
                 self.s.check()
                 self.train_handles = None
                 step_s = time.perf_counter() - t0
-                metrics.update(batch_metrics(done, self.s.seqs, self.judged_right))
+                metrics.update(batch_metrics(done, self.judged_right))
                 metrics.update(stats)
                 metrics.update(
                     {

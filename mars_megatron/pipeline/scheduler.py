@@ -302,12 +302,19 @@ class Scheduler:
         )
 
     def on_segment(
-        self, sample_id: str, token_ids: Sequence[int], logprobs: Sequence[float], *, stopped: bool
+        self,
+        sample_id: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        *,
+        stopped: bool,
+        version: int | None = None,
     ) -> bool:
         """Record a decoded segment; True when the sequence is finished (then score it).
 
         ``stopped``: the engine ended the sequence (end-of-turn or stop token) rather than the segment's
-        token budget.
+        token budget. ``version``: the policy version that decoded it, as the engine reports it (default:
+        the version it was issued at).
         """
         seq = self._expect(sample_id, SeqState.DECODING)
         if len(token_ids) != len(logprobs):
@@ -317,7 +324,8 @@ class Scheduler:
             start = len(seq.tokens)
             seq.tokens.extend(token_ids)
             seq.logprobs.extend(logprobs)
-            seq.segments.append(Segment(start, len(seq.tokens), seq.issued_version))
+            decoded_by = seq.issued_version if version is None else version
+            seq.segments.append(Segment(start, len(seq.tokens), decoded_by))
         seq.issued_version = None
         full = len(seq.tokens) >= self.limits.max_response_tokens
         if stopped or full or not token_ids:
