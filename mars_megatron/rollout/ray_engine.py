@@ -230,7 +230,8 @@ class RemoteEngine:
 
 class EngineGroup:
     """Several rollout engines of one policy behind one ``update_weights``: every engine gets the same
-    weights and version. The tensors are gathered once and held while they go out to each engine."""
+    weights and version. With more than one engine the tensors are gathered once and held while they go
+    out to each (a full copy on the sending rank); one engine is streamed to directly."""
 
     def __init__(self, engines: Sequence[RemoteEngine]) -> None:
         if not engines:
@@ -240,6 +241,8 @@ class EngineGroup:
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
     ) -> int:
+        if len(self.engines) == 1:  # streamed: no copy of the weights held
+            return self.engines[0].update_weights(named_tensors, version)
         tensors = [(name, _portable(t)) for name, t in named_tensors]
         counts = {e.update_weights(iter(tensors), version) for e in self.engines}
         return counts.pop() if len(counts) == 1 else max(counts)
