@@ -1,6 +1,7 @@
 """Tests for mars_megatron.config: YAML + overrides loading, type/bound/cross-field errors, layouts."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -385,11 +386,28 @@ def test_dump_load_round_trip(tmp_path: Path, path: Path) -> None:
 def test_config_to_dict_is_plain() -> None:
     data = config_to_dict(load_config(None, ["parallel.tp=2"]))
     assert list(data) == [
-        "model", "parallel", "optimizer", "train", "data", "agents", "rollout", "algorithm", "checkpoint",
-        "logging",
+        "model", "parallel", "optimizer", "train", "data", "agents", "rollout", "algorithm", "pipeline",
+        "checkpoint", "logging",
     ]  # fmt: skip
     assert data["parallel"]["tp"] == 2 and data["optimizer"]["lr"] == 1e-6
     assert yaml.safe_load(yaml.safe_dump(data)) == data
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("pipeline.staleness_per_role={judge: 1}", "pipeline.staleness_per_role: unknown role 'judge'"),
+        (
+            "pipeline.staleness_per_role={verifier: -1}",
+            "pipeline.staleness_per_role: verifier: expected an int >= 0",
+        ),
+        ("pipeline.mode=eager", "pipeline.mode"),
+        ("pipeline.placement=spread", "pipeline.placement"),
+    ],
+)
+def test_pipeline_section_names_the_bad_field(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
 
 
 def test_describe_config_lists_every_field() -> None:
