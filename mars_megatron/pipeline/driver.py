@@ -20,6 +20,7 @@ are checked after every update.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -270,10 +271,8 @@ class PipelineDriver:
         if item.kind == "rollout":
             self.counters["rollout_restarts"] += 1
             name, engine = self.engines[item.worker]
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(engine.actor)
-            except Exception:  # already gone
-                pass
             self.engines[item.worker] = (name, self.restart_rollout(item.worker))
             self.busy_rollout.discard(item.worker)
             self.s.requeue(job.sample_id for job in item.payload)
@@ -328,10 +327,8 @@ class PipelineDriver:
                 for h in self.train_handles[1:]:
                     self.flight[h] = _InFlight("train-rank", payload=batch)
                 self._train_started = time.perf_counter()
-            if not self.flight:
-                if self.s.idle():
-                    raise StopIteration("no more problems")
-                raise RuntimeError(f"pipeline stalled: {self.s.stats()}")
+            if not self.flight:  # the problem stream never ends, so nothing to wait on is a bug
+                raise RuntimeError(f"pipeline stalled with nothing in flight: {self.s.stats()}")
             ready, _ = ray.wait(list(self.flight), num_returns=1)
             ref = ready[0]
             item = self.flight.pop(ref)
