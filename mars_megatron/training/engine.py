@@ -171,12 +171,13 @@ class MegatronEngine:
 
         return ps.is_pipeline_last_stage()
 
-    def _global_sum(self, values: list[float], contribute: bool) -> list[float]:
-        """Sum over data-parallel replicas, counted once per replica (last stage, TP rank 0)."""
+    def _global_sum(self, values: list[float], contribute: bool, extra: Sequence[float] = ()) -> list[float]:
+        """Sum over data-parallel replicas, counted once per replica (last stage, TP rank 0); ``extra``
+        values ride along in the same all-reduce, summed over every rank."""
         from megatron.core import parallel_state as ps
 
         own = contribute and self._on_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-        t = torch.tensor(values if own else [0.0] * len(values), dtype=torch.float64)
+        t = torch.tensor([*(values if own else [0.0] * len(values)), *extra], dtype=torch.float64)
         dist.all_reduce(t)
         return t.tolist()
 
@@ -260,7 +261,11 @@ class MegatronEngine:
         reduced = self._run(micro_batches, loss_fn, forward_only=False)
         loss_sum = sum(float(r["loss_sum"]) for r in reduced) if reduced else 0.0
         tokens = sum(float(r["tokens"]) for r in reduced) if reduced else 0.0
-        if self._finite_everywhere(loss_sum):
+        # one all-reduce: the global loss and token sums for the log, and how many ranks saw a NaN/inf
+        loss_sum, tokens, bad_ranks = self._global_sum(
+            [loss_sum, tokens], contribute=True, extra=[float(self._nonfinite_here(loss_sum))]
+        )
+        if bad_ranks == 0:
             ok, grad_norm, _ = self.optimizer.step()
             skipped = 0.0
         else:
@@ -270,7 +275,6 @@ class MegatronEngine:
             self.optimizer.zero_grad()
             self.skipped_steps += 1
             ok, grad_norm, skipped = False, None, 1.0
-        loss_sum, tokens = self._global_sum([loss_sum, tokens], contribute=True)
         return {
             "loss": loss_sum / max(tokens, 1.0),
             "tokens": tokens,
@@ -280,14 +284,12 @@ class MegatronEngine:
             "skipped_steps": float(self.skipped_steps),
         }
 
-    def _finite_everywhere(self, local_loss_sum: float) -> bool:
-        """True when this step's loss and every gradient are finite on every rank (one all-reduce)."""
-        bad = not math.isfinite(local_loss_sum)
-        for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]:
-            bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
-        flag = torch.tensor([1.0 if bad else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() == 0.0
+    def _nonfinite_here(self, local_loss_sum: float) -> bool:
+        """Whether this rank's loss or any of its gradients is NaN/inf."""
+        if not math.isfinite(local_loss_sum):
+            return True
+        buffers = [*self.model.buffers, *self.model.expert_parallel_buffers]
+        return any(not bool(torch.isfinite(b.grad_data).all()) for b in buffers)
 
 
 def _on_device(mb: MicroBatch) -> MicroBatch:
