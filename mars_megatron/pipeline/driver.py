@@ -33,6 +33,7 @@ from mars_megatron.agents.verdict import bug_report, parse_verdict
 from mars_megatron.algorithm.sample import Sample
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.scheduler import Batch, Scheduler, SegmentJob, Seq
+from mars_megatron.rl.rollout import Scored, role_metrics
 from mars_megatron.rollout.engine import GenerationRequest, SamplingParams
 
 
@@ -99,45 +100,29 @@ def to_sample(seq: Seq) -> Sample:
 
 
 def batch_metrics(batch: Batch, judged_right: Mapping[str, bool]) -> dict[str, float]:
-    """Per-role rewards of an update's samples, on the synchronous loop's scale and names."""
-    out: dict[str, float] = {}
-    by_role: dict[Role, list[Seq]] = {}
-    by_position: dict[Position, list[Seq]] = {}
-    for q in batch.seqs:
-        by_role.setdefault(q.role, []).append(q)
-        by_position.setdefault(q.position, []).append(q)
-    for position, members in by_position.items():
-        out[f"position_reward/{position.value}"] = _mean([q.reward or 0.0 for q in members])
-        out[f"position_samples/{position.value}"] = float(len(members))
-    for role in Role:
-        members = by_role.get(role, [])
-        out[f"samples/{role.value}"] = float(len(members))
-        if not members:
-            out[f"reward/{role.value}"] = float("nan")
-            continue
-        out[f"reward/{role.value}"] = _mean([q.reward or 0.0 for q in members])
-        out[f"response_len/{role.value}"] = _mean([float(len(q.tokens)) for q in members])
-        out[f"truncated/{role.value}"] = _mean([float(q.finish_reason == "length") for q in members])
-    for role in (Role.VERIFIER, Role.CORRECTOR):
-        for truth, name in ((True, "on_right"), (False, "on_wrong")):
-            members = [q for q in by_role.get(role, []) if judged_right.get(q.sample_id) == truth]
-            out[f"{role.value}/{name}"] = (
-                _mean([q.reward or 0.0 for q in members]) if members else float("nan")
+    """Per-role rewards of an update's samples (the synchronous loop's :func:`role_metrics`), and how
+    stale its segments were."""
+    out = role_metrics(
+        [
+            Scored(
+                q.position,
+                q.reward or 0.0,
+                judged_right.get(q.sample_id),
+                len(q.prompt_ids),
+                len(q.tokens),
+                q.finish_reason == "length",
+                q.verdict,
             )
-            out[f"{role.value}/{name}_samples"] = float(len(members))
+            for q in batch.seqs
+        ]
+    )
     staleness = [batch.version - s.version for q in batch.seqs for s in q.segments]
     out["pipeline/staleness_max"] = float(max(staleness, default=0))
-    out["pipeline/staleness_mean"] = _mean([float(x) for x in staleness])
+    out["pipeline/staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
     out["pipeline/multi_version_samples"] = float(
         sum(len({s.version for s in q.segments}) > 1 for q in batch.seqs)
     )
-    out["rollout/prompt_tokens"] = float(sum(len(q.prompt_ids) for q in batch.seqs))
-    out["rollout/response_tokens"] = float(sum(len(q.tokens) for q in batch.seqs))
     return out
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 @dataclass

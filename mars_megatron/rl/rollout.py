@@ -228,47 +228,82 @@ def _outcome(node: Node) -> float:
     return node.agent_reward
 
 
+@dataclass(frozen=True)
+class Scored:
+    """One scored agent output, as the per-role metrics see it."""
+
+    position: Position
+    reward: float
+    """The agent-specific reward."""
+    judged_right: bool | None
+    """Verifier/Corrector: whether the solution it judged or revised was right; None for the Solver."""
+    prompt_len: int
+    response_len: int
+    truncated: bool
+    verdict: bool | None = None
+    training_reward: float | None = None
+    """The reward trained on, where it differs in kind (``algorithm.reward=shared``)."""
+
+
+def role_metrics(outputs: Sequence[Scored]) -> dict[str, float]:
+    """Agent-specific rewards per role and position (also under ``algorithm.reward=shared``, so runs
+    compare on the same scale), sample counts, lengths and truncation. One definition for the
+    synchronous rollout and the agentic pipeline's updates."""
+    out: dict[str, float] = {}
+    by_role: dict[Role, list[Scored]] = {}
+    by_position: dict[Position, list[Scored]] = {}
+    for o in outputs:
+        by_role.setdefault(o.position.role, []).append(o)
+        by_position.setdefault(o.position, []).append(o)
+    for position, members in by_position.items():
+        out[f"position_reward/{position.value}"] = _mean([o.reward for o in members])
+        out[f"position_samples/{position.value}"] = float(len(members))
+    for role in Role:
+        members = by_role.get(role, [])
+        out[f"samples/{role.value}"] = float(len(members))
+        if not members:  # e.g. no Verifier found an error: logged as null, plotted as a gap
+            out[f"reward/{role.value}"] = float("nan")
+            continue
+        out[f"reward/{role.value}"] = _mean([o.reward for o in members])
+        if all(o.training_reward is not None for o in members):
+            out[f"train_reward/{role.value}"] = _mean([o.training_reward or 0.0 for o in members])
+        out[f"response_len/{role.value}"] = _mean([float(o.response_len) for o in members])
+        out[f"truncated/{role.value}"] = _mean([float(o.truncated) for o in members])
+    out["rollout/prompt_tokens"] = float(sum(o.prompt_len for o in outputs))
+    out["rollout/response_tokens"] = float(sum(o.response_len for o in outputs))
+    verifiers = by_role.get(Role.VERIFIER, [])
+    if verifiers:
+        out["verifier/unparsed"] = _mean([float(o.verdict is None) for o in verifiers])
+    # Verifier and Corrector rewards depend on what they were given: split by whether the judged solution
+    # was right, so a shift in the input mix is not mistaken for learning (or forgetting).
+    for role in (Role.VERIFIER, Role.CORRECTOR):
+        for truth, name in ((True, "on_right"), (False, "on_wrong")):
+            members = [o for o in by_role.get(role, []) if o.judged_right is truth]
+            out[f"{role.value}/{name}"] = _mean([o.reward for o in members]) if members else float("nan")
+            out[f"{role.value}/{name}_samples"] = float(len(members))
+    return out
+
+
 def _metrics(
     by_position: Mapping[Position, list[Node]],
     problems: Sequence[Problem],
     training_reward: Mapping[int, float],
 ) -> dict[str, float]:
-    """Agent-specific rewards per role and position (also under ``algorithm.reward=shared``, so runs
-    compare on the same scale), sample counts, lengths and truncation."""
-    out: dict[str, float] = {"problems": float(len(problems))}
-    by_role: dict[Role, list[Node]] = {}
-    for position, nodes in by_position.items():
-        by_role.setdefault(position.role, []).extend(nodes)
-        out[f"position_reward/{position.value}"] = _mean([n.agent_reward for n in nodes])
-        out[f"position_samples/{position.value}"] = float(len(nodes))
-    for role in Role:
-        nodes = by_role.get(role, [])
-        out[f"samples/{role.value}"] = float(len(nodes))
-        if not nodes:  # e.g. no Verifier found an error: logged as null, plotted as a gap
-            out[f"reward/{role.value}"] = float("nan")
-            continue
-        out[f"reward/{role.value}"] = _mean([n.agent_reward for n in nodes])
-        out[f"train_reward/{role.value}"] = _mean([training_reward[id(n)] for n in nodes])
-        out[f"response_len/{role.value}"] = _mean([float(len(n.output.token_ids)) for n in nodes])
-        out[f"truncated/{role.value}"] = _mean([float(n.output.finish_reason == "length") for n in nodes])
-    every = [n for nodes in by_position.values() for n in nodes]
-    out["rollout/prompt_tokens"] = float(sum(len(n.prompt_ids) for n in every))
-    out["rollout/response_tokens"] = float(sum(len(n.output.token_ids) for n in every))
-    verifiers = by_role.get(Role.VERIFIER, [])
-    if verifiers:
-        out["verifier/unparsed"] = _mean([float(n.record.verdict is None) for n in verifiers])
-    # Verifier and Corrector rewards depend on what they were given: split by whether the judged solution
-    # was right, so a shift in the input mix is not mistaken for learning (or forgetting).
-    for role in (Role.VERIFIER, Role.CORRECTOR):
-        for truth, name in ((True, "on_right"), (False, "on_wrong")):
-            nodes = [
-                n
-                for n in by_role.get(role, [])
-                if n.judged is not None and (n.judged.agent_reward > 0) == truth
-            ]
-            out[f"{role.value}/{name}"] = _mean([n.agent_reward for n in nodes]) if nodes else float("nan")
-            out[f"{role.value}/{name}_samples"] = float(len(nodes))
-    return out
+    outputs = [
+        Scored(
+            position,
+            n.agent_reward,
+            None if n.judged is None else n.judged.agent_reward > 0,
+            len(n.prompt_ids),
+            len(n.output.token_ids),
+            n.output.finish_reason == "length",
+            n.record.verdict,
+            training_reward[id(n)],
+        )
+        for position, nodes in by_position.items()
+        for n in nodes
+    ]
+    return {"problems": float(len(problems)), **role_metrics(outputs)}
 
 
 def _mean(values: Sequence[float]) -> float:
