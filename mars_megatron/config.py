@@ -270,7 +270,8 @@ class AlgorithmConfig(Section):
     reward: Literal["agent", "shared"] = _field(
         "agent",
         "'agent': each role is scored on its own output (MarsRL). 'shared' (ablation): every sample gets "
-        "the outcome of the trajectories it is part of, i.e. whether their final solutions are right.",
+        "the outcome of the trajectories it is part of, i.e. whether their final solutions are right "
+        "(in agentic mode its groups then wait for their whole trajectory tree).",
     )
     policies: Literal["shared", "per_role"] = _field(
         "shared", "'shared': one policy for all roles (MarsRL); 'per_role': a separate model per role."
@@ -314,20 +315,21 @@ class AlgorithmConfig(Section):
 class PipelineConfig(Section):
     mode: Literal["sync", "agentic"] = _field(
         "sync",
-        "'sync': roll out a batch of trajectories, then train. 'agentic': every agent output enters the "
-        "training queue once scored and the next agent starts on it at once; rollouts and training overlap "
-        "(mars_megatron/pipeline/).",
+        "'sync': an update trains the whole trajectories of its problems and no rollout runs during it. "
+        "'agentic': every agent output enters the training queue once scored, the next agent starts on it "
+        "at once, and rollouts go on during updates within max_staleness. One scheduler "
+        "(mars_megatron/pipeline/) runs both: sync is agentic with every bound 0.",
     )
     segment_tokens: int = _field(
         0,
-        "Agentic: tokens a sequence decodes per scheduling step; an unfinished one continues later, possibly "
-        "with newer weights. 0 = the whole response at once.",
+        "Tokens a sequence decodes per scheduling step; an unfinished one continues later (in agentic mode "
+        "possibly with newer weights). 0 = the whole response at once.",
         min=0,
     )
     max_staleness: int = _field(
         1,
-        "Agentic: most policy versions between a segment and the update that trains it (0 makes the "
-        "pipeline synchronous).",
+        "Agentic: most policy versions between a segment and the update that trains it (0 gives the sync "
+        "schedule; sync mode ignores it).",
         min=0,
     )
     staleness_per_role: dict[str, int] = _field(  # noqa: RUF009 — _field gives mutable defaults a factory
@@ -339,13 +341,13 @@ class PipelineConfig(Section):
         "every group that would be too stale for the next one.",
         min=0,
     )
-    rollout_workers: int = _field(1, "Agentic: rollout engines (Ray actors) per policy.", min=1)
+    rollout_workers: int = _field(1, "Rollout engines (Ray actors) per policy.", min=1)
     placement: Literal["none", "colocated", "disaggregated"] = _field(
         "none",
         "Devices of trainer ranks and engines (pipeline/placement.py): 'colocated' shares bundles (engines "
         "sleep through updates), 'disaggregated' gives each its own; 'none' lets Ray place them.",
     )
-    reward_workers: int = _field(1, "Agentic: reward workers (Ray actors with math-verify).", min=1)
+    reward_workers: int = _field(1, "Reward workers (Ray actors with math-verify).", min=1)
 
     def validate(self) -> None:
         roles = ("solver", "verifier", "corrector")
@@ -374,6 +376,11 @@ class LoggingConfig(Section):
     run_dir: str = _field("runs/default", "Directory for logs, metrics and the resolved config of this run.")
     tensorboard: bool = _field(False, "Also write TensorBoard event files under run_dir.")
     log_interval: int = _field(1, "Log metrics every this many steps.", min=1)
+    rollouts: bool = _field(
+        False,
+        "Write every update's outputs (sample id, role, tokens, text, agent and training reward, advantage, "
+        "policy version per segment) to run_dir/rollouts/step_NNNNNN.jsonl.",
+    )
 
     def validate(self) -> None:
         if not self.run_dir:
@@ -416,12 +423,6 @@ class MarsConfig(Section):
                 f"{pack} is shorter than rollout.max_response_tokens ({self.rollout.max_response_tokens}): "
                 "every long response would be cut",
                 "train.pack_length",
-            )
-        if self.pipeline.mode == "agentic" and self.algorithm.reward == "shared":
-            raise ConfigError(
-                "the shared (trajectory-level) reward needs whole trajectories, which the agentic pipeline "
-                "does not wait for; use pipeline.mode=sync for the ablation",
-                "algorithm.reward",
             )
 
     def check_world_size(self, world_size: int) -> int:

@@ -39,7 +39,8 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
         assert driver is not None
         # Solver outputs were trained while the Verifiers of the same problems were still running
         assert first["samples/solver"] > 0 and first["samples/verifier"] == 0
-        assert any(item.kind == "rollout" for item in driver.flight.values())
+        # ... and their trajectories go on: the Verifiers of those solutions exist, untrained
+        assert any(q.role.value == "verifier" for q in driver.s.seqs.values())
         ray.kill(driver.engines[0][1].actor)  # both die with work in flight or queued for them
         ray.kill(driver.rewards[0])
         rest = [trainer.train_step() for _ in range(4)]
@@ -74,11 +75,67 @@ def test_agentic_run_resumes_its_in_flight_state(sft_model: Path, tmp_path: Path
     assert second[0]["pipeline/trained_total"] == first[-1]["pipeline/trained_total"] + second[0]["samples"]
 
 
-def test_agentic_pipeline_refuses_the_shared_reward(sft_model: Path, tmp_path: Path) -> None:
-    from mars_megatron.config import ConfigError
+def _rollouts(run: Path) -> list[list[dict]]:
+    import json
 
-    with pytest.raises(ConfigError, match=r"algorithm\.reward: the shared .* needs whole trajectories"):
-        _config(sft_model, tmp_path / "a", "algorithm.reward=shared")
+    files = sorted((run / "rollouts").glob("step_*.jsonl"))
+    return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+
+
+def test_sync_is_the_agentic_pipeline_at_staleness_zero(sft_model: Path, tmp_path: Path) -> None:
+    """Same seed, same data: ``pipeline.mode=sync`` and ``agentic`` with every bound 0 train the same
+    samples (ids, tokens, rewards, advantages, in the same order) and so take the same steps, though the
+    agentic run decodes and scores on twice the workers with other timings."""
+    from mars_megatron.rl.trainer import train
+
+    common = ["train.steps=2", "logging.rollouts=true", "pipeline.segment_tokens=8"]
+    sync = train(_config(sft_model, tmp_path / "sync", *common, "pipeline.mode=sync"))
+    agentic = train(
+        _config(sft_model, tmp_path / "agentic", *common, "pipeline.max_staleness=0",
+                "pipeline.rollout_workers=2", "pipeline.reward_workers=2")
+    )  # fmt: skip
+    a, b = _rollouts(tmp_path / "sync"), _rollouts(tmp_path / "agentic")
+    assert len(a) == len(b) == 2 and all(len(x) > 0 for x in a)
+    keys = [
+        "sample_id",
+        "position",
+        "group_id",
+        "prompt_ids",
+        "response_ids",
+        "reward",
+        "advantage",
+        "segments",
+    ]
+    for x, y in zip(a, b, strict=True):
+        assert [[r[k] for k in keys] for r in x] == [[r[k] for k in keys] for r in y]
+    assert any(len(r["segments"]) > 1 for r in a[0])  # responses really were decoded in segments
+    for m, n in zip(sync, agentic, strict=True):
+        assert m["train/loss"] == n["train/loss"] and m["train/grad_norm"] == n["train/grad_norm"]
+        assert m["pipeline/staleness_max"] == n["pipeline/staleness_max"] == 0
+
+
+def test_agentic_shared_reward_trains_whole_trajectories(sft_model: Path, tmp_path: Path) -> None:
+    """``algorithm.reward=shared`` in agentic mode: a group waits for its whole trajectory tree, then
+    trains on the tree's outcome."""
+    from mars_megatron.rl.trainer import train
+
+    run = tmp_path / "run"
+    metrics = train(
+        _config(sft_model, run, "train.steps=2", "logging.rollouts=true", "algorithm.reward=shared")
+    )
+    assert all(m["train/update_ok"] == 1.0 and "train_reward/verifier" in m for m in metrics)
+    records = {r["sample_id"]: r for step in _rollouts(run) for r in step}
+    checked = {"verifier": 0, "corrector_2": 0}
+    for r in records.values():
+        parent = records.get(r["parent_id"] or "")
+        if r["position"].startswith("verifier") and r["verdict"] is True and parent is not None:
+            assert r["reward"] == parent["agent_reward"]  # its trajectory ends with the solution it judged
+            checked["verifier"] += 1
+        if r["position"] == "corrector_2":  # the last position: its trajectory ends with it
+            assert r["reward"] == r["agent_reward"]
+            checked["corrector_2"] += 1
+    assert all(checked.values()), checked
+    assert any(r["reward"] != r["agent_reward"] for r in records.values())
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -25,8 +25,8 @@ def problems(n: int, start: int = 0) -> list[Problem]:
 
 
 def scheduler(bound: int, *, segment: int = 8, per_update: int = 2, batch_groups: int = 4, g: int = 2,
-              steps: int = 5, n: int = 12, seed: int = 0) -> Scheduler:  # fmt: skip
-    limits = Limits(64, segment, dict.fromkeys(Role, bound), per_update, batch_groups)
+              steps: int = 5, n: int = 12, seed: int = 0, whole: bool = False) -> Scheduler:  # fmt: skip
+    limits = Limits(64, segment, dict.fromkeys(Role, bound), per_update, batch_groups, whole)
     s = Scheduler(TrainingConfig(group_size=g, inputs_per_agent=2, max_steps=steps), limits,
                   simple_prompts(LENGTHS), seed=seed)  # fmt: skip
     s.add_problems(problems(n))
@@ -151,7 +151,8 @@ def test_an_update_waits_for_a_sequence_it_would_make_too_stale() -> None:
 
 # ----------------------------------------------------------------------------------- zero staleness = sync
 def _data(batches: list[Batch]) -> list[tuple[int, list[tuple[str, int, float | None]]]]:
-    return [(b.version, sorted((q.sample_id, len(q.tokens), q.reward) for q in b.seqs)) for b in batches]
+    """Each update's samples in batch order (one order whatever the timing, so packing is the same)."""
+    return [(b.version, [(q.sample_id, len(q.tokens), q.reward) for q in b.seqs]) for b in batches]
 
 
 def test_zero_staleness_is_the_synchronous_loop_whatever_the_timing() -> None:
@@ -168,6 +169,22 @@ def test_zero_staleness_is_the_synchronous_loop_whatever_the_timing() -> None:
             assert {q.problem.problem_id for q in b.seqs} == {f"p{2 * k}", f"p{2 * k + 1}"}
     sims = [simulate(scheduler(0), workers=w, worker_batch=wb)[0] for w, wb in [(1, 1), (3, 4)]]
     assert _data(sims[0].batches) == _data(sims[1].batches)
+
+
+def test_whole_trajectories_hold_groups_until_their_tree_is_scored() -> None:
+    """The shared reward needs every output of a trajectory tree: with ``whole_trajectories`` no group
+    is trained while a sequence of its problem is unscored, and the staleness bound still holds."""
+    s = scheduler(1, segment=3, batch_groups=2, whole=True)
+
+    def on_batch(batch: Batch) -> None:
+        keys = {q.key for q in batch.seqs}
+        assert all(q.state is SeqState.DONE for q in s.seqs.values() if q.key in keys)
+        for q in batch.seqs:
+            assert all(batch.version - seg.version <= 1 for seg in q.segments), q.sample_id
+
+    batches = drive(s, random.Random(4), on_batch)
+    assert len(batches) > 3 and s.idle() and s.trained == s.counters["spawned"]
+    s.check()
 
 
 # --------------------------------------------------------------------------------------- lost work
@@ -211,19 +228,21 @@ def test_a_problem_met_again_is_a_new_trajectory_tree() -> None:
     assert {q.key for b in batches for q in b.seqs} == {"p0@0", "p1@1", "p0@2", "p1@3"}
 
 
-def test_a_saved_schedule_continues_like_the_original() -> None:
+@pytest.mark.parametrize("whole", [False, True], ids=["groups", "whole-trajectories"])
+def test_a_saved_schedule_continues_like_the_original(whole: bool) -> None:
     """Save between updates (work out at workers is lost, as in a crash), restore in a fresh scheduler:
     both continue to the same batches, and nothing is trained twice across the restart."""
     import pickle
 
     from mars_megatron.pipeline.scheduler import restore_scheduler, scheduler_state
 
-    original = scheduler(1, segment=4)
+    original = scheduler(1, segment=4, whole=whole)
     before = drive(original, random.Random(11), updates=3)
     state = pickle.loads(pickle.dumps(scheduler_state(original)))
     restored = Scheduler(original.agents, original.limits, original.prompt_fn, seed=original.seed)
     restore_scheduler(restored, state)
-    assert restored.census() == original.census()
+    assert restored.census() == original.census() and restored._held == original._held
+    assert not whole or original._held  # complete groups were waiting for their trees at the save
     after = [drive(x, random.Random(12)) for x in (original, restored)]
     assert _data(after[0]) == _data(after[1]) and after[0]
     ids = [q.sample_id for b in before + after[1] for q in b.seqs]

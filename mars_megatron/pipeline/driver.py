@@ -1,12 +1,12 @@
-"""The agentic pipeline on Ray: the :class:`~.scheduler.Scheduler` driving rollout workers, reward workers
-and the trainer group at once.
+"""The schedule on Ray, for both ``pipeline.mode`` values: the :class:`~.scheduler.Scheduler` driving
+rollout workers, reward workers and the trainer group at once.
 
 The driver owns no heavy work. It asks the scheduler for segments and hands them to idle rollout workers
 (:class:`~mars_megatron.rollout.ray_engine.RolloutActor`, one engine each), sends finished outputs to
 reward workers (:class:`RewardActor`), and starts an update on the trainer group whenever the scheduler
 says one is due, all without blocking: ``ray.wait`` on whatever is in flight, and react to the first
-result. So rollouts go on while the trainer trains, and every output reaches the training queue the
-moment its reward is known.
+result. So rollouts go on while the trainer trains (where the staleness bounds allow it: not at all in
+sync mode), and every output reaches the training queue the moment its reward is known.
 
 Versions: a rollout worker reports the policy version its engine held for each call (an actor runs one
 call at a time, so a call never straddles a weight update), and that is what the segment records.
@@ -26,15 +26,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mars_megatron.agents.prompts import PromptSet
 from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import Position
-from mars_megatron.agents.verdict import bug_report, parse_verdict
 from mars_megatron.algorithm.sample import Sample
 from mars_megatron.evaluation.data import Problem
-from mars_megatron.pipeline.scheduler import Batch, Scheduler, SegmentJob, Seq
-from mars_megatron.rl.rollout import Scored, role_metrics
-from mars_megatron.rollout.engine import GenerationRequest, SamplingParams
+from mars_megatron.pipeline.agents import RewardItem, batch_metrics, reward_item, score_items, segment_request
+from mars_megatron.pipeline.scheduler import Batch, Scheduler, shared_rewards
+from mars_megatron.rollout.engine import SamplingParams
 
 
 class RewardActor:
@@ -45,84 +42,11 @@ class RewardActor:
 
         self.checker = AnswerChecker(CheckerConfig(num_workers=1))
 
-    def score(self, items: Sequence[tuple[str, str, str, Any, bool]]) -> list[tuple[str, float, bool | None]]:
-        """``(sample_id, role, text, reference, judged_right)`` -> ``(sample_id, reward, verdict)``.
-
-        Solver/Corrector: 1 if the last boxed answer matches the reference. Verifier: 1 if its verdict is
-        right about the solution it judged (``judged_right``)."""
-        from mars_megatron.rewards.agent_rewards import answer_rewards, verifier_reward
-
-        answers = [(i, text, ref) for i, (_, role, text, ref, _) in enumerate(items) if role != "verifier"]
-        rewards = answer_rewards([(text, ref) for _, text, ref in answers], self.checker)
-        out: list[tuple[str, float, bool | None]] = [("", 0.0, None)] * len(items)
-        for (i, _, _), reward in zip(answers, rewards, strict=True):
-            out[i] = (items[i][0], reward, None)
-        for i, (sid, role, text, _, judged_right) in enumerate(items):
-            if role == "verifier":
-                verdict = parse_verdict(text)
-                out[i] = (sid, verifier_reward(verdict, judged_right), verdict)
-        return out
+    def score(self, items: Sequence[RewardItem]) -> list[tuple[str, float, bool | None]]:
+        return score_items(items, self.checker)
 
     def ping(self) -> bool:
         return True
-
-
-def prompt_builder(prompts: PromptSet, encode: Callable[[list[Any]], Sequence[int]]) -> Callable:
-    """The scheduler's prompt function for real engines: the role's chat messages, tokenised."""
-
-    def prompt_fn(position: Position, problem: Problem, parent: Seq | None, judged: Seq | None) -> list[int]:
-        if position.role is Role.SOLVER:
-            messages = prompts.solver_messages(problem.text)
-        elif position.role is Role.VERIFIER:
-            assert parent is not None
-            messages = prompts.verifier_messages(problem.text, parent.text)
-        else:
-            assert parent is not None and judged is not None
-            messages = prompts.corrector_messages(problem.text, judged.text, bug_report(parent.text))
-        return list(encode(messages))
-
-    return prompt_fn
-
-
-def to_sample(seq: Seq) -> Sample:
-    """The trainer's record of a scored sequence (segments keep their policy versions)."""
-    return Sample(
-        prompt_ids=list(seq.prompt_ids),
-        response_ids=list(seq.tokens),
-        position=seq.position,
-        problem_id=seq.problem.problem_id,
-        group_id=seq.group_id,
-        reward=seq.reward,
-        behaviour_logprobs=[min(lp, 0.0) for lp in seq.logprobs],
-        segment_versions=list(seq.segments),
-        sample_id=seq.sample_id,
-    )
-
-
-def batch_metrics(batch: Batch, judged_right: Mapping[str, bool]) -> dict[str, float]:
-    """Per-role rewards of an update's samples (the synchronous loop's :func:`role_metrics`), and how
-    stale its segments were."""
-    out = role_metrics(
-        [
-            Scored(
-                q.position,
-                q.reward or 0.0,
-                judged_right.get(q.sample_id),
-                len(q.prompt_ids),
-                len(q.tokens),
-                q.finish_reason == "length",
-                q.verdict,
-            )
-            for q in batch.seqs
-        ]
-    )
-    staleness = [batch.version - s.version for q in batch.seqs for s in q.segments]
-    out["pipeline/staleness_max"] = float(max(staleness, default=0))
-    out["pipeline/staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
-    out["pipeline/multi_version_samples"] = float(
-        sum(len({s.version for s in q.segments}) > 1 for q in batch.seqs)
-    )
-    return out
 
 
 @dataclass
@@ -133,7 +57,7 @@ class _InFlight:
 
 
 class PipelineDriver:
-    """Runs the agentic schedule; :meth:`run_update` returns when the next update has finished.
+    """Runs the schedule; :meth:`run_update` returns when the next update has finished.
 
     ``engines``: rollout workers as ``(policy name, RemoteEngine)``; ``start_reward``/``restart_rollout``
     build a replacement actor after a death. ``train``: submits one update's samples (per policy) to the
@@ -155,9 +79,12 @@ class PipelineDriver:
         feed: Callable[[], list[Problem]],
         train: Callable[[dict[str, list[Sample]]], list[Any]],
         finish_train: Callable[[list[Any]], dict[str, float]],
-        samples_for: Callable[[Batch], tuple[dict[str, list[Sample]], dict[str, float]]],
+        samples_for: Callable[
+            [Batch, Mapping[str, float] | None], tuple[dict[str, list[Sample]], dict[str, float]]
+        ],
         max_batch: int,
         colocated: bool = False,
+        shared_reward: bool = False,
     ) -> None:
         self.s = scheduler
         self.engines = list(engines)
@@ -173,6 +100,9 @@ class PipelineDriver:
         self.samples_for = samples_for
         self.max_batch = max_batch
         self.colocated = colocated
+        self.shared_reward = shared_reward
+        """Train every output on its trajectory's outcome (the scheduler holds groups until their
+        trajectory tree is scored: ``Limits.whole_trajectories``)."""
         """Engines share devices with the trainer: they finish their segments, sleep through the update
         and wake for the weight sync (no overlap)."""
         self.flight: dict[Any, _InFlight] = {}
@@ -194,7 +124,7 @@ class PipelineDriver:
             jobs = self.s.take_segments(self.max_batch, roles=self._roles_of(name))
             if not jobs:
                 continue
-            ref = engine.actor.generate_versioned.remote([self._request(j) for j in jobs])
+            ref = engine.actor.generate_versioned.remote([segment_request(j, self.sampling) for j in jobs])
             self.flight[ref] = _InFlight("rollout", w, jobs)
             self.busy_rollout.add(w)
         while self.to_score:
@@ -211,25 +141,11 @@ class PipelineDriver:
     def _roles_of(self, name: str) -> set[Role]:
         return {r for r in Role if self.policy_of(r) == name}
 
-    def _request(self, job: SegmentJob) -> GenerationRequest:
-        base = self.sampling
-        sampling = SamplingParams(
-            max_tokens=job.max_tokens,
-            temperature=base.temperature,
-            top_p=base.top_p,
-            top_k=base.top_k,
-            seed=job.seed,
-            stop_token_ids=base.stop_token_ids,
-        )
-        return GenerationRequest(job.sample_id, tuple(job.context()), sampling)
-
-    def _reward_item(self, sid: str) -> tuple[str, str, str, Any, bool]:
-        seq = self.s.seqs[sid]
-        judged = True
-        if seq.judged_id is not None:
-            judged = bool(self.s.seqs[seq.judged_id].reward)
-            self.judged_right[sid] = judged
-        return (sid, seq.role.value, seq.text, seq.problem.reference, judged)
+    def _reward_item(self, sid: str) -> RewardItem:
+        item = reward_item(self.s, sid)
+        if self.s.seqs[sid].judged_id is not None:
+            self.judged_right[sid] = item[4]
+        return item
 
     # ----------------------------------------------------------------------------------------- results
     def _on_rollout(self, item: _InFlight, result: tuple[list[Any], int]) -> None:
@@ -298,6 +214,7 @@ class PipelineDriver:
         t0 = time.perf_counter()
         batch: Batch | None = None
         stats: dict[str, float] = {}
+        training: Mapping[str, float] | None = None
         while True:
             due = self.train_handles is None and self.s.update_ready()
             self._dispatch(rollouts=not (self.colocated and (due or self.train_handles is not None)))
@@ -306,7 +223,8 @@ class PipelineDriver:
                     self._each_engine("sleep")
                 batch = self.s.take_batch()
                 assert batch is not None
-                samples, stats = self.samples_for(batch)
+                training = shared_rewards(self.s, batch.seqs) if self.shared_reward else None
+                samples, stats = self.samples_for(batch, training)
                 self.train_handles = self.train(samples)
                 self.flight[self.train_handles[0]] = _InFlight("train", payload=batch)
                 for h in self.train_handles[1:]:
@@ -334,7 +252,7 @@ class PipelineDriver:
                 self.s.check()
                 self.train_handles = None
                 step_s = time.perf_counter() - t0
-                metrics.update(batch_metrics(done, self.judged_right))
+                metrics.update(batch_metrics(done, self.judged_right, training))
                 metrics.update(stats)
                 metrics.update(
                     {

@@ -27,9 +27,13 @@ bound by construction, so nothing is ever dropped or restarted for it:
   groups plus every complete group that would be too stale for the update after it.
 
 With bound 0 for every role this is exactly the synchronous schedule — admit ``problems_per_update``
-problems, finish all their trajectories, train on everything — whatever the timing (tested). Today
-``pipeline.mode=sync`` still runs the older loop of :mod:`mars_megatron.rl.trainer`; moving it onto this
-scheduler (bound 0) is the next step, after which the two modes differ only in their settings.
+problems, finish all their trajectories, train on everything — whatever the timing (tested), and it is
+what ``pipeline.mode=sync`` runs: the two modes differ only in their bounds. An update's groups are put
+in one canonical order (admission, position, group id), so the same data packs the same way whatever
+order it completed in.
+
+``whole_trajectories`` (the shared, trajectory-level reward) holds complete groups back until every
+output of their problem's tree is scored; a held group counts as open for the staleness gate.
 
 Fault tolerance. Every sequence has a stable ``sample_id`` and a state. A worker that dies loses the
 segments and scores it held; :meth:`Scheduler.requeue` puts those sequences back exactly as they were
@@ -147,6 +151,9 @@ class Limits:
     problems_per_update: int
     batch_groups: int
     """Complete groups an update waits for (ignored where a bound of 0 makes it drain)."""
+    whole_trajectories: bool = False
+    """A complete group joins the training queue only once every sequence of its problem's trajectory
+    tree is scored (``algorithm.reward=shared`` rewards every output with its trajectory's outcome)."""
 
     def __post_init__(self) -> None:
         for name in ("max_response_tokens", "segment_tokens", "problems_per_update", "batch_groups"):
@@ -200,6 +207,7 @@ class Scheduler:
         # per role: incomplete groups by the version their first segment was issued at (update_ready)
         self._open_oldest: dict[Role, Counter[int]] = {r: Counter() for r in Role}
         self._group_first: dict[str, int] = {}
+        self._held: dict[str, list[str]] = {}  # whole_trajectories: complete groups by problem key
         self._ready: dict[str, tuple[int, str]] = {}  # READY sample ids -> their order among new work
         self._depth = {p: i for i, p in enumerate(agents.positions)}
         self.counters = {"requeued": 0, "problems": 0, "spawned": 0}
@@ -347,15 +355,24 @@ class Scheduler:
         self._active[pid] -= 1
         gid = seq.group_id
         if all(self.seqs[m].state is SeqState.DONE for m in self._groups[gid]):
-            self._queue.append(gid)
-            self._open_oldest[seq.role][self._group_first.pop(gid)] -= 1
+            if self.limits.whole_trajectories:
+                self._held.setdefault(pid, []).append(gid)
+            else:
+                self._enqueue(gid)
         key = (pid, seq.position)
         self._position_left[key] -= 1
         if self._position_left[key] == 0:
             self._next_position(seq.problem, seq.key, seq.position)
         if self._active[pid] == 0:
             del self._active[pid]
+            for held in self._held.pop(pid, []):
+                self._enqueue(held)
             self._retire(pid)
+
+    def _enqueue(self, gid: str) -> None:
+        """A group becomes trainable (it stays open for the staleness gate until then)."""
+        self._queue.append(gid)
+        self._open_oldest[self.seqs[self._groups[gid][0]].role][self._group_first.pop(gid)] -= 1
 
     def _retire(self, pid: str) -> None:
         """Forget a problem whose sequences are all done and whose groups are all trained."""
@@ -428,6 +445,9 @@ class Scheduler:
         self._queue = kept
         if not chosen:
             return None
+        # One order for the same data whatever the timing (packing, and so the numerics, follow it):
+        # by admission, then position, then group id.
+        chosen.sort(key=lambda g: (_admission(g[0].key), self._depth[g[0].position], g[0].group_id))
         self.training = u
         for members in chosen:
             for seq in members:
@@ -525,6 +545,41 @@ class Scheduler:
         return {**self.counters, **{f"seqs/{k}": v for k, v in by_state.items()}, "queue": len(self._queue)}
 
 
+def _admission(key: str) -> int:
+    return int(key.rsplit("@", 1)[1])
+
+
+def shared_rewards(s: Scheduler, seqs: Iterable[Seq]) -> dict[str, float]:
+    """``algorithm.reward=shared``: each output's reward is the outcome of the trajectories through it —
+    whether their final solution is right, averaged over its continuations (the whole tree must be
+    scored: :attr:`Limits.whole_trajectories`).
+
+    A solution's trajectory ends with it when nobody judged it; a Verifier's ends with the solution it
+    judged when no Corrector revised it (it said Correct, or its branch was not selected).
+    """
+    children: dict[str, list[str]] = {}
+    for q in s.seqs.values():
+        if q.parent_id is not None:
+            children.setdefault(q.parent_id, []).append(q.sample_id)
+    memo: dict[str, float] = {}
+
+    def outcome(sid: str) -> float:
+        if sid not in memo:
+            q = s.seqs[sid]
+            if q.state is not SeqState.DONE:
+                raise ValueError(f"shared reward of {sid}: its trajectory is not finished ({q.state.value})")
+            kids = children.get(sid, [])
+            if kids:
+                memo[sid] = sum(outcome(k) for k in kids) / len(kids)
+            elif q.role is Role.VERIFIER:
+                memo[sid] = float(s.seqs[q.judged_id or ""].reward or 0.0)
+            else:
+                memo[sid] = float(q.reward or 0.0)
+        return memo[sid]
+
+    return {q.sample_id: outcome(q.sample_id) for q in seqs}
+
+
 # -------------------------------------------------------------------------------------------- checkpoints
 def _problem_state(p: Problem) -> dict[str, Any]:
     return {"problem_id": p.problem_id, "text": p.text, "reference": p.reference, "line": p.line}
@@ -569,6 +624,7 @@ def scheduler_state(s: Scheduler) -> dict[str, Any]:
         "queue": list(s._queue),
         "trained": sorted(s._trained),
         "group_first": dict(s._group_first),
+        "held": {k: list(v) for k, v in s._held.items()},
         "counters": dict(s.counters),
     }
 
@@ -622,6 +678,7 @@ def restore_scheduler(s: Scheduler, state: Mapping[str, Any]) -> None:
     s._admitted_at = {int(k): int(v) for k, v in state["admitted_at"].items()}
     s._queue = list(state["queue"])
     s._group_first = {g: int(v) for g, v in state["group_first"].items()}
+    s._held = {k: list(v) for k, v in state.get("held", {}).items()}
     for gid, version in s._group_first.items():
         s._open_oldest[s.seqs[s._groups[gid][0]].role][version] += 1
     s.counters.update(state["counters"])

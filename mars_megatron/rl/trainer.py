@@ -1,21 +1,22 @@
 """``mars train``: the MarsRL loop, synchronous (``pipeline.mode=sync``) or agentic (``agentic``).
 
-Synchronous, per step: take problems → grouped agentic rollout on the engines (Solver → Verifier →
-Corrector …) → agent-specific rewards → GRPO advantages per group → packed Megatron train step on every
-trainer rank → weight sync into the engines → metrics (and a checkpoint when due).
+A step is one update: problems → grouped agentic rollout on the engines (Solver → Verifier → Corrector …)
+→ agent-specific rewards → GRPO advantages per group → packed Megatron train step on every trainer rank
+→ weight sync into the engines → metrics (and a checkpoint when due).
 
-Processes: this driver holds the data, the rewards and the loop; the trainer ranks are Ray actors holding
-torch.distributed groups (:class:`~mars_megatron.rl.worker.PolicyWorker`); each policy's rollout engine is
-a Ray actor of its own. Everything is checked before any of them starts.
+Both modes run the one schedule of :mod:`mars_megatron.pipeline` (:class:`~.scheduler.Scheduler` driven
+on Ray by :class:`~.driver.PipelineDriver`). ``sync`` sets every staleness bound to 0: an update trains
+the whole trajectories of the problems admitted since the last one, and nothing decodes while it trains.
+``agentic`` lets rollouts of every role go on during updates, within the bounds.
 
-Agentic: the same trainer ranks, engines and weight sync, driven by the pipeline
-(:mod:`mars_megatron.pipeline`): a step is one update, and rollouts of every role go on while it trains.
+Processes: this driver holds the data and the schedule; the trainer ranks are Ray actors holding
+torch.distributed groups (:class:`~mars_megatron.rl.worker.PolicyWorker`); rollout engines and reward
+workers are Ray actors of their own. Everything is checked before any of them starts.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,45 +88,49 @@ def prepare(cfg: MarsConfig, *, nproc: int | None, resume: str | bool | None) ->
     return Plan(model_dir, str(tokenizer_dir(model_dir)), dataset.problems, world, resume_from)
 
 
-def _start_ray(num_cpus: int) -> None:
+def _start_ray(num_cpus: int, actors: int) -> bool:
+    """Start a local Ray with ``num_cpus`` unless this process is already connected to one (a cluster,
+    or a test's); True if started here (then the run shuts it down at the end). Every actor of the run
+    takes one CPU, so a cluster with fewer is refused now rather than after a placement timeout."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=os.environ.get("MARS_RAY_LOGS", "0") == "1",
-            configure_logging=False,
-        )
+    if ray.is_initialized():
+        have = ray.cluster_resources().get("CPU", 0.0)
+        if have < actors:
+            raise RuntimeError(
+                f"the Ray cluster this process is connected to has {have:.0f} CPUs; this run starts {actors} "
+                "actors of 1 CPU each (trainer ranks, rollout workers, reward workers)"
+            )
+        return False
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=os.environ.get("MARS_RAY_LOGS", "0") == "1",
+        configure_logging=False,
+    )
+    return True
 
 
 class MarsRLTrainer:
     """Owns the engines, the trainer ranks and the loop of one run."""
 
     def __init__(self, cfg: MarsConfig, plan: Plan, *, log: Callable[[str], None] = print) -> None:
-        from mars_megatron.agents.prompts import prompt_set
-        from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
-        from mars_megatron.rl.rollout import AgenticRollout, RolloutSettings
         from mars_megatron.rollout.chat import ChatCodec
-        from mars_megatron.rollout.engine import SamplingParams
         from mars_megatron.training.ray_group import RayWorkerGroup
 
         self.cfg, self.plan, self.log = cfg, plan, log
         self.names = policy_names(cfg)
         cores = os.cpu_count() or 1
-        agentic = cfg.pipeline.mode == "agentic"
-        per_policy = cfg.pipeline.rollout_workers if agentic else 1
-        actors = (
-            plan.world_size + len(self.names) * per_policy + (cfg.pipeline.reward_workers if agentic else 0)
-        )
-        _start_ray(max(cores, actors))
+        p = cfg.pipeline
+        actors = plan.world_size + len(self.names) * p.rollout_workers + p.reward_workers
+        self._own_ray = _start_ray(max(cores, actors), actors)
         self._threads = cfg.rollout.threads or cores
         self.placement = None
-        if cfg.pipeline.placement != "none":
+        if p.placement != "none":
             from mars_megatron.pipeline.placement import place
 
-            self.placement = place(cfg.pipeline.placement, plan.world_size, len(self.names) * per_policy)
-        names = [name for name in self.names for _ in range(per_policy)]
+            self.placement = place(p.placement, plan.world_size, len(self.names) * p.rollout_workers)
+        names = [name for name in self.names for _ in range(p.rollout_workers)]
         self.workers = [(name, self._start_engine(i)) for i, name in enumerate(names)]
         self.engines = {name: next(e for n, e in self.workers if n == name) for name in self.names}
         self.group = RayWorkerGroup(
@@ -139,40 +144,15 @@ class MarsRLTrainer:
         )
         self.group.call("attach_engines", self._engine_groups())
         self.writer_rank = next(i for i, info in enumerate(self.group.call("rank_info")) if info["writer"])
-        self.checker = AnswerChecker(CheckerConfig(num_workers=max(1, min(4, cores // 2))))
         self.stream: ProblemStream[Any] = ProblemStream(
             plan.problems, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
         self.versions = dict.fromkeys(self.names, 0)
-        a = cfg.agents
-        settings = RolloutSettings(
-            agents=TrainingConfig(
-                group_size=a.group_size,
-                inputs_per_agent=a.inputs_per_agent,
-                max_steps=a.max_steps,
-                strategy=a.strategy,
-            ),
-            sampling=SamplingParams(
-                max_tokens=cfg.rollout.max_response_tokens,
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k,
-            ),
-            reward=cfg.algorithm.reward,
-        )
         codec = ChatCodec.from_pretrained(
             plan.engine_dir, max_input_tokens=cfg.rollout.max_input_tokens, truncate=True
         )
-        self.rollout = AgenticRollout(
-            {role: self.engines[policy_of(role, self.names)] for role in Role},
-            codec,
-            self.checker,
-            prompt_set(a.prompts),
-            settings,
-            lambda role: self.versions[policy_of(role, self.names)],
-        )
         self.step = 0
-        self.driver = self._pipeline(settings, codec) if agentic else None
+        self.driver = self._pipeline(codec)
 
     def _start_engine(self, index: int) -> Any:
         from mars_megatron.rollout.factory import engine_recipe
@@ -212,27 +192,45 @@ class MarsRLTrainer:
 
         return {name: EngineGroup([e for n, e in self.workers if n == name]) for name in self.names}
 
-    def _pipeline(self, settings: Any, codec: Any) -> Any:
+    def _pipeline(self, codec: Any) -> Any:
+        """The run's schedule on Ray. ``sync`` is the same scheduler with every staleness bound 0: each
+        update trains exactly the outputs of the problems admitted since the last one, decoded by the
+        current weights, and no rollout runs while it trains."""
         import ray
 
         from mars_megatron.agents.prompts import prompt_set
-        from mars_megatron.pipeline.driver import PipelineDriver, RewardActor, prompt_builder
+        from mars_megatron.pipeline.agents import prompt_builder
+        from mars_megatron.pipeline.driver import PipelineDriver, RewardActor
         from mars_megatron.pipeline.scheduler import Limits, Scheduler
+        from mars_megatron.rollout.engine import SamplingParams
 
-        cfg, p = self.cfg, self.cfg.pipeline
-        bounds = {r: p.staleness_per_role.get(r.value, p.max_staleness) for r in Role}
+        cfg, p, a = self.cfg, self.cfg.pipeline, self.cfg.agents
+        if p.mode == "sync":
+            bounds = dict.fromkeys(Role, 0)
+        else:
+            bounds = {r: p.staleness_per_role.get(r.value, p.max_staleness) for r in Role}
         limits = Limits(
             max_response_tokens=cfg.rollout.max_response_tokens,
             segment_tokens=p.segment_tokens or cfg.rollout.max_response_tokens,
             max_staleness=bounds,
             problems_per_update=cfg.data.problems_per_step,
             batch_groups=p.batch_groups or cfg.data.problems_per_step,
+            whole_trajectories=cfg.algorithm.reward == "shared",
+        )
+        agents = TrainingConfig(
+            group_size=a.group_size,
+            inputs_per_agent=a.inputs_per_agent,
+            max_steps=a.max_steps,
+            strategy=a.strategy,
         )
         scheduler = Scheduler(
-            settings.agents,
-            limits,
-            prompt_builder(prompt_set(cfg.agents.prompts), codec.encode),
-            seed=cfg.train.seed,
+            agents, limits, prompt_builder(prompt_set(a.prompts), codec.encode), seed=cfg.train.seed
+        )
+        sampling = SamplingParams(
+            max_tokens=cfg.rollout.max_response_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
         )
         return PipelineDriver(
             scheduler,
@@ -242,13 +240,14 @@ class MarsRLTrainer:
             reward_workers=p.reward_workers,
             restart_rollout=self._restart_rollout,
             decode=codec.decode,
-            sampling=settings.sampling,
+            sampling=sampling,
             feed=lambda: self.stream.take(cfg.data.problems_per_step),
             train=lambda batches: self.group.call_async("train", batches),
             finish_train=self._finish_update,
             samples_for=self._samples_for,
             max_batch=cfg.rollout.max_batch,
             colocated=p.placement == "colocated",
+            shared_reward=cfg.algorithm.reward == "shared",
         )
 
     def _restart_rollout(self, index: int) -> Any:
@@ -262,15 +261,19 @@ class MarsRLTrainer:
         self.log(f"rollout worker {index} ({name}) died: restarted at policy version {self.versions[name]}")
         return engine
 
-    def _samples_for(self, batch: Any) -> tuple[dict[str, list], dict[str, float]]:
+    def _samples_for(
+        self, batch: Any, training: Mapping[str, float] | None
+    ) -> tuple[dict[str, list], dict[str, float]]:
         from mars_megatron.algorithm.advantages import assign_advantages
-        from mars_megatron.pipeline.driver import to_sample
+        from mars_megatron.pipeline.agents import to_sample
 
-        raw = [to_sample(q) for q in batch.seqs]
+        raw = [to_sample(q, None if training is None else training[q.sample_id]) for q in batch.seqs]
         samples, adv = assign_advantages(raw, filter_zero_variance=self.cfg.algorithm.filter_zero_variance)
         batches: dict[str, list] = {name: [] for name in self.names}
         for s in samples:
             batches[policy_of(s.role, self.names)].append(s)
+        if self.cfg.logging.rollouts:
+            write_rollouts(Path(self.cfg.logging.run_dir) / "rollouts", self.step, batch, raw, samples)
         stats = {
             "tokens": float(sum(len(s.prompt_ids) + s.response_len for s in samples)),
             "samples": float(len(raw)),
@@ -289,12 +292,17 @@ class MarsRLTrainer:
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        self.checker.close()
+        import ray
+
         self.group.shutdown()
         for _, engine in self.workers:
             engine.kill()
+        for reward in self.driver.rewards:
+            ray.kill(reward)
         if self.placement is not None:
             self.placement.remove()
+        if self._own_ray:
+            ray.shutdown()
 
     def __enter__(self) -> MarsRLTrainer:
         return self
@@ -334,21 +342,20 @@ class MarsRLTrainer:
         self.stream.load_state_dict(state["data"])
         set_python_rng_state(state["python_rng"])
         saved_pipeline = state["unfinished_samples"]
-        if saved_pipeline and self.driver is None:
-            raise ConfigError(
-                f"{self.plan.resume_from} holds an agentic pipeline's in-flight state; resume it with "
-                "pipeline.mode=agentic",
-                "pipeline.mode",
-            )
-        if self.driver is not None:
-            if saved_pipeline:
-                import torch
+        if saved_pipeline:
+            import torch
 
-                self.driver.load_state_dict(
-                    torch.load(self.plan.resume_from / saved_pipeline, weights_only=False)
+            pipeline_state = torch.load(self.plan.resume_from / saved_pipeline, weights_only=False)
+            saved_mode = pipeline_state.get("mode", "agentic")
+            if saved_mode != self.cfg.pipeline.mode and _in_flight(pipeline_state["scheduler"]):
+                raise ConfigError(
+                    f"{self.plan.resume_from} holds outputs of the {saved_mode} schedule still in flight; "
+                    f"resume it with pipeline.mode={saved_mode}",
+                    "pipeline.mode",
                 )
-            else:  # a synchronous checkpoint continued by the pipeline: nothing in flight yet
-                self.driver.s.version = max(state["policy_versions"].values())
+            self.driver.load_state_dict(pipeline_state)
+        else:  # a checkpoint of the older synchronous loop: nothing in flight
+            self.driver.s.version = max(state["policy_versions"].values())
         self._sync(state["policy_versions"])
         self.log(f"resumed from {self.plan.resume_from} at step {self.step}")
 
@@ -361,10 +368,9 @@ class MarsRLTrainer:
         staging = store.begin(self.step)
         try:
             self.group.call("save", str(staging))
-            if self.driver is not None:  # the pipeline's in-flight sequences, queue and counts
-                import torch
+            import torch  # the schedule's in-flight sequences, queue and counts
 
-                torch.save(self.driver.state_dict(), staging / PIPELINE_FILE)
+            torch.save({**self.driver.state_dict(), "mode": self.cfg.pipeline.mode}, staging / PIPELINE_FILE)
         except BaseException:
             store.abort(staging)
             raise
@@ -375,52 +381,57 @@ class MarsRLTrainer:
             "policy_versions": self.versions,
             "data": self.stream.state_dict(),
             "python_rng": python_rng_state(),
-            # The synchronous loop finishes every sample within its step; the agentic pipeline carries
-            # partial rollouts across steps and saves them (with its whole schedule) in this file.
-            "unfinished_samples": PIPELINE_FILE if self.driver is not None else [],
+            # The agentic schedule carries partial rollouts across steps; they are saved, with the whole
+            # schedule, in this file (the synchronous one has nothing in flight between updates).
+            "unfinished_samples": PIPELINE_FILE,
         }
         return store.commit(staging, self.step, state)
 
     # ---------------------------------------------------------------------------------------------- step
     def train_step(self) -> dict[str, float]:
-        from mars_megatron.algorithm.advantages import assign_advantages
-
-        cfg = self.cfg
+        """One update: the schedule runs until its data is ready and trained (rollouts go on meanwhile
+        in agentic mode)."""
         self.step += 1
-        if self.driver is not None:
-            return self.driver.run_update()
-        t0 = time.perf_counter()
-        problems = self.stream.take(cfg.data.problems_per_step)
-        result = self.rollout.run(problems, step=self.step, seed=cfg.train.seed)
-        t1 = time.perf_counter()
-        samples, adv_stats = assign_advantages(
-            result.samples, filter_zero_variance=cfg.algorithm.filter_zero_variance
-        )
-        batches: dict[str, list] = {name: [] for name in self.names}
-        for s in samples:
-            batches[policy_of(s.role, self.names)].append(s)
-        train = self.group.call("train", batches)[self.writer_rank]
-        t2 = time.perf_counter()
-        sync = self._sync({name: v + 1 for name, v in self.versions.items()})
-        t3 = time.perf_counter()
-        metrics: dict[str, float] = dict(result.metrics)
-        metrics.update(train)
-        metrics.update(sync)
-        metrics.update(
-            {
-                "tokens": float(sum(len(s.prompt_ids) + s.response_len for s in samples)),
-                "samples": float(len(result.samples)),
-                "samples/trained": float(len(samples)),
-                "groups/filtered": adv_stats["filtered_groups"],
-                "time/rollout": t1 - t0,
-                "time/train": t2 - t1,
-                "time/step": t3 - t0,
-                "policy_version": float(max(self.versions.values())),
+        return self.driver.run_update()
+
+
+def write_rollouts(folder: Path, step: int, batch: Any, raw: list[Any], trained: list[Any]) -> Path:
+    """One JSON line per output of ``step``'s update (``raw``: its samples with training rewards;
+    ``trained``: those kept, with advantages). Written whole, then renamed, so a resumed run that redoes
+    the step replaces the file."""
+    import json
+
+    advantage = {s.sample_id: s.advantage for s in trained}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step_{step:06d}.jsonl"
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for seq, sample in zip(batch.seqs, raw, strict=True):
+            record = {
+                "step": step,
+                "policy_version": batch.version,
+                "sample_id": seq.sample_id,
+                "problem_id": seq.problem.problem_id,
+                "position": seq.position.value,
+                "group_id": seq.group_id,
+                "parent_id": seq.parent_id,
+                "prompt_ids": list(seq.prompt_ids),
+                "response_ids": list(seq.tokens),
+                "text": seq.text,
+                "finish_reason": seq.finish_reason,
+                "verdict": seq.verdict,
+                "agent_reward": seq.reward,
+                "reward": sample.reward,
+                "advantage": advantage.get(seq.sample_id),
+                "segments": [[g.start, g.end, g.version] for g in seq.segments],
             }
-        )
-        if len(self.names) > 1:
-            metrics.update({f"policy_version/{n}": float(v) for n, v in self.versions.items()})
-        return metrics
+            f.write(json.dumps(record) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _in_flight(scheduler_state: Mapping[str, Any]) -> bool:
+    return bool(scheduler_state["queue"]) or any(q["state"] != "done" for q in scheduler_state["seqs"])
 
 
 def _due(step: int, cfg: MarsConfig) -> bool:

@@ -233,9 +233,9 @@ def role_accuracy(
     engine: Any = None,
     max_batch: int = 64,
 ) -> dict[str, float]:
-    """Each role's mean reward where reinforcement learning starts: one step of MarsRL's own rollout
-    (:class:`~mars_megatron.rl.rollout.AgenticRollout`: positions, input selection, real answer checker
-    and verdict parser) on ``problems``, so the figure is on the scale of ``mars train``'s
+    """Each role's mean reward where reinforcement learning starts: one synchronous round of MarsRL's own
+    schedule (:func:`~mars_megatron.pipeline.local.run_round`: positions, input selection, real answer
+    checker and verdict parser) on ``problems``, so the figure is on the scale of ``mars train``'s
     ``reward/<role>``.
 
     Returns the rollout's metrics: ``reward/<role>``, ``samples/<role>``, ``position_reward/<position>``,
@@ -244,7 +244,7 @@ def role_accuracy(
     an ``HFEngine`` on ``model_dir`` decoding ``max_batch`` requests at once).
     """
     from mars_megatron.agents.trajectory import TrainingConfig
-    from mars_megatron.rl.rollout import AgenticRollout, RolloutSettings
+    from mars_megatron.pipeline.local import run_round
     from mars_megatron.rollout.chat import ChatCodec
     from mars_megatron.rollout.engine import SamplingParams
     from mars_megatron.rollout.hf_engine import HFEngine
@@ -253,12 +253,15 @@ def role_accuracy(
         raise ValueError("role_accuracy: no problems")
     codec = ChatCodec.from_pretrained(model_dir)
     engine = engine if engine is not None else HFEngine(model_dir, seed=seed, max_batch=max_batch)
-    settings = RolloutSettings(
-        TrainingConfig(group_size, inputs_per_agent, max_steps, strategy),
-        SamplingParams(max_tokens=max_tokens, temperature=temperature),
-    )
     with AnswerChecker(CheckerConfig(num_workers=1)) as checker:
-        rollout = AgenticRollout(
-            dict.fromkeys(Role, engine), codec, checker, prompt_set(prompts), settings, lambda _: 0
-        )
-        return rollout.run(problems, step=0, seed=seed).metrics
+        return run_round(
+            problems,
+            engines=dict.fromkeys(Role, engine),
+            codec=codec,
+            checker=checker,
+            prompts=prompt_set(prompts),
+            agents=TrainingConfig(group_size, inputs_per_agent, max_steps, strategy),
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature),
+            seed=seed,
+            max_batch=max_batch,
+        ).metrics

@@ -1,0 +1,109 @@
+"""The schedule run in this process, with in-process engines and answer checker: no Ray, no trainer.
+
+For measuring what a model does inside MarsRL's own rollout (``role_accuracy`` after SFT) and for tests
+that drive the rollout with rule-based engines. It runs the very scheduler of ``mars train`` (positions,
+input selection, groups, sample ids, seeds), so its figures are on the scale of the training run's
+``reward/<role>``. Deterministic: engine calls are made in the scheduler's order, one role's engine at a
+time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from mars_megatron.agents.prompts import PromptSet
+from mars_megatron.agents.roles import Role
+from mars_megatron.agents.trajectory import TrainingConfig
+from mars_megatron.evaluation.data import Problem
+from mars_megatron.pipeline.agents import (
+    batch_metrics,
+    prompt_builder,
+    reward_item,
+    score_items,
+    segment_request,
+    to_sample,
+)
+from mars_megatron.pipeline.scheduler import Batch, Limits, Scheduler, shared_rewards
+from mars_megatron.rewards.agent_rewards import Checker
+from mars_megatron.rl.rollout import RewardMode
+from mars_megatron.rollout.chat import ChatCodec
+from mars_megatron.rollout.engine import RolloutEngine, SamplingParams
+
+
+@dataclass
+class Round:
+    """Every output of one synchronous round, scored, with the trainer's records and the metrics."""
+
+    batch: Batch
+    samples: list
+    """:class:`~mars_megatron.algorithm.sample.Sample` per output, with its training reward."""
+    metrics: dict[str, float]
+    scheduler: Scheduler
+
+
+def run_round(
+    problems: Sequence[Problem],
+    *,
+    engines: Mapping[Role, RolloutEngine],
+    codec: ChatCodec,
+    checker: Checker,
+    prompts: PromptSet,
+    agents: TrainingConfig,
+    sampling: SamplingParams,
+    seed: int,
+    reward: RewardMode = "agent",
+    segment_tokens: int | None = None,
+    max_batch: int = 64,
+    version: int = 0,
+) -> Round:
+    """All trajectories of ``problems`` (the synchronous schedule: staleness 0), decoded by ``engines``
+    as policy ``version``."""
+    missing = [role.value for role in Role if role not in engines]
+    if missing:
+        raise ValueError(f"run_round: no engine for role(s) {missing}")
+    if not problems:
+        raise ValueError("run_round: no problems")
+    limits = Limits(
+        max_response_tokens=sampling.max_tokens,
+        segment_tokens=segment_tokens or sampling.max_tokens,
+        max_staleness=dict.fromkeys(Role, 0),
+        problems_per_update=len(problems),
+        batch_groups=len(problems),
+        whole_trajectories=reward == "shared",
+    )
+    s = Scheduler(agents, limits, prompt_builder(prompts, codec.encode), seed=seed)
+    s.version = version
+    s.add_problems(problems)
+    by_engine: dict[int, tuple[RolloutEngine, set[Role]]] = {}
+    for role, engine in engines.items():
+        by_engine.setdefault(id(engine), (engine, set()))[1].add(role)
+    judged_right: dict[str, bool] = {}
+    while not s.update_ready():
+        finished: list[str] = []
+        issued = 0
+        for engine, roles in by_engine.values():
+            jobs = s.take_segments(max_batch, roles=roles)
+            issued += len(jobs)
+            if not jobs:
+                continue
+            outputs = engine.generate([segment_request(j, sampling) for j in jobs])
+            for job, out in zip(jobs, outputs, strict=True):
+                done = s.on_segment(
+                    job.sample_id, out.token_ids, out.logprobs, stopped=out.finish_reason == "stop"
+                )
+                if done:
+                    s.seqs[job.sample_id].text = codec.decode(s.seqs[job.sample_id].tokens)
+                    finished.append(job.sample_id)
+        if not issued:  # every sequence waits on a score, and none is being scored: a scheduler bug
+            raise RuntimeError(f"run_round stalled: {s.stats()}")
+        if finished:
+            items = [reward_item(s, sid) for sid in finished]
+            judged_right.update({sid: right for sid, _, _, _, right in items if s.seqs[sid].judged_id})
+            for sid, value, verdict in score_items(items, checker):
+                s.on_scored(sid, s.seqs[sid].text, value, verdict)
+    batch = s.take_batch()
+    assert batch is not None
+    training = shared_rewards(s, batch.seqs) if reward == "shared" else None
+    samples = [to_sample(q, None if training is None else training[q.sample_id]) for q in batch.seqs]
+    return Round(batch, samples, batch_metrics(batch, judged_right, training), s)
