@@ -185,7 +185,7 @@ def main() -> None:
             f"{'rollout workers':<16}{'sync samples/s':>15}{'agentic':>10}{'speedup':>9}"
             f"{'idle sync':>11}{'idle agentic':>14}{'max staleness':>15}"
         )
-        for workers in (4, 8, 16, 32):
+        for workers in (1, 2, 4, 8, 16, 32):
             _row(str(workers), costs, workers, args)
         # Sensitivity, not a measurement: the same schedule with training cheaper per token relative to
         # decoding (on GPUs long-tail decoding, not the update, usually dominates a synchronous step).
