@@ -88,8 +88,11 @@ class ModelConfig(Section):
         "load under any layout. Must be divisible by parallel.tp.",
         min=1,
     )
-    fp8: Literal["e4m3", "hybrid"] | None = _field(
-        None, "FP8 GEMMs via Transformer Engine (hybrid = E4M3 forward, E5M2 gradients); null = off."
+    fp8: Literal["hybrid", "e4m3", "blockwise"] | None = _field(
+        None,
+        "FP8 GEMMs via Transformer Engine, and FP8 rollout in vLLM (training/fp8.py): 'hybrid' = E4M3 "
+        "forward, E5M2 gradients, delayed scaling; 'e4m3' = current scaling; 'blockwise' = 128-wide block "
+        "scales (Hopper). Needs a GPU with FP8 tensor cores, checked before the run starts; null = off.",
     )
 
     def validate(self) -> None:
@@ -418,6 +421,16 @@ class MarsConfig(Section):
             raise ConfigError(
                 f"{pack} is not divisible by parallel.tp = {tp} (sequence parallel)", "train.pack_length"
             )
+        if self.model.fp8 is not None:
+            from mars_megatron.training.fp8 import ALIGNMENT
+
+            shard = pack // tp if self.parallel.effective_sequence_parallel else pack
+            if shard % ALIGNMENT:
+                raise ConfigError(
+                    f"{pack} gives {shard} tokens per micro-batch and rank; model.fp8 needs a multiple of "
+                    f"{ALIGNMENT} (FP8 GEMM alignment)",
+                    "train.pack_length",
+                )
         if pack < self.rollout.max_response_tokens:
             raise ConfigError(
                 f"{pack} is shorter than rollout.max_response_tokens ({self.rollout.max_response_tokens}): "

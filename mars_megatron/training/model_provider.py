@@ -212,7 +212,9 @@ def transformer_config(
     if fp8 is not None:
         if impl != "transformer_engine":
             raise LayoutError("model.fp8 needs model.transformer_impl=transformer_engine on a GPU")
-        kwargs.update(fp8=fp8, fp8_recipe="delayed")
+        from mars_megatron.training.fp8 import megatron_fp8_kwargs
+
+        kwargs.update(megatron_fp8_kwargs(fp8, moe=arch.is_moe))
     return TransformerConfig(**kwargs)
 
 

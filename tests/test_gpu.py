@@ -1,0 +1,71 @@
+"""The GPU paths, end to end: Transformer Engine layer spec, THD packed sequences, NCCL, FP8 training and
+rollout, official vLLM as the RL engine. Marked ``gpu``: skipped where CUDA is missing (every CPU machine
+and CI here), run with ``pytest -m gpu`` on a GPU node. None of these has run yet (README, GPU status)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mars_megatron.models.presets import init_model
+from tests.test_cli import TOKENS, hf_logprobs, mars, ok, read_logprobs, write_tokens
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[1]
+TE = ["model.transformer_impl=transformer_engine", "model.dtype=bfloat16"]
+
+
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model("tiny-moe", tmp_path_factory.mktemp("gpu") / "hf")
+
+
+def test_transformer_engine_spec_scores_like_transformers(tiny: Path, tmp_path: Path) -> None:
+    """TE layers (fused attention, grouped GEMM experts) on the GPU give HF's log-probs."""
+    tokens = write_tokens(tmp_path / "tokens.jsonl", TOKENS)
+    out = tmp_path / "te.jsonl"
+    ok(mars("score", "--model-dir", tiny, "--input", tokens, "--output", out, "--impl", "transformer_engine",
+            cwd=REPO))  # fmt: skip
+    for got, ref in zip(read_logprobs(out), hf_logprobs(tiny, TOKENS), strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=2e-3)  # TF32 GEMMs on the GPU
+
+
+def _train(model: Path, run: Path, *extra: str) -> list[dict]:
+    ok(mars("train", REPO / "examples" / "tiny_cpu.yaml", f"model.hf_dir={model}",
+            f"data.train_file={REPO / 'examples/data/arith_train.jsonl'}", f"logging.run_dir={run}",
+            "parallel.ep=1", "train.steps=2", "data.problems_per_step=4", *extra, cwd=REPO))  # fmt: skip
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rl_steps_with_te_thd_packing_and_nccl(tiny: Path, tmp_path: Path) -> None:
+    """`mars train` on one GPU: TE spec, packed THD micro-batches, NCCL process group."""
+    records = _train(tiny, tmp_path / "run", *TE)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["train/update_ok"] == 1.0 and r["train/grad_norm"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "e4m3", "blockwise"])
+def test_fp8_training_steps(tiny: Path, tmp_path: Path, mode: str) -> None:
+    need = (9, 0) if mode == "blockwise" else (8, 9)
+    if _capability() < need:
+        pytest.skip(f"model.fp8={mode} needs compute capability {need}")
+    records = _train(tiny, tmp_path / "run", *TE, f"model.fp8={mode}", "train.pack_length=1024")
+    assert all(r["train/update_ok"] == 1.0 and r["train/loss"] == r["train/loss"] for r in records)
+
+
+@pytest.mark.vllm
+def test_official_vllm_as_the_rl_engine_with_fp8_rollout(tiny: Path, tmp_path: Path) -> None:
+    """vLLM on the GPU generates the rollouts and takes the trainer's weights after every update; with
+    model.fp8 it quantizes them online."""
+    if _capability() < (8, 9):
+        pytest.skip("FP8 rollout needs compute capability 8.9")
+    fp8 = ["model.fp8=hybrid", "train.pack_length=1024"]
+    records = _train(tiny, tmp_path / "run", "rollout.engine=vllm", *TE, *fp8)
+    assert [r["policy_version"] for r in records] == [1.0, 2.0]
