@@ -85,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate the V–C reasoning system on a JSONL of problems")
     add_eval_arguments(p)
+
+    from mars_megatron.launch.plan_command import add_arguments as add_plan_arguments
+
+    p = sub.add_parser("plan", help="rank parallel layouts of a model on N GPUs by memory per GPU and cost")
+    add_plan_arguments(p)
     return parser
 
 
@@ -181,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             from mars_megatron.evaluation.command import run_eval
 
             run_eval(args)
+        elif args.command == "plan":
+            from mars_megatron.launch.plan_command import run as run_plan
+
+            return run_plan(args)
         elif args.command == "config":
             if args.describe:
                 print(describe_config())

@@ -1,0 +1,296 @@
+"""``mars plan``: the Megatron layouts that fit a model on a cluster, with memory per GPU and a relative
+cost, ranked. The arithmetic (and every formula) lives in :mod:`.planner`; this module parses options and
+prints. Errors are :class:`~.planner.PlanError` (a ``ValueError`` naming the field), reported by ``mars``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from mars_megatron.launch.planner import (
+    GIB,
+    PRESETS,
+    RECOMPUTE,
+    Candidate,
+    Cluster,
+    Layout,
+    Plan,
+    PlanError,
+    Rollout,
+    Workload,
+    param_counts,
+    plan,
+    resolve_model,
+)
+
+# option dest -> (dataclass, field); unset options take the dataclass default (defaults live there only)
+_FIELDS: dict[str, tuple[type, str]] = {
+    "gpus_per_node": (Cluster, "gpus_per_node"),
+    "gpu_mem_gib": (Cluster, "gpu_mem_gib"),
+    "overhead_gib": (Cluster, "overhead_gib"),
+    "seq_len": (Workload, "seq_len"),
+    "micro_batch": (Workload, "micro_batch"),
+    "global_batch": (Workload, "global_batch"),
+    "logits_bytes": (Workload, "logits_bytes"),
+    "grad_bytes": (Workload, "grad_bytes"),
+    "rollout_tp": (Rollout, "tp"),
+    "rollout_seqs": (Rollout, "max_seqs"),
+    "colocated": (Rollout, "colocated"),
+    "trainer_offload": (Rollout, "trainer_offload"),
+}
+_LAYOUT_KEYS = {
+    **{key: key for key in ("tp", "pp", "cp", "ep", "etp", "dp")},
+    "first": "first_stage_layers",
+    "last": "last_stage_layers",
+}
+
+
+def _default(name: str) -> Any:
+    cls, attr = _FIELDS[name]
+    return next(f.default for f in dataclasses.fields(cls) if f.name == attr)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``mars plan``."""
+    p.add_argument(
+        "--model", required=True, help=f"preset ({', '.join(PRESETS)}) or HF directory with config.json"
+    )
+    p.add_argument("--gpus", type=int, required=True, help="GPUs of the training job")
+    p.add_argument("--gpus-per-node", type=int, help=f"default {_default('gpus_per_node')}")
+    p.add_argument("--gpu-mem-gib", type=float, help=f"memory per GPU; default {_default('gpu_mem_gib')}")
+    p.add_argument(
+        "--overhead-gib",
+        type=float,
+        help=f"CUDA context, NCCL, fragmentation; default {_default('overhead_gib')}",
+    )
+    p.add_argument("--seq-len", type=int, help=f"packed sequence length; default {_default('seq_len')}")
+    p.add_argument(
+        "--micro-batch", type=int, help=f"packed sequences per micro-batch; default {_default('micro_batch')}"
+    )
+    p.add_argument(
+        "--global-batch", type=int, help=f"packed sequences per step; default {_default('global_batch')}"
+    )
+    p.add_argument("--recompute", choices=RECOMPUTE, help="only this recompute mode (default: none and full)")
+    p.add_argument(
+        "--no-flash-attention", action="store_true", help="count softmax scores (selective recompute)"
+    )
+    p.add_argument(
+        "--logits-bytes", type=float, help=f"bytes per logit at the loss; default {_default('logits_bytes')}"
+    )
+    p.add_argument(
+        "--grad-bytes", type=int, choices=[2, 4], help=f"main-grad bytes; default {_default('grad_bytes')}"
+    )
+    p.add_argument(
+        "--colocated",
+        action=argparse.BooleanOptionalAction,
+        help=f"vLLM engines share the training GPUs; default {_default('colocated')}",
+    )
+    p.add_argument("--rollout-tp", type=int, help="GPUs per engine (default: the smallest that fits)")
+    p.add_argument(
+        "--rollout-seqs", type=int, help=f"sequences an engine holds; default {_default('rollout_seqs')}"
+    )
+    p.add_argument("--rollout-seq-len", type=int, help="tokens per rollout sequence (default: --seq-len)")
+    p.add_argument(
+        "--trainer-offload",
+        action="store_true",
+        default=None,
+        help="trainer state leaves the GPU during rollout",
+    )
+    p.add_argument(
+        "--layout", help="evaluate one layout, e.g. tp=4,pp=2,ep=4 (also cp, etp, dp, first, last)"
+    )
+    p.add_argument("--top", type=int, default=10, help="fitting layouts to print")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def parse_layout(text: str, gpus: int) -> Layout:
+    """``tp=4,pp=2,ep=4`` -> :class:`Layout`; dp is what the GPUs leave unless given (then it must match)."""
+    values: dict[str, int] = {}
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in _LAYOUT_KEYS:
+            raise PlanError(f"{item!r} is not KEY=INT with KEY in {', '.join(_LAYOUT_KEYS)}", "layout")
+        try:
+            values[_LAYOUT_KEYS[key]] = int(value)
+        except ValueError:
+            raise PlanError(f"expected an int, got {value!r}", key) from None
+    layout = Layout(**values)
+    model_parallel = layout.tp * layout.pp * layout.cp
+    if gpus % model_parallel:
+        raise PlanError(f"{gpus} GPUs are not divisible by tp*pp*cp = {model_parallel}", "gpus")
+    if "dp" in values and layout.dp * model_parallel != gpus:
+        raise PlanError(
+            f"{layout.dp} but {gpus} GPUs / (tp*pp*cp = {model_parallel}) = {gpus // model_parallel}", "dp"
+        )
+    return dataclasses.replace(layout, dp=gpus // model_parallel)
+
+
+def _build(args: argparse.Namespace) -> tuple[Cluster, Workload, Rollout]:
+    given: dict[type, dict[str, Any]] = {Cluster: {"gpus": args.gpus}, Workload: {}, Rollout: {}}
+    for name, (cls, attr) in _FIELDS.items():
+        if getattr(args, name, None) is not None:
+            given[cls][attr] = getattr(args, name)
+    if args.no_flash_attention:
+        given[Workload]["flash_attention"] = False
+    work = Workload(**given[Workload])
+    given[Rollout].setdefault("seq_len", args.rollout_seq_len or work.seq_len)
+    return Cluster(**given[Cluster]), work, Rollout(**given[Rollout])
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``mars plan`` job: rank the candidates and print them (a table, or JSON with ``--json``)."""
+    if args.top < 0:
+        raise PlanError(f"must be >= 0, got {args.top}", "top")
+    arch = resolve_model(args.model)
+    cluster, work, rollout = _build(args)
+    layouts = [parse_layout(args.layout, cluster.gpus)] if args.layout else None
+    result = plan(
+        arch,
+        cluster,
+        work,
+        rollout,
+        layouts=layouts,
+        recomputes=[args.recompute] if args.recompute else None,
+        keep_not_fitting=len(RECOMPUTE) if layouts else 3,
+    )
+    print(json.dumps(plan_dict(result, args.top), indent=1) if args.json else format_plan(result, args.top))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ output
+_COMPONENTS = ("weights", "grads", "optimizer", "activations", "logits", "rollout_weights", "kv_cache")
+_HEADER = (
+    "rank",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "etp",
+    "dp",
+    "edp",
+    "recompute",
+    "rtp",
+    "weights",
+    "grads",
+    "optim",
+    "activ",
+    "logits",
+    "engine",
+    "kv",
+    "total",
+    "cost",
+    "notes",
+)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def _row(rank: str, c: Candidate, result: Plan) -> list[str]:
+    lay, mem = c.layout, c.memory
+    rtp = str(c.rollout.tp) if c.rollout.colocated else "-"
+    stage = [f"stage {mem.stage}"] if lay.pp > 1 else []
+    parts = [lay.tp, lay.pp, lay.cp, lay.ep, lay.expert_tp, lay.dp, lay.edp]
+    sizes = [_gib(getattr(mem, name)) for name in _COMPONENTS]
+    cost = f"{result.relative_cost(c):.2f}"
+    return [
+        rank,
+        *map(str, parts),
+        c.workload.recompute,
+        rtp,
+        *sizes,
+        _gib(mem.total),
+        cost,
+        "; ".join(stage + list(c.notes)),
+    ]
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    aligned = []
+    for r in rows:
+        cells = [
+            cell.ljust(w) if i in (8, len(r) - 1) else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        aligned.append("  ".join(cells).rstrip())
+    return aligned
+
+
+def format_plan(result: Plan, top: int) -> str:
+    """The human-readable report: a header, the fitting candidates ranked, then the leanest misfits."""
+    arch, cluster, rollout = result.arch, result.cluster, result.rollout
+    counts = param_counts(arch)
+    w = result.workload
+    lines = [
+        f"model: {arch.architecture}, {counts.total / 1e9:.2f}B parameters "
+        f"({counts.active / 1e9:.2f}B active), {arch.num_layers} layers",
+        f"cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node} per node), {cluster.gpu_mem_gib:g} GiB each, "
+        f"{cluster.overhead_gib:g} GiB overhead counted per GPU",
+        f"step: packed sequences of {w.seq_len} tokens, micro-batch {w.micro_batch}, "
+        f"global batch {w.global_batch}",
+    ]
+    if rollout.colocated:
+        state = "offloaded" if rollout.trainer_offload else "resident"
+        lines.append(
+            f"rollout: colocated vLLM engines of rtp GPUs, KV cache for {rollout.max_seqs} sequences x "
+            f"{rollout.seq_len} tokens per engine; trainer state {state} while they run"
+        )
+    else:
+        lines.append("rollout: engines on other GPUs (not counted)")
+    lines.append("")
+    lines.append(
+        f"fits in {cluster.gpu_mem_gib:g} GiB: {len(result.fitting)} of {result.considered} candidates"
+    )
+    rows = [list(_HEADER)] + [_row(str(i + 1), c, result) for i, c in enumerate(result.fitting[:top])]
+    if len(rows) > 1:
+        lines += _table(rows)
+    if result.not_fitting:
+        lines += ["", "does not fit (leanest first):"]
+        lines += _table([list(_HEADER)] + [_row("-", c, result) for c in result.not_fitting])
+    lines += [
+        "",
+        "GiB per GPU on the worst pipeline stage; total = overhead + max(train, trainer state + engine + kv)",
+        "cost: estimated step time relative to the best candidate (a heuristic); formulas in "
+        "mars_megatron/launch/planner.py",
+    ]
+    return "\n".join(lines)
+
+
+def _candidate_dict(c: Candidate, result: Plan) -> dict[str, Any]:
+    mem = c.memory
+    return {
+        "layout": {**dataclasses.asdict(c.layout), "etp": c.layout.expert_tp, "edp": c.layout.edp},
+        "recompute": c.workload.recompute,
+        "rollout_tp": c.rollout.tp if c.rollout.colocated else None,
+        "stage": mem.stage,
+        "gib": {
+            name: round(getattr(mem, name) / GIB, 3)
+            for name in (*_COMPONENTS, "overhead", "train", "rollout", "total")
+        },
+        "fits": c.fits,
+        "step_seconds": round(c.seconds, 3),
+        "relative_cost": round(result.relative_cost(c), 4),
+        "notes": list(c.notes),
+    }
+
+
+def plan_dict(result: Plan, top: int) -> dict[str, Any]:
+    """The report as JSON-ready data (GiB rounded to MiB precision)."""
+    counts = param_counts(result.arch)
+    return {
+        "model": {
+            "architecture": result.arch.architecture,
+            "params": counts.total,
+            "active_params": counts.active,
+        },
+        "cluster": dataclasses.asdict(result.cluster),
+        "workload": dataclasses.asdict(result.workload),
+        "rollout": dataclasses.asdict(result.rollout),
+        "considered": result.considered,
+        "fitting": [_candidate_dict(c, result) for c in result.fitting[:top]],
+        "not_fitting": [_candidate_dict(c, result) for c in result.not_fitting],
+    }

@@ -1,0 +1,724 @@
+"""``mars plan``: which Megatron layouts fit a model on a cluster, and roughly how fast each one is.
+
+Pure arithmetic on a :class:`~mars_megatron.training.hf_config.Qwen3Arch` — no torch, no GPU — so a layout
+can be sized before any node is booked. Memory is counted in bytes per GPU for the *worst* pipeline stage;
+every term below is what a rank of our trainer (Megatron-Core DDP + distributed optimizer, bf16, Transformer
+Engine's flash attention) and a colocated vLLM engine hold. Symbols: ``h`` hidden, ``a``/``g`` query/KV
+heads, ``d`` head dim, ``f`` dense FFN, ``E``/``k``/``f_e`` experts, top-k and expert FFN, ``V`` vocabulary
+padded to a multiple of 128 (as the trainer pads it), ``b`` micro-batch, ``s`` packed sequence length.
+
+Layout (Megatron semantics): world = tp·pp·cp·dp; the tp·cp·dp ranks of a stage are regrouped as
+etp·ep·edp for the experts, so edp = tp·cp·dp / (ep·etp) must be a whole number. Megatron splits query
+heads *and* KV groups over tp (``divide(num_query_groups, tp)``), so tp must divide the KV heads; vLLM
+instead replicates KV heads when its tp exceeds them. Sequence parallelism is on whenever tp > 1.
+
+Parameters of a rank (``P_dense``: attention q/k/v/o and dense MLPs split over tp, norms and routers
+replicated, the embedding on the first stage and the output layer on the last, each V·h/tp; ``P_exp``:
+routed experts, E·3·h·f_e per MoE layer split over ep·etp):
+
+* weights   = 2 B · (P_dense + P_exp)                                  bf16 parameters
+* grads     = 4 B · (P_dense + P_exp)                                  fp32 main grads: the trainer sets
+  ``grad_reduce_in_fp32=True`` (Megatron-LM does the same for bf16; the dataclass default is False).
+  The grad buffer is not sharded (the distributed optimizer is ZeRO-1: it reduce-scatters into it).
+* optimizer = 12 B · (P_dense / (dp·cp) + P_exp / edp)                 fp32 master weights + Adam m, v,
+  sharded by the distributed optimizer over the data-parallel group (with cp) and, for experts, over the
+  expert-data-parallel group. Without it: 12 B · (P_dense + P_exp). (Megatron's table: 6 + 12/d B/param.)
+
+Activations per layer and micro-batch, after Korthikanti et al. 2022 ("Reducing Activation Recomputation
+in Large Transformer Models", 34·s·b·h + 5·a·s²·b per layer, all over t with sequence parallelism),
+re-derived for Qwen3: RMSNorm, no dropout (so no masks), GQA with q/k-norm, SwiGLU, top-k MoE. With
+``s_r = s/cp`` tokens of a rank's context slice and ``s_h = s_r/tp`` of them in the sequence-parallel
+region, ``a_r = a/tp``, ``g_r = g/tp``:
+
+* attention = 4·b·s_h·h  (input-norm input, QKV-linear input)
+  + 6·b·s_r·d·(a_r + g_r)  (the fused QKV output that the q/k norms keep, the normed and rotated q and k,
+  and the attention output O = output-projection input, all 2 bytes)
+  + 2·b·a_r·s_r·s  (softmax scores) only without flash attention; the score term is what Korthikanti's
+  *selective* recompute drops, and flash attention never stores it, so with flash (the default, TE's fused
+  attention) selective recompute saves nothing and is not proposed. Flash's fp32 log-sum-exp (4·b·s_r·a_r)
+  is left out: under 2 % of O.
+* MoE MLP = 4·b·s_h·h (pre-MLP norm input, router/dispatcher input) + 4·b·s_h·E (fp32 router probs)
+  + 4·k·b·s_h·etp·h (permuted expert inputs, and expert outputs kept for the probability-weighted combine)
+  + 6·k·b·s_h·f_e (SwiGLU input 2·f_e wide and output). Routing is assumed balanced (each rank processes
+  k·s_h tokens); real routers are not, which is one reason for the fixed overhead below.
+* dense MLP = 4·b·s_h·h + 6·b·s_r·f/tp.
+* full recompute keeps only each layer's input, 2·b·s_h·h, plus one layer's full set while it is recomputed.
+* the first stage holds pp micro-batches in flight under 1F1B (stage i: min(pp − i, micro-batches)).
+* the last stage adds the final-norm and output-layer inputs, 4·b·s_h·h, and the logits/loss buffer
+  b·s_r·V/tp · 4 B (one fp32 copy, as a fused or chunked cross-entropy holds; ``logits_bytes``).
+
+Rollout (colocated engines, one per ``rollout.tp`` GPUs): vLLM weights 2 B · params / rollout_tp, and the
+KV cache 2 (K, V) · layers · max(1, g / rollout_tp) · d · 2 B per token, times ``max_seqs · seq_len`` tokens
+the engine must hold at once. Our engines sleep (level 1: weights to host, KV freed) while the trainer
+steps, and the trainer keeps its weights, grads and optimizer state on the GPU while the engines roll out,
+so the colocated peak is ``max(train, resident trainer state + rollout)``, not the sum of everything; with
+``trainer_offload`` (NeMo-RL offloads the policy during generation) the rollout phase is the engine alone.
+A fixed ``overhead_gib`` (default 4 GiB: CUDA context, NCCL buffers, allocator fragmentation, the vLLM
+engine's own workspace) is added to every GPU.
+
+Cost (a heuristic that only has to rank layouts): the step's training FLOPs — 6·(active matmul params)
+per token plus attention 6·a·d·s per layer and token (causal over the whole pack: an upper bound, since
+packed documents attend only within themselves), plus one more forward with full recompute — over
+``gpus · peak_flops``, stretched by the 1F1B bubble (m + pp − 1)/m for m micro-batches per pipeline, plus
+un-overlapped communication at NVLink or network bandwidth depending on whether the group fits in a node:
+sequence-parallel all-gathers/reduce-scatters (8 per layer and micro-batch), MoE all-to-alls (4 per MoE
+layer), context-parallel KV exchange, pipeline sends and the data-parallel grad reduce-scatter and param
+all-gather. :class:`CostModel` holds the constants. Rollout time is not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Literal
+
+from mars_megatron.config import ConfigError
+from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config
+
+GIB = 2**30
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
+VOCAB_PAD_MULTIPLE = 128  # the trainer's model.vocab_pad_multiple default
+
+
+class PlanError(ConfigError):
+    """A layout or planner input that cannot work; ``path`` names the field (``tp``, ``gpus``, ...)."""
+
+
+def _moe_arch(hidden: int, layers: int, heads: int, ffn: int, moe_ffn: int) -> Qwen3Arch:
+    """The shared shape of the Qwen3-MoE releases, from the HF config.json of Qwen/Qwen3-30B-A3B and
+    Qwen/Qwen3-235B-A22B (the -2507 updates differ only in rope_theta and max_position_embeddings, which
+    memory does not depend on; tests/test_planner.py checks these against examples/hf_configs)."""
+    return Qwen3Arch(
+        architecture="Qwen3MoeForCausalLM",
+        vocab_size=151936,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=4,
+        head_dim=128,
+        ffn_hidden_size=ffn,  # unused: every layer is MoE (decoder_sparse_step 1, no mlp_only_layers)
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        initializer_range=0.02,
+        dtype="bfloat16",
+        num_experts=128,
+        moe_topk=8,
+        moe_ffn_hidden_size=moe_ffn,
+        norm_topk_prob=True,
+        moe_layers=(True,) * layers,
+        router_aux_loss_coef=0.001,
+    )
+
+
+PRESETS: dict[str, Qwen3Arch] = {
+    "qwen3-30b-a3b": _moe_arch(hidden=2048, layers=48, heads=32, ffn=6144, moe_ffn=768),
+    "qwen3-235b-a22b": _moe_arch(hidden=4096, layers=94, heads=64, ffn=12288, moe_ffn=1536),
+}
+
+
+def resolve_model(model: str) -> Qwen3Arch:
+    """A preset name or an HF checkpoint directory (its config.json) -> the architecture."""
+    if model in PRESETS:
+        return PRESETS[model]
+    if Path(model).exists():
+        return load_hf_config(model)
+    raise PlanError(
+        f"{model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an HF directory", "model"
+    )
+
+
+# --------------------------------------------------------------------------------------------- params
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters by how Megatron shards them (HF vocabulary, so totals match the published counts)."""
+
+    attention: int  # per layer, split over tp: q, k, v, o (+ biases)
+    norms: int  # per layer, replicated: input and pre-MLP RMSNorm, q/k norms
+    dense_mlp: int  # per dense layer, split over tp: 3·h·f
+    router: int  # per MoE layer, replicated: h·E
+    experts: int  # per MoE layer, split over ep·etp: E·3·h·f_e
+    expert_active: int  # per MoE layer, the k experts one token uses
+    embedding: int
+    output: int  # 0 when tied to the embedding
+    final_norm: int
+    moe_layers: tuple[bool, ...]
+
+    def _layer(self, moe: bool, active: bool) -> int:
+        mlp = (self.router + (self.expert_active if active else self.experts)) if moe else self.dense_mlp
+        return self.attention + self.norms + mlp
+
+    @property
+    def total(self) -> int:
+        layers = sum(self._layer(moe, False) for moe in self.moe_layers)
+        return layers + self.embedding + self.output + self.final_norm
+
+    @property
+    def active(self) -> int:
+        """Parameters one token touches (embedding row included, as the published "A3B"/"A22B" count)."""
+        layers = sum(self._layer(moe, True) for moe in self.moe_layers)
+        return layers + self.embedding + self.output + self.final_norm
+
+    @property
+    def matmul_active(self) -> int:
+        """Active parameters that take part in a matmul: the FLOPs count (no embedding lookup, no norms)."""
+        layers = sum(self._layer(moe, True) - self.norms for moe in self.moe_layers)
+        return layers + (self.output or self.embedding)
+
+
+def param_counts(arch: Qwen3Arch, vocab: int | None = None) -> ParamCounts:
+    """Parameter counts of ``arch``; ``vocab`` overrides the vocabulary (the padded one, for memory)."""
+    h, d, a, g = arch.hidden_size, arch.head_dim, arch.num_attention_heads, arch.num_key_value_heads
+    v = arch.vocab_size if vocab is None else vocab
+    attention = h * a * d + 2 * h * g * d + a * d * h + ((a + 2 * g) * d if arch.attention_bias else 0)
+    experts = arch.num_experts or 0
+    moe_ffn = arch.moe_ffn_hidden_size or 0
+    return ParamCounts(
+        attention=attention,
+        norms=2 * h + 2 * d,
+        dense_mlp=3 * h * arch.ffn_hidden_size,
+        router=h * experts,
+        experts=experts * 3 * h * moe_ffn,
+        expert_active=(arch.moe_topk or 0) * 3 * h * moe_ffn,
+        embedding=v * h,
+        output=0 if arch.tie_word_embeddings else v * h,
+        final_norm=h,
+        moe_layers=arch.moe_layers if arch.is_moe else (False,) * arch.num_layers,
+    )
+
+
+# --------------------------------------------------------------------------------------------- inputs
+def _check_positive(obj: object, names: Sequence[str]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"must be a positive int, got {value!r}", name)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A Megatron parallel layout. ``etp`` None = tp (Megatron's default); first/last stage layers None =
+    spread as evenly as Megatron can express (:func:`stage_layers`)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    dp: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive(self, [f.name for f in fields(self)])
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: replicas of each expert shard (valid layouts divide exactly)."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
+
+    def label(self) -> str:
+        return f"tp={self.tp},pp={self.pp},cp={self.cp},ep={self.ep},etp={self.expert_tp},dp={self.dp}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step processes, and how the trainer stores it."""
+
+    seq_len: int = 32768  # packed sequence length (the trainer's pack_length)
+    micro_batch: int = 1  # packed sequences per micro-batch
+    global_batch: int = 64  # packed sequences per optimizer step, over all data-parallel ranks
+    recompute: Recompute = "none"
+    flash_attention: bool = True
+    logits_bytes: float = 4.0  # bytes per (token, vocab entry) at the loss; see the module docstring
+    grad_bytes: int = 4  # main-grad dtype: 4 = fp32 (grad_reduce_in_fp32), 2 = bf16
+    distributed_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive(self, ["seq_len", "micro_batch", "global_batch", "grad_bytes"])
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(f"must be one of {RECOMPUTE}, got {self.recompute!r}", "recompute")
+        if not self.logits_bytes >= 0:
+            raise PlanError(f"must be >= 0, got {self.logits_bytes!r}", "logits_bytes")
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Colocated vLLM engines; ``colocated=False`` puts them on other GPUs (not counted here)."""
+
+    colocated: bool = True
+    tp: int | None = None  # GPUs per engine; None = the smallest that fits (:func:`plan`)
+    max_seqs: int = 16  # sequences an engine holds at once
+    seq_len: int = 32768  # tokens per sequence (prompt + response)
+    trainer_offload: bool = False  # trainer state leaves the GPU while engines roll out (ours does not)
+    max_auto_tp: int = 16  # largest engine tried when tp is None (NeMo-RL's 235B GRPO recipes use 16)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, ["tp", "max_seqs", "seq_len", "max_auto_tp"])
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_mem_gib: float = 80.0
+    overhead_gib: float = 4.0  # CUDA context + NCCL buffers + fragmentation, per GPU
+
+    def __post_init__(self) -> None:
+        _check_positive(self, ["gpus", "gpus_per_node"])
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise PlanError(
+                f"{self.gpus} GPUs span nodes but are not a multiple of gpus_per_node ({self.gpus_per_node})",
+                "gpus",
+            )
+        for name, least in (("gpu_mem_gib", 1e-9), ("overhead_gib", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
+                raise PlanError(f"must be a number >= {least:g}, got {value!r}", name)
+
+
+# ----------------------------------------------------------------------------------------- validation
+def check_layout(arch: Qwen3Arch, layout: Layout, gpus: int, seq_len: int) -> None:
+    """Megatron's rules for running ``arch`` with ``layout`` on ``gpus``; the error names the field."""
+    tp, pp, cp, ep, etp = layout.tp, layout.pp, layout.cp, layout.ep, layout.expert_tp
+    if layout.world != gpus:
+        raise PlanError(f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{layout.dp} = {layout.world} != {gpus} GPUs", "gpus")
+    heads, kv = arch.num_attention_heads, arch.num_key_value_heads
+    if heads % tp or kv % tp:
+        raise PlanError(
+            f"{tp} must divide the attention heads ({heads}) and the KV heads ({kv}): Megatron splits both",
+            "tp",
+        )
+    if any(not moe for moe in _moe_layers(arch)) and arch.ffn_hidden_size % tp:
+        raise PlanError(f"{tp} does not divide ffn_hidden_size ({arch.ffn_hidden_size})", "tp")
+    if arch.padded_vocab_size(VOCAB_PAD_MULTIPLE) % tp:
+        raise PlanError(f"{tp} does not divide the padded vocabulary", "tp")
+    if pp > arch.num_layers:
+        raise PlanError(f"{pp} stages for {arch.num_layers} layers", "pp")
+    if not arch.is_moe:
+        if ep != 1:
+            raise PlanError(f"{ep} > 1 but the model has no experts", "ep")
+    else:
+        if arch.num_experts % ep:
+            raise PlanError(f"{ep} does not divide num_experts ({arch.num_experts})", "ep")
+        if ep == 1 and etp != tp:
+            raise PlanError(f"must equal tp ({tp}) when ep = 1 (Megatron treats experts as dense)", "etp")
+        if arch.moe_ffn_hidden_size % etp:
+            raise PlanError(
+                f"{etp} does not divide moe_intermediate_size ({arch.moe_ffn_hidden_size})", "etp"
+            )
+        if (tp * cp * layout.dp) % (ep * etp):
+            raise PlanError(
+                f"tp*cp*dp = {tp * cp * layout.dp} ranks per stage not divisible by ep*etp = {ep * etp}", "ep"
+            )
+    if cp > 1 and seq_len % (2 * cp * tp):
+        raise PlanError(f"{seq_len} not divisible by 2*cp*tp = {2 * cp * tp} (load-balanced CP)", "seq_len")
+    if seq_len % tp:
+        raise PlanError(f"{seq_len} not divisible by tp = {tp} (sequence parallelism)", "seq_len")
+    stage_layers(arch, layout)  # raises for first/last stage layers that do not add up
+
+
+def _moe_layers(arch: Qwen3Arch) -> tuple[bool, ...]:
+    return arch.moe_layers if arch.is_moe else (False,) * arch.num_layers
+
+
+def stage_layers(arch: Qwen3Arch, layout: Layout) -> tuple[int, ...]:
+    """Layers per pipeline stage. Megatron needs L % pp == 0 or explicit first/last stage sizes with equal
+    middle stages; when unset we pick the smallest first/last that keep the middle stages equal, so the
+    first stage (most micro-batches in flight, plus the embedding) gets the smaller share."""
+    n, pp = arch.num_layers, layout.pp
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    if first is None and last is None:
+        if n % pp == 0:
+            return (n // pp,) * pp
+        middle = -(-n // pp)
+        rest = n - (pp - 2) * middle
+        if rest < 2:
+            middle = n // pp
+            rest = n - (pp - 2) * middle
+        first, last = rest // 2, rest - rest // 2
+    if pp == 1:
+        raise PlanError("needs pp > 1", "first_stage_layers" if first is not None else "last_stage_layers")
+    for name, value in (("first_stage_layers", first), ("last_stage_layers", last)):
+        if value is not None and value >= n:
+            raise PlanError(f"{value} leaves no layers for the other stages ({n} layers)", name)
+    if pp == 2:
+        first = n - last if first is None else first
+        last = n - first if last is None else last
+        if first + last != n:
+            raise PlanError(f"{first} + last_stage_layers {last} != {n} layers", "first_stage_layers")
+        return (first, last)
+    fixed = (first or 0) + (last or 0)
+    free = pp - 2 + (first is None) + (last is None)
+    if fixed >= n or (n - fixed) % free:
+        raise PlanError(
+            f"leaves {n - fixed} layers, which do not split evenly over the other {free} stages",
+            "first_stage_layers" if first is not None else "last_stage_layers",
+        )
+    middle = (n - fixed) // free
+    return (first or middle, *(middle,) * (pp - 2), last or middle)
+
+
+# --------------------------------------------------------------------------------------------- memory
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one GPU of the worst pipeline stage (``stage``)."""
+
+    stage: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    rollout_weights: int
+    kv_cache: int
+    overhead: int
+    colocated: bool
+    trainer_offload: bool = False
+
+    @property
+    def train(self) -> int:
+        """The trainer's peak: its state plus one step's activations (engines asleep)."""
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+
+    @property
+    def rollout(self) -> int:
+        """The rollout phase: engine weights and KV cache, on top of the resident trainer state."""
+        if not self.colocated:
+            return 0
+        resident = 0 if self.trainer_offload else self.weights + self.grads + self.optimizer
+        return resident + self.rollout_weights + self.kv_cache
+
+    @property
+    def total(self) -> int:
+        return self.overhead + max(self.train, self.rollout)
+
+
+def layer_activation_bytes(arch: Qwen3Arch, layout: Layout, work: Workload, moe: bool) -> int:
+    """Activations one transformer layer keeps for backward, per micro-batch, without recompute (bytes)."""
+    b, s, t, cp = work.micro_batch, work.seq_len, layout.tp, layout.cp
+    s_r = s // cp
+    s_h = s_r // t
+    h, d = arch.hidden_size, arch.head_dim
+    a_r, g_r = arch.num_attention_heads // t, arch.num_key_value_heads // t
+    attention = 4 * b * s_h * h + 6 * b * s_r * d * (a_r + g_r)
+    if not work.flash_attention and work.recompute != "selective":
+        attention += 2 * b * a_r * s_r * s
+    if moe:
+        k, etp = arch.moe_topk, layout.expert_tp
+        mlp = 4 * b * s_h * h + 4 * b * s_h * arch.num_experts
+        mlp += 4 * k * b * s_h * etp * h + 6 * k * b * s_h * arch.moe_ffn_hidden_size
+    else:
+        mlp = 4 * b * s_h * h + 6 * b * s_r * arch.ffn_hidden_size // t
+    return attention + mlp
+
+
+def _stage_params(arch: Qwen3Arch, layout: Layout, layers: range, first: bool, last: bool) -> tuple[int, int]:
+    """(dense, expert) parameters held by one rank of a stage; dense ones are split over tp or replicated."""
+    p = param_counts(arch, arch.padded_vocab_size(VOCAB_PAD_MULTIPLE))
+    moe = _moe_layers(arch)
+    t = layout.tp
+    split = sum(p.attention + (0 if moe[i] else p.dense_mlp) for i in layers)
+    replicated = sum(p.norms + (p.router if moe[i] else 0) for i in layers)
+    if first:
+        split += p.embedding
+    if last:  # tied embeddings keep a copy on the last stage when pp > 1
+        split += p.output or (p.embedding if layout.pp > 1 else 0)
+        replicated += p.final_norm
+    experts = sum(p.experts for i in layers if moe[i]) // (layout.ep * layout.expert_tp)
+    return split // t + replicated, experts
+
+
+def _stage_activations(arch: Qwen3Arch, layout: Layout, work: Workload, layers: range, in_flight: int) -> int:
+    """Activations of a stage's layers for ``in_flight`` micro-batches (full recompute: layer inputs, plus
+    one layer's whole set while it is recomputed)."""
+    moe = _moe_layers(arch)
+    n_moe = sum(moe[i] for i in layers)
+    kinds = [(n_moe, True), (len(layers) - n_moe, False)]
+    per_kind = [(n, layer_activation_bytes(arch, layout, work, kind)) for n, kind in kinds if n]
+    if work.recompute != "full":
+        return in_flight * sum(n * size for n, size in per_kind)
+    s_h = work.seq_len // layout.cp // layout.tp
+    return in_flight * len(layers) * 2 * work.micro_batch * s_h * arch.hidden_size + max(
+        size for _, size in per_kind
+    )
+
+
+def rollout_bytes(arch: Qwen3Arch, rollout: Rollout) -> tuple[int, int]:
+    """(engine weights, KV cache) per GPU of a vLLM engine spanning ``rollout.tp`` GPUs."""
+    if rollout.tp is None:
+        raise PlanError("is None; pick an engine size (plan() tries each)", "rollout_tp")
+    weights = 2 * param_counts(arch).total // rollout.tp
+    kv_heads = max(1, arch.num_key_value_heads // rollout.tp)
+    per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * 2
+    return weights, per_token * rollout.max_seqs * rollout.seq_len
+
+
+def rollout_tp_choices(arch: Qwen3Arch, gpus: int) -> list[int]:
+    """Engine sizes vLLM accepts for ``arch`` that tile ``gpus``, smallest first."""
+    choices = []
+    for rtp in _divisors(gpus):
+        try:
+            check_rollout(arch, rtp, gpus)
+        except PlanError:
+            continue
+        choices.append(rtp)
+    return choices
+
+
+def check_rollout(arch: Qwen3Arch, rtp: int, gpus: int) -> None:
+    """vLLM's rules for an engine of ``rtp`` GPUs; the error names ``rollout_tp``."""
+    kv = arch.num_key_value_heads
+    if gpus % rtp:
+        raise PlanError(f"{rtp} does not divide the {gpus} GPUs the engines share", "rollout_tp")
+    if arch.num_attention_heads % rtp or (kv % rtp and rtp % kv):
+        raise PlanError(
+            f"{rtp} must divide the attention heads ({arch.num_attention_heads}) and divide or be a multiple "
+            f"of the KV heads ({kv}) (vLLM)",
+            "rollout_tp",
+        )
+
+
+def memory(arch: Qwen3Arch, layout: Layout, work: Workload, rollout: Rollout, cluster: Cluster) -> Memory:
+    """Per-GPU memory of the worst pipeline stage (see the module docstring for every term)."""
+    check_layout(arch, layout, cluster.gpus, work.seq_len)
+    sizes = stage_layers(arch, layout)
+    micro = micro_batches(layout, work)
+    r_weights, kv = rollout_bytes(arch, rollout) if rollout.colocated else (0, 0)
+    t, cp = layout.tp, layout.cp
+    s_h = work.seq_len // cp // t
+    shards = (layout.dp * cp, layout.edp) if work.distributed_optimizer else (1, 1)
+    worst: Memory | None = None
+    start = 0
+    for i, n in enumerate(sizes):
+        layers = range(start, start + n)
+        start += n
+        first, last = i == 0, i == layout.pp - 1
+        dense, experts = _stage_params(arch, layout, layers, first, last)
+        acts = _stage_activations(arch, layout, work, layers, min(layout.pp - i, micro))
+        logits = 0
+        if last:
+            acts += 4 * work.micro_batch * s_h * arch.hidden_size
+            vocab = arch.padded_vocab_size(VOCAB_PAD_MULTIPLE) // t
+            logits = math.ceil(work.micro_batch * (work.seq_len // cp) * vocab * work.logits_bytes)
+        mem = Memory(
+            stage=i,
+            weights=2 * (dense + experts),
+            grads=work.grad_bytes * (dense + experts),
+            optimizer=12 * dense // shards[0] + 12 * experts // shards[1],
+            activations=acts,
+            logits=logits,
+            rollout_weights=r_weights,
+            kv_cache=kv,
+            overhead=round(cluster.overhead_gib * GIB),
+            colocated=rollout.colocated,
+            trainer_offload=rollout.trainer_offload,
+        )
+        if worst is None or mem.total > worst.total:
+            worst = mem
+    assert worst is not None
+    return worst
+
+
+# ----------------------------------------------------------------------------------------------- cost
+@dataclass(frozen=True)
+class CostModel:
+    """Constants of the step-time heuristic (H100-like; only ratios between layouts matter)."""
+
+    flops_per_s: float = 4.0e14  # achieved bf16 matmul throughput per GPU
+    intra_node_bytes_per_s: float = 1.5e11  # NVLink, per GPU, effective
+    inter_node_bytes_per_s: float = 2.5e10  # network, per GPU, effective
+
+
+def micro_batches(layout: Layout, work: Workload) -> int:
+    """Micro-batches per data-parallel rank and step (rounded up: a partial one still takes a slot)."""
+    return -(-work.global_batch // (layout.dp * work.micro_batch))
+
+
+def step_seconds(
+    arch: Qwen3Arch, layout: Layout, work: Workload, cluster: Cluster, model: CostModel
+) -> float:
+    """Estimated seconds per optimizer step (heuristic; see the module docstring)."""
+    p = param_counts(arch)
+    moe = _moe_layers(arch)
+    t, pp, cp, ep, etp, dp = layout.tp, layout.pp, layout.cp, layout.ep, layout.expert_tp, layout.dp
+    b, s = work.micro_batch, work.seq_len
+    m = micro_batches(layout, work)
+    attn_fwd = 2 * arch.num_attention_heads * arch.head_dim * s * arch.num_layers  # per token, causal
+    fwd = 2 * p.matmul_active + attn_fwd
+    per_token = 3 * fwd + {"none": 0, "selective": attn_fwd, "full": fwd}[work.recompute]
+    tokens = m * dp * b * s
+    compute = per_token * tokens / (cluster.gpus * model.flops_per_s)
+
+    def bw(span: int) -> float:
+        return model.intra_node_bytes_per_s if span <= cluster.gpus_per_node else model.inter_node_bytes_per_s
+
+    layers_per_stage = max(stage_layers(arch, layout))
+    moe_per_stage = math.ceil(sum(moe) / pp)
+    s_h = s // cp // t
+    per_micro = 0.0
+    if t > 1:  # SP all-gather/reduce-scatter: 4 forward, 4 backward (+4 when full recompute re-runs forward)
+        colls = 8 + (4 if work.recompute == "full" else 0)
+        volume = colls * (t - 1) / t * b * (s // cp) * arch.hidden_size * 2
+        per_micro += layers_per_stage * volume / bw(t)
+    if ep > 1:  # dispatch + combine, forward and backward
+        volume = 4 * (ep - 1) / ep * arch.moe_topk * b * s_h * etp * arch.hidden_size * 2
+        per_micro += moe_per_stage * volume / bw(ep * etp)
+    if cp > 1:  # ring attention: K, V forward; K, V and their grads backward
+        kv_chunk = b * (s // cp) * 2 * (arch.num_key_value_heads // t) * arch.head_dim * 2
+        per_micro += layers_per_stage * 3 * (cp - 1) * kv_chunk / bw(t * cp)
+    if pp > 1:
+        per_micro += 2 * b * s_h * arch.hidden_size * 2 / bw(cluster.gpus)
+    bubble = (m + pp - 1) / m
+    dense, experts = _stage_params(arch, layout, range(layers_per_stage), True, pp == 1)
+    dp_sync = 0.0
+    for params, group, span in ((dense, dp * cp, t * cp * dp), (experts, layout.edp, t * cp * dp)):
+        if group > 1:
+            dp_sync += (work.grad_bytes + 2) * params * (group - 1) / group / bw(span)
+    return (compute + m * per_micro) * bubble + dp_sync
+
+
+# ------------------------------------------------------------------------------------------- planning
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    workload: Workload
+    rollout: Rollout
+    memory: Memory
+    seconds: float
+    fits: bool
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Candidates that fit, cheapest first, and the leanest ones that do not."""
+
+    arch: Qwen3Arch
+    cluster: Cluster
+    workload: Workload  # recompute: the first mode tried; each candidate carries its own
+    rollout: Rollout
+    fitting: tuple[Candidate, ...]
+    not_fitting: tuple[Candidate, ...]
+    considered: int
+    best_seconds: float = 0.0
+
+    def relative_cost(self, c: Candidate) -> float:
+        return c.seconds / self.best_seconds if self.best_seconds else 1.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def enumerate_layouts(
+    arch: Qwen3Arch, gpus: int, seq_len: int, min_cp_tokens: int = 4096
+) -> Iterator[Layout]:
+    """Every valid layout for ``gpus``: tp dividing the KV heads, pp up to the layer count, cp only while
+    each rank keeps at least ``min_cp_tokens`` of the sequence, ep dividing the experts, etp in {1, tp}."""
+    for tp in _divisors(gpus):
+        for pp in _divisors(gpus // tp):
+            for cp in _divisors(gpus // (tp * pp)):
+                if cp > 1 and seq_len // cp < min_cp_tokens:
+                    continue
+                dp = gpus // (tp * pp * cp)
+                eps = _divisors(arch.num_experts) if arch.is_moe else [1]
+                for ep in eps:
+                    for etp in sorted({1, tp}) if ep > 1 else [tp]:
+                        layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp)
+                        try:
+                            check_layout(arch, layout, gpus, seq_len)
+                        except PlanError:
+                            continue
+                        yield layout
+
+
+def notes(layout: Layout, cluster: Cluster) -> tuple[str, ...]:
+    """Placement remarks: groups that span nodes pay network instead of NVLink bandwidth."""
+    out = []
+    if layout.tp > cluster.gpus_per_node:
+        out.append("tp spans nodes")
+    if layout.ep * layout.expert_tp > cluster.gpus_per_node:
+        out.append("ep*etp spans nodes (all-to-all over the network)")
+    if layout.tp * layout.cp > cluster.gpus_per_node:
+        out.append("cp spans nodes")
+    return tuple(out)
+
+
+def evaluate(
+    arch: Qwen3Arch, layout: Layout, work: Workload, rollout: Rollout, cluster: Cluster, model: CostModel
+) -> Candidate:
+    mem = memory(arch, layout, work, rollout, cluster)
+    fits = mem.total <= cluster.gpu_mem_gib * GIB
+    seconds = step_seconds(arch, layout, work, cluster, model)
+    return Candidate(layout, work, rollout, mem, seconds, fits, notes(layout, cluster))
+
+
+def _first_fitting(tries: Iterator[Candidate]) -> Candidate:
+    """The first candidate that fits (engine sizes come smallest first), else the last one tried."""
+    last = None
+    for last in tries:
+        if last.fits:
+            return last
+    assert last is not None
+    return last
+
+
+def plan(
+    arch: Qwen3Arch,
+    cluster: Cluster,
+    work: Workload,
+    rollout: Rollout,
+    *,
+    layouts: Sequence[Layout] | None = None,
+    recomputes: Sequence[Recompute] | None = None,
+    model: CostModel | None = None,
+    keep_not_fitting: int = 3,
+) -> Plan:
+    """Evaluate ``layouts`` (default: all of :func:`enumerate_layouts`) under each recompute mode and rank
+    them. Selective recompute is skipped with flash attention: it stores exactly what ``none`` stores.
+    With colocated engines of unset size, each candidate gets the smallest engine that lets it fit."""
+    model = model or CostModel()
+    if rollout.colocated and rollout.tp is not None:
+        check_rollout(arch, rollout.tp, cluster.gpus)
+    if recomputes is None:
+        recomputes = ("none", "full") if work.flash_attention else RECOMPUTE
+    if layouts is None:
+        layouts = list(enumerate_layouts(arch, cluster.gpus, work.seq_len))
+    engines = [rollout]
+    if rollout.colocated and rollout.tp is None:
+        sizes = [rtp for rtp in rollout_tp_choices(arch, cluster.gpus) if rtp <= rollout.max_auto_tp]
+        engines = [replace(rollout, tp=rtp) for rtp in sizes]
+        if not engines:
+            raise PlanError(
+                f"no vLLM engine of at most {rollout.max_auto_tp} GPUs tiles {cluster.gpus} GPUs with this "
+                "model's heads",
+                "rollout_tp",
+            )
+    candidates = []
+    for layout in layouts:
+        for recompute in recomputes:
+            w = replace(work, recompute=recompute)
+            tries = (evaluate(arch, layout, w, engine, cluster, model) for engine in engines)
+            candidates.append(_first_fitting(tries))
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: (c.seconds, c.memory.total))
+    not_fitting = sorted((c for c in candidates if not c.fits), key=lambda c: (c.memory.total, c.seconds))
+    ranked = fitting or not_fitting
+    best = min((c.seconds for c in ranked), default=0.0)
+    kept = tuple(not_fitting[:keep_not_fitting])
+    return Plan(arch, cluster, work, rollout, tuple(fitting), kept, len(candidates), best)

@@ -1,0 +1,428 @@
+"""mars_megatron.launch.planner / plan_command (`mars plan`): memory figures against hand calculations,
+published parameter counts and published feasible layouts, and errors that name the field. CPU only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from mars_megatron.launch import plan_command
+from mars_megatron.launch.planner import (
+    GIB,
+    PRESETS,
+    Cluster,
+    CostModel,
+    Layout,
+    PlanError,
+    Rollout,
+    Workload,
+    check_layout,
+    check_rollout,
+    enumerate_layouts,
+    layer_activation_bytes,
+    memory,
+    param_counts,
+    plan,
+    resolve_model,
+    rollout_bytes,
+    stage_layers,
+    step_seconds,
+)
+from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config, parse_hf_config
+
+A30 = PRESETS["qwen3-30b-a3b"]
+A235 = PRESETS["qwen3-235b-a22b"]
+NO_ROLLOUT = Rollout(colocated=False)
+HF_CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "hf_configs"
+
+# A small MoE for hand-checkable activations: h 64, 8 heads / 2 KV heads of 16, 8 experts top-2 of 24.
+SMALL = parse_hf_config(
+    {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "max_position_embeddings": 512,
+        "rope_theta": 1000000,
+        "rms_norm_eps": 1e-6,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+    }
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mars plan")
+    plan_command.add_arguments(p)
+    return p
+
+
+# ------------------------------------------------------------------------------------- parameter counts
+def test_parameter_counts_match_the_published_sizes() -> None:
+    # Qwen3-30B-A3B: "30.5B total, 3.3B activated"; Qwen3-235B-A22B: "235B total, 22B activated".
+    for arch, total, active in ((A30, 30.5e9, 3.3e9), (A235, 235e9, 22e9)):
+        counts = param_counts(arch)
+        assert counts.total == pytest.approx(total, rel=0.02)
+        assert counts.active == pytest.approx(active, rel=0.02)
+
+
+def test_parameter_count_of_30b_a3b_by_hand() -> None:
+    attention = 2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 32 * 128 * 2048  # q, k and v, o: 18,874,368
+    norms = 2 * 2048 + 2 * 128  # input + pre-MLP RMSNorm, q/k norms
+    router = 2048 * 128
+    experts = 128 * 3 * 2048 * 768  # gate, up, down of 128 experts
+    embeddings = 2 * 151936 * 2048  # untied input embedding and output layer
+    total = 48 * (attention + norms + router + experts) + embeddings + 2048  # + final norm
+    assert total == 30_532_122_624
+    assert param_counts(A30).total == total
+    active = 48 * (attention + norms + router + 8 * 3 * 2048 * 768) + embeddings + 2048
+    assert param_counts(A30).active == active == 3_353_032_704
+
+
+def test_presets_agree_with_the_shipped_hf_configs() -> None:
+    fields = (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "tie_word_embeddings",
+        "attention_bias",
+        "num_experts",
+        "moe_topk",
+        "moe_ffn_hidden_size",
+        "moe_layers",
+    )
+    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
+        loaded = load_hf_config(HF_CONFIGS / f"{name}.json")
+        assert {f: getattr(PRESETS[name], f) for f in fields} == {f: getattr(loaded, f) for f in fields}
+
+
+# ------------------------------------------------------------------------------------- memory by hand
+def test_30b_a3b_ep8_on_8_gpus_weights_grads_optimizer_by_hand() -> None:
+    # tp 1, pp 1, ep 8, dp 8: every rank holds all dense parameters and 128 / 8 = 16 experts per layer.
+    attention = 2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 32 * 128 * 2048
+    norms_and_router = 2 * 2048 + 2 * 128 + 2048 * 128
+    embedding_and_output = 2 * 151936 * 2048  # 151936 = 1187 * 128: no vocabulary padding
+    dense = 48 * (attention + norms_and_router) + embedding_and_output + 2048
+    experts = 48 * 16 * 3 * 2048 * 768
+    assert (dense, experts) == (1_541_093_376, 3_623_878_656)
+    layout = Layout(tp=1, pp=1, ep=8, dp=8)
+    assert layout.edp == 1  # tp*cp*dp / (ep*etp) = 8 / 8: each expert shard has a single copy
+    mem = memory(A30, layout, Workload(seq_len=4096), NO_ROLLOUT, Cluster(gpus=8))
+    assert mem.weights == 2 * (dense + experts) == 10_329_944_064  # bf16
+    assert mem.grads == 4 * (dense + experts)  # fp32 main grads (grad_reduce_in_fp32)
+    # distributed optimizer: 12 B/param, dense sharded over dp*cp = 8, experts over edp = 1
+    assert mem.optimizer == 12 * dense // 8 + 12 * experts == 45_798_183_936
+    assert mem.weights / GIB == pytest.approx(9.62, abs=0.01)
+
+
+def test_activations_of_a_small_moe_by_hand() -> None:
+    # tp 2 (sequence parallel), cp 1, ep 2, etp 1, micro-batch 1, s 128: s_r = 128, s_h = 64, a_r = 4, g_r = 1
+    layout = Layout(tp=2, ep=2, etp=1, dp=1)
+    work = Workload(seq_len=128)
+    check_layout(SMALL, layout, 2, 128)
+    attention = 4 * 64 * 64 + 6 * 128 * 16 * (4 + 1)  # norm + QKV inputs; fused QKV, q/k normed, O
+    moe = (
+        4 * 64 * 64 + 4 * 64 * 8 + 4 * 2 * 64 * 1 * 64 + 6 * 2 * 64 * 24
+    )  # norm/router in, probs, tokens, SwiGLU
+    assert (attention, moe) == (77_824, 69_632)
+    assert layer_activation_bytes(SMALL, layout, work, moe=True) == attention + moe
+    # without flash attention the softmax scores 2·a_r·s_r·s stay, unless selective recompute drops them
+    no_flash = Workload(seq_len=128, flash_attention=False)
+    assert layer_activation_bytes(SMALL, layout, no_flash, moe=True) == attention + moe + 2 * 4 * 128 * 128
+    selective = Workload(seq_len=128, flash_attention=False, recompute="selective")
+    assert layer_activation_bytes(SMALL, layout, selective, moe=True) == attention + moe
+    # pp 1: one micro-batch in flight; the last stage adds final-norm + output inputs and fp32 logits
+    mem = memory(SMALL, layout, work, NO_ROLLOUT, Cluster(gpus=2))
+    assert mem.activations == 6 * (attention + moe) + 4 * 64 * 64
+    assert mem.logits == 128 * 1024 // 2 * 4  # vocabulary padded to 1024, split over tp 2, 4 bytes
+    full = memory(SMALL, layout, Workload(seq_len=128, recompute="full"), NO_ROLLOUT, Cluster(gpus=2))
+    assert full.activations == 6 * 2 * 64 * 64 + (attention + moe) + 4 * 64 * 64  # layer inputs + one layer
+
+
+def test_first_pipeline_stage_holds_pp_micro_batches() -> None:
+    # tp 1, pp 2: 3 layers per stage; s_r = s_h = 128, a_r = 8, g_r = 2
+    attention = 4 * 128 * 64 + 6 * 128 * 16 * (8 + 2)
+    moe = 4 * 128 * 64 + 4 * 128 * 8 + 4 * 2 * 128 * 1 * 64 + 6 * 2 * 128 * 24
+    layout = Layout(tp=1, pp=2, ep=1, dp=1)
+    assert (
+        layer_activation_bytes(SMALL, layout, Workload(seq_len=128), moe=True) == attention + moe == 294_912
+    )
+    mem = memory(SMALL, layout, Workload(seq_len=128, global_batch=8), NO_ROLLOUT, Cluster(gpus=2))
+    # stage 0: 2 micro-batches in flight under 1F1B (the last stage: 1, plus 4·s·h and 128·1024·4 of logits)
+    assert (mem.stage, mem.activations, mem.logits) == (0, 2 * 3 * (attention + moe), 0)
+    one = memory(SMALL, layout, Workload(seq_len=128, global_batch=1), NO_ROLLOUT, Cluster(gpus=2))
+    assert one.stage == 1 and one.activations == 3 * (attention + moe) + 4 * 128 * 64  # 1 micro-batch in all
+
+
+def test_distributed_optimizer_gives_megatrons_6_plus_12_over_d_bytes_per_param() -> None:
+    # Megatron-Core's distributed-optimizer table: bf16 params + fp32 grads = 6 + 12/d bytes per parameter.
+    dense = load_hf_config(HF_CONFIGS / "qwen3-8b.json")  # 151936-entry vocabulary: no padding
+    params = param_counts(dense).total
+    for dp in (1, 2, 8):
+        mem = memory(dense, Layout(dp=dp), Workload(seq_len=4096), NO_ROLLOUT, Cluster(gpus=dp))
+        assert (mem.weights + mem.grads + mem.optimizer) / params == pytest.approx(6 + 12 / dp, rel=1e-6)
+    plain = Workload(seq_len=4096, distributed_optimizer=False)
+    mem = memory(dense, Layout(dp=8), plain, NO_ROLLOUT, Cluster(gpus=8))
+    assert (mem.weights + mem.grads + mem.optimizer) / params == pytest.approx(18, rel=1e-6)
+
+
+def test_expert_optimizer_state_is_sharded_over_expert_data_parallel_ranks() -> None:
+    work, cluster = Workload(seq_len=4096), Cluster(gpus=16)
+    dense = 1_541_093_376  # as in the hand calculation above (tp 1, pp 1)
+    one = memory(A30, Layout(ep=16, etp=1, dp=16), work, NO_ROLLOUT, cluster)  # 8 experts a layer, edp 1
+    assert one.optimizer == 12 * dense // 16 + 12 * (48 * 8 * 3 * 2048 * 768) // 1
+    two = memory(A30, Layout(ep=8, etp=1, dp=16), work, NO_ROLLOUT, cluster)  # 16 experts a layer, edp 2
+    assert two.optimizer == 12 * dense // 16 + 12 * (48 * 16 * 3 * 2048 * 768) // 2
+
+
+def test_recompute_ordering() -> None:
+    layout, cluster = Layout(tp=2, pp=2, ep=4, etp=1, dp=2), Cluster(gpus=8)
+    for flash in (True, False):
+        acts = {
+            r: memory(
+                A30, layout, Workload(seq_len=8192, recompute=r, flash_attention=flash), NO_ROLLOUT, cluster
+            )
+            for r in ("none", "selective", "full")
+        }
+        assert acts["full"].activations < acts["selective"].activations <= acts["none"].activations
+        assert (acts["selective"].activations == acts["none"].activations) is flash  # flash stores no scores
+
+
+def test_rollout_kv_cache_and_colocated_peak() -> None:
+    # 30B-A3B engines of 2 GPUs: 2 of 4 KV heads per GPU; 16 sequences x 32768 tokens
+    weights, kv = rollout_bytes(A30, Rollout(tp=2, max_seqs=16, seq_len=32768))
+    assert weights == 2 * 30_532_122_624 // 2
+    assert kv == (2 * 48 * 2 * 128 * 2) * 16 * 32768 == 24 * GIB
+    _, kv8 = rollout_bytes(A30, Rollout(tp=8, max_seqs=16, seq_len=32768))
+    assert kv8 == (2 * 48 * 1 * 128 * 2) * 16 * 32768  # tp 8 > 4 KV heads: vLLM replicates, one per GPU
+    layout, work, cluster = Layout(ep=16, etp=1, dp=16), Workload(seq_len=4096), Cluster(gpus=16)
+    mem = memory(A30, layout, work, Rollout(tp=2), cluster)
+    static = mem.weights + mem.grads + mem.optimizer
+    # engines sleep while the trainer steps; the trainer stays resident while engines roll out
+    assert mem.total == mem.overhead + max(static + mem.activations + mem.logits, static + weights + kv)
+    offload = memory(A30, layout, work, Rollout(tp=2, trainer_offload=True), cluster)
+    assert offload.rollout == weights + kv
+    apart = memory(A30, layout, work, NO_ROLLOUT, cluster)
+    assert (apart.rollout_weights, apart.kv_cache, apart.total) == (0, 0, apart.overhead + apart.train)
+
+
+def test_pipeline_stages_split_like_megatron() -> None:
+    assert stage_layers(A235, Layout(pp=8, tp=4, ep=8, etp=1, dp=4)) == (11, *(12,) * 6, 11)
+    assert stage_layers(A235, Layout(pp=16)) == (5, *(6,) * 14, 5)  # as account_for_embedding/loss would
+    assert stage_layers(A30, Layout(pp=2)) == (24, 24)
+    assert stage_layers(A235, Layout(pp=7)) == (12, *(14,) * 5, 12)
+    assert stage_layers(A235, Layout(pp=4, first_stage_layers=22)) == (22, 24, 24, 24)
+    assert sum(stage_layers(A235, Layout(pp=32))) == 94
+
+
+# ------------------------------------------------------------------------------- published layouts
+# Layouts NVIDIA publishes for these models, with their sequence length and recompute. Our assumptions are
+# at least as heavy as theirs (fp32 main grads everywhere), so each must come out under 80 GiB. Training
+# memory only (colocated=False): NeMo-RL offloads the policy while its vLLM engines generate.
+PUBLISHED = [
+    # Megatron-Bridge src/megatron/bridge/recipes/qwen/h100/qwen3_moe.py (commit 04eb4f8d):
+    # qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config: TP4 PP2 EP4 ETP1, seq 4096, full recompute
+    ("bridge-30b-pretrain-8gpu", A30, 8, Layout(tp=4, pp=2, ep=4, etp=1, dp=1), 4096, "full", 68.9),
+    # qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config: TP1 PP1 EP16, seq 4096, "fits without recompute"
+    ("bridge-30b-pretrain-16gpu", A30, 16, Layout(tp=1, ep=16, etp=1, dp=16), 4096, "none", 73.3),
+    # qwen3_30b_a3b_sft_8gpu_h100_bf16_config: TP4 PP2 EP4 ETP1, seq 2048, no recompute
+    ("bridge-30b-sft-8gpu", A30, 8, Layout(tp=4, pp=2, ep=4, etp=1, dp=1), 2048, "none", 71.4),
+    # qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config: TP4 PP16 CP2 EP8 ETP1, seq 4096, no recompute
+    (
+        "bridge-235b-pretrain-256gpu",
+        A235,
+        256,
+        Layout(tp=4, pp=16, cp=2, ep=8, etp=1, dp=2),
+        4096,
+        "none",
+        37.6,
+    ),
+    # qwen3_235b_a22b_sft_64gpu_h100_bf16_config: TP4 PP16 EP4 ETP1, seq 2048, no recompute
+    ("bridge-235b-sft-64gpu", A235, 64, Layout(tp=4, pp=16, ep=4, etp=1, dp=1), 2048, "none", 79.1),
+    # NeMo-RL examples/configs/recipes/llm/performance/grpo-qwen3-30ba3b-4n8g.yaml (commit 0b88cccc):
+    # 4 nodes x 8, TP1 PP1 EP8 (ETP 1: grpo_math_1B.yaml), max_total_sequence_length 4096, vLLM TP2
+    ("nemo-rl-grpo-30b-4n8g", A30, 32, Layout(tp=1, ep=8, etp=1, dp=32), 4096, "none", 72.8),
+    # .../grpo-qwen3-30ba3b-4n8g-40K.yaml (commit 850f69f2): TP4 CP8 EP8, 40960 tokens, activation ckpt.
+    ("nemo-rl-grpo-30b-4n8g-40k", A30, 32, Layout(tp=4, cp=8, ep=8, etp=1, dp=1), 40960, "full", 38.3),
+    # .../grpo-qwen3-235b-16n8g.yaml (commit 850f69f2): TP2 PP8 CP2 EP16, first/last stage 11 layers,
+    # 8192 tokens, activation checkpointing, vLLM TP16
+    (
+        "nemo-rl-grpo-235b-16n8g",
+        A235,
+        128,
+        Layout(tp=2, pp=8, cp=2, ep=16, etp=1, dp=4, first_stage_layers=11, last_stage_layers=11),
+        8192,
+        "full",
+        39.3,
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "arch", "gpus", "layout", "seq", "recompute", "gib"), PUBLISHED)
+def test_published_layouts_fit_80_gib(
+    name: str, arch: Qwen3Arch, gpus: int, layout: Layout, seq: int, recompute: str, gib: float
+) -> None:
+    work = Workload(seq_len=seq, recompute=recompute, global_batch=256)
+    mem = memory(arch, layout, work, NO_ROLLOUT, Cluster(gpus=gpus))
+    assert mem.total / GIB == pytest.approx(gib, abs=0.05)
+    assert mem.total <= 80 * GIB
+    result = plan(arch, Cluster(gpus=gpus), work, NO_ROLLOUT, layouts=[layout], recomputes=[recompute])
+    assert len(result.fitting) == 1
+
+
+def test_nemo_rl_engine_sizes_leave_room_for_kv_cache() -> None:
+    # NeMo-RL gives vLLM 60 % of the GPU (gpu_memory_utilization 0.6): 30B-A3B on TP2, 235B-A22B on TP16.
+    for arch, rtp in ((A30, 2), (A235, 16)):
+        weights, _ = rollout_bytes(arch, Rollout(tp=rtp))
+        assert weights < 0.6 * 80 * GIB
+        check_rollout(arch, rtp, 128)
+
+
+# ---------------------------------------------------------------------------------- planning and cost
+def test_plan_ranks_fitting_candidates_by_cost() -> None:
+    cluster = Cluster(gpus=16)
+    result = plan(A30, cluster, Workload(seq_len=8192), Rollout(max_seqs=8, seq_len=8192))
+    assert result.fitting and result.considered > len(result.fitting)
+    costs = [c.seconds for c in result.fitting]
+    assert costs == sorted(costs) and result.relative_cost(result.fitting[0]) == 1.0
+    assert all(c.memory.total <= 80 * GIB for c in result.fitting)
+    assert all(c.memory.total > 80 * GIB for c in result.not_fitting)
+    assert {c.workload.recompute for c in result.fitting} <= {"none", "full"}  # flash: selective == none
+    assert all(c.rollout.tp is not None for c in result.fitting)  # each got the smallest engine that fits
+
+
+def test_enumerated_layouts_obey_megatron_rules() -> None:
+    layouts = list(enumerate_layouts(A30, 16, 32768))
+    assert Layout(tp=1, pp=1, ep=16, etp=1, dp=16) in layouts
+    for lay in layouts:
+        assert lay.world == 16 and 4 % lay.tp == 0 and 128 % lay.ep == 0
+        assert (lay.tp * lay.cp * lay.dp) % (lay.ep * lay.expert_tp) == 0
+
+
+def test_cost_penalises_recompute_bubbles_and_network_all_to_all() -> None:
+    cluster, model = Cluster(gpus=16), CostModel()
+    lay = Layout(tp=1, pp=2, ep=8, etp=1, dp=8)
+    seconds = {
+        r: step_seconds(A30, lay, Workload(seq_len=4096, recompute=r), cluster, model)
+        for r in ("none", "full")
+    }
+    assert seconds["full"] > seconds["none"]
+    few, many = (
+        step_seconds(A30, lay, Workload(seq_len=4096, global_batch=g), cluster, model) for g in (8, 256)
+    )
+    assert few / 8 > many / 256  # fewer micro-batches per pipeline: a larger share of bubble
+    inside = step_seconds(A30, Layout(ep=8, etp=1, dp=16), Workload(seq_len=4096), cluster, model)
+    across = step_seconds(A30, Layout(ep=16, etp=1, dp=16), Workload(seq_len=4096), cluster, model)
+    assert across > inside
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    ("arch", "layout", "gpus", "field"),
+    [
+        (A30, Layout(tp=3, dp=2), 6, "tp"),  # 3 does not divide 32 heads
+        (A30, Layout(tp=8, ep=8, etp=1), 8, "tp"),  # 8 > 4 KV heads: Megatron splits KV groups over tp
+        (A30, Layout(ep=3, etp=1, dp=6), 6, "ep"),  # 3 does not divide 128 experts
+        (A30, Layout(ep=16, etp=1, dp=8), 8, "ep"),  # 16 experts-ranks from 8 ranks per stage
+        (A30, Layout(tp=2, ep=1, etp=1, dp=4), 8, "etp"),  # ep 1 needs etp == tp
+        (A30, Layout(tp=2, dp=2), 8, "gpus"),  # 4 != 8
+        (A30, Layout(pp=49), 49, "pp"),  # more stages than layers
+        (A30, Layout(pp=4, first_stage_layers=10, last_stage_layers=9), 4, "first_stage_layers"),  # 29 / 2
+        (A30, Layout(pp=1, first_stage_layers=10), 1, "first_stage_layers"),
+    ],
+)
+def test_bad_layouts_name_the_field(arch: Qwen3Arch, layout: Layout, gpus: int, field: str) -> None:
+    with pytest.raises(PlanError) as err:
+        check_layout(arch, layout, gpus, 4096)
+    assert err.value.path == field
+    assert str(err.value).startswith(f"{field}: ")
+
+
+def test_bad_inputs_name_the_field() -> None:
+    cases = [
+        (lambda: Cluster(gpus=12, gpus_per_node=8), "gpus"),
+        (lambda: Cluster(gpus=0), "gpus"),
+        (lambda: Layout(tp=0), "tp"),
+        (lambda: Workload(recompute="some"), "recompute"),  # type: ignore[arg-type]
+        (lambda: check_layout(A30, Layout(tp=2, cp=4, ep=8, etp=1), 8, 4100), "seq_len"),
+        (lambda: check_rollout(A30, 3, 12), "rollout_tp"),
+        (lambda: check_rollout(A30, 16, 8), "rollout_tp"),
+        (lambda: resolve_model("qwen3-999b"), "model"),
+        (lambda: plan_command.parse_layout("tp=3", 16), "gpus"),
+        (lambda: plan_command.parse_layout("tp=2,dp=3", 16), "dp"),
+        (lambda: plan_command.parse_layout("tp=two", 16), "tp"),
+        (lambda: plan_command.parse_layout("tensor=2", 16), "layout"),
+    ]
+    for make, field in cases:
+        with pytest.raises(PlanError) as err:
+            make()
+        assert err.value.path == field, (field, str(err.value))
+
+
+def test_unknown_model_error_lists_the_presets() -> None:
+    with pytest.raises(PlanError, match="qwen3-235b-a22b, qwen3-30b-a3b"):
+        plan_command.run(_parser().parse_args(["--model", "llama-70b", "--gpus", "8"]))
+
+
+# ------------------------------------------------------------------------------------------ CLI and HF
+def test_hf_dir_model_plans_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mars_megatron.models.presets import init_model
+
+    hf = init_model("tiny-moe", tmp_path / "hf")
+    assert resolve_model(str(hf)) == load_hf_config(hf)
+    argv = [
+        "--model",
+        str(hf),
+        "--gpus",
+        "2",
+        "--seq-len",
+        "512",
+        "--gpu-mem-gib",
+        "1",
+        "--overhead-gib",
+        "0.5",
+    ]
+    args = _parser().parse_args(argv)
+    assert plan_command.run(args) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3MoeForCausalLM" in out and "fits in 1 GiB:" in out
+    header = next(line for line in out.splitlines() if line.startswith("rank"))
+    assert header.split()[:10] == ["rank", "tp", "pp", "cp", "ep", "etp", "dp", "edp", "recompute", "rtp"]
+    assert any(line.split()[0] == "1" for line in out.splitlines() if line.strip())
+
+
+def test_cli_one_layout_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "qwen3-30b-a3b", "--gpus", "8", "--seq-len", "4096", "--no-colocated"]
+    args = _parser().parse_args([*argv, "--layout", "tp=4,pp=2,ep=4,etp=1", "--recompute", "full", "--json"])
+    assert plan_command.run(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    (only,) = data["fitting"]
+    assert only["layout"] == {
+        "tp": 4,
+        "pp": 2,
+        "cp": 1,
+        "ep": 4,
+        "etp": 1,
+        "dp": 1,
+        "first_stage_layers": None,
+        "last_stage_layers": None,
+        "edp": 1,
+    }
+    assert only["gib"]["total"] == pytest.approx(68.88, abs=0.01) and only["fits"]
+    with pytest.raises(PlanError) as err:
+        plan_command.run(_parser().parse_args([*argv, "--layout", "tp=3,pp=2"]))
+    assert err.value.path == "gpus"
+    with pytest.raises(PlanError) as err:
+        plan_command.run(_parser().parse_args([*argv, "--layout", "tp=4,ep=3,etp=1"]))
+    assert err.value.path == "ep"
