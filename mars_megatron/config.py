@@ -208,6 +208,12 @@ class TrainConfig(Section):
         min=1,
     )
     seed: int = _field(1234, "Random seed for initialisation, sampling and data order.", min=0)
+    recompute: Literal["none", "selective", "full"] = _field(
+        "none",
+        "Activation recomputation in the backward pass: 'full' keeps only each layer's input (Megatron "
+        "uniform, 1 layer per chunk), 'selective' recomputes core attention; long packs need 'full' "
+        "(`mars plan` shows the memory).",
+    )
 
 
 @dataclass

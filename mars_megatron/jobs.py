@@ -45,9 +45,17 @@ def _is_writer() -> bool:
 
 
 def load_engine(
-    model_dir: str, parallel: ParallelConfig, *, dtype: str | None, impl: str, optimizer: Any = None
+    model_dir: str,
+    parallel: ParallelConfig,
+    *,
+    dtype: str | None,
+    impl: str,
+    optimizer: Any = None,
+    fp8: str | None = None,
+    recompute: str = "none",
 ) -> Any:
-    """A :class:`MegatronEngine` with weights from an HF directory or a mars Megatron checkpoint."""
+    """A :class:`MegatronEngine` with weights from an HF directory or a mars Megatron checkpoint
+    (``fp8``, ``recompute``: ``model.fp8``, ``train.recompute``)."""
     from checkpoints_conversion.convert import is_mcore_checkpoint, load_mcore, read_meta
     from checkpoints_conversion.hf_io import HFReader
     from checkpoints_conversion.model_io import load_weights, validate_hf_checkpoint
@@ -63,13 +71,17 @@ def load_engine(
             transformer_impl=impl,
             vocab_pad_multiple=meta["vocab_pad_multiple"],
             optimizer=optimizer,
+            fp8=fp8,
+            recompute=recompute,
         )
         load_mcore(engine.model, model_dir)
         return engine
     arch = load_hf_config(model_dir)
     reader = HFReader(model_dir)
     validate_hf_checkpoint(reader, arch)
-    engine = MegatronEngine(arch, parallel, dtype=dtype, transformer_impl=impl, optimizer=optimizer)
+    engine = MegatronEngine(
+        arch, parallel, dtype=dtype, transformer_impl=impl, optimizer=optimizer, fp8=fp8, recompute=recompute
+    )
     load_weights(engine.model, reader, arch, engine.padded_vocab)
     return engine
 

@@ -121,3 +121,13 @@ def test_layouts_take_the_same_step(moe: Path, one_process: list[dict], layout: 
         assert got["train/tokens"] == one_process[0]["train/tokens"]
         assert got["train/loss"] == pytest.approx(one_process[0]["train/loss"], abs=1e-5)
         assert got["train/grad_norm"] == pytest.approx(one_process[0]["train/grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recompute_takes_the_same_step(moe: Path, one_process: list[dict], recompute: str) -> None:
+    """``train.recompute`` trades compute for memory; the step is unchanged."""
+    (steps,) = parallel.launch(
+        train_samples, 1, str(moe), [*BASE, f"train.recompute={recompute}"], SAMPLES, 1, timeout_s=300
+    )
+    assert steps[0]["train/loss"] == pytest.approx(one_process[0]["train/loss"], abs=1e-6)
+    assert steps[0]["train/grad_norm"] == pytest.approx(one_process[0]["train/grad_norm"], rel=1e-5)

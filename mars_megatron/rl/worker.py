@@ -90,11 +90,17 @@ class PolicyWorker:
                 dtype=cfg.model.dtype,
                 impl=cfg.model.transformer_impl,
                 optimizer=cfg.optimizer,
+                fp8=cfg.model.fp8,
+                recompute=cfg.train.recompute,
             )
             reference = None
-            if cfg.algorithm.kl_coef > 0:
+            if cfg.algorithm.kl_coef > 0:  # forward only: no recompute
                 reference = load_engine(
-                    model_dir, cfg.parallel, dtype=cfg.model.dtype, impl=cfg.model.transformer_impl
+                    model_dir,
+                    cfg.parallel,
+                    dtype=cfg.model.dtype,
+                    impl=cfg.model.transformer_impl,
+                    fp8=cfg.model.fp8,
                 )
             self.policies[name] = _Policy(engine, reference, None)
 

@@ -217,6 +217,13 @@ def _patch_megatron_for_cpu() -> None:
     if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
+    # Activation recomputation (train.recompute) saves and restores the CUDA RNG state around each
+    # checkpointed chunk so dropout repeats; on CPU the CPU generator (saved beside it) is the only one.
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
 
 def _patch_megatron_bugs() -> None:
     """Version fixes that apply with or without a GPU.

@@ -45,6 +45,8 @@ class MegatronEngine:
         transformer_impl: str = "auto",
         vocab_pad_multiple: int = 128,
         optimizer: OptimizerConfig | None = None,
+        fp8: str | None = None,
+        recompute: str = "none",
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -60,6 +62,8 @@ class MegatronEngine:
             dtype=dtype,
             transformer_impl=transformer_impl,
             vocab_pad_multiple=vocab_pad_multiple,
+            fp8=fp8,
+            recompute=recompute,
         )
         self.config = self.model.config
         self.config.calculate_per_token_loss = True

@@ -146,7 +146,13 @@ def check_layout(arch: Qwen3Arch, parallel: ParallelConfig, vocab_pad_multiple: 
 
 
 def transformer_config(
-    arch: Qwen3Arch, parallel: ParallelConfig, *, dtype: str, impl: str, fp8: str | None = None
+    arch: Qwen3Arch,
+    parallel: ParallelConfig,
+    *,
+    dtype: str,
+    impl: str,
+    fp8: str | None = None,
+    recompute: str = "none",
 ) -> Any:
     """The megatron ``TransformerConfig`` equivalent to ``arch`` in layout ``parallel``."""
     from megatron.core.transformer import TransformerConfig
@@ -209,6 +215,12 @@ def transformer_config(
             moe_grouped_gemm=impl == "transformer_engine",
             moe_router_dtype="fp32" if dtype != "float32" else None,
         )
+    if recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":
+        kwargs.update(recompute_granularity="selective")
+    elif recompute != "none":
+        raise ValueError(f"train.recompute: expected 'none', 'selective' or 'full', got {recompute!r}")
     if fp8 is not None:
         if impl != "transformer_engine":
             raise LayoutError("model.fp8 needs model.transformer_impl=transformer_engine on a GPU")
@@ -262,6 +274,7 @@ def build_model(
     transformer_impl: str = "auto",
     vocab_pad_multiple: int = 128,
     fp8: str | None = None,
+    recompute: str = "none",
 ) -> Any:
     """This rank's pipeline stage of the model (megatron parallel state must be initialised).
 
@@ -273,7 +286,9 @@ def build_model(
     cpu_compat.install()
     check_layout(arch, parallel, vocab_pad_multiple)
     impl = resolve_impl(transformer_impl)
-    config = transformer_config(arch, parallel, dtype=dtype or arch.dtype, impl=impl, fp8=fp8)
+    config = transformer_config(
+        arch, parallel, dtype=dtype or arch.dtype, impl=impl, fp8=fp8, recompute=recompute
+    )
     pp_rank = ps.get_pipeline_model_parallel_rank()
     model = GPTModel(
         config=config,
