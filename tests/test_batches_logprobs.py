@@ -161,3 +161,42 @@ def test_two_tp_ranks_split_vocab_match_one_process() -> None:
         torch.testing.assert_close(values, expected.detach(), rtol=0, atol=1e-6)
         torch.testing.assert_close(grad, single.grad, rtol=0, atol=1e-6)
     torch.testing.assert_close(results[0][1][..., vocab:], torch.zeros(3, 5, padded - vocab))
+
+
+def test_chunked_values_and_gradients_match_log_softmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 3 tokens (of 10) with vocabulary padding: values and gradients as log_softmax gives."""
+    from mars_megatron.training import logprobs
+
+    monkeypatch.setattr(logprobs, "CHUNK_TOKENS", 3)
+    g = torch.Generator().manual_seed(2)
+    vocab, padded = 7, 9
+    logits = (torch.randn(2, 5, padded, generator=g) * 3).requires_grad_(True)
+    targets = torch.randint(0, vocab, (2, 5), generator=g)
+    upstream = torch.randn(2, 5, generator=g)
+    got = vocab_parallel_logprobs(logits, targets, vocab_start=0, vocab_size=vocab)
+    (got * upstream).sum().backward()
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    ref = _reference(ref_logits[..., :vocab], targets)
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=0, atol=1e-6)
+    assert logits.grad[..., vocab:].abs().max() == 0  # padding gets no gradient
+
+
+def test_backward_keeps_only_the_logits_and_per_token_statistics() -> None:
+    """What autograd saves for the backward pass: the bf16 logits themselves (not fp32 copies, shifted
+    logits or exponentials) and a few numbers per token."""
+    tokens, vocab = 64, 1024
+    logits = torch.randn(tokens, vocab).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.randint(0, vocab, (tokens,))
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        vocab_parallel_logprobs(logits, targets, vocab_start=0, vocab_size=vocab).sum().backward()
+    per_logit = [t for t in saved if t.numel() >= tokens * vocab]
+    assert len(per_logit) == 1 and per_logit[0].dtype == torch.bfloat16  # the input, not a copy
+    assert sum(t.numel() * t.element_size() for t in saved if t.numel() < tokens * vocab) <= 32 * tokens

@@ -45,7 +45,8 @@ region, ``a_r = a/tp``, ``g_r = g/tp``:
 * full recompute keeps only each layer's input, 2·b·s_h·h, plus one layer's full set while it is recomputed.
 * the first stage holds pp micro-batches in flight under 1F1B (stage i: min(pp − i, micro-batches)).
 * the last stage adds the final-norm and output-layer inputs, 4·b·s_h·h, and the logits/loss buffer
-  b·s_r·V/tp · 4 B (one fp32 copy, as a fused or chunked cross-entropy holds; ``logits_bytes``).
+  b·s_r·V/tp · 4 B (``logits_bytes``: training/logprobs.py keeps the bf16 logits for backward and writes
+  their bf16 gradient, working through fp32 temporaries in chunks of 1024 tokens).
 
 Rollout (colocated engines, one per ``rollout.tp`` GPUs): vLLM weights 2 B · params / rollout_tp, and the
 KV cache 2 (K, V) · layers · max(1, g / rollout_tp) · d · 2 B per token, times ``max_seqs · seq_len`` tokens
