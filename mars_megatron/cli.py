@@ -90,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="rank parallel layouts of a model on N GPUs by memory per GPU and cost")
     add_plan_arguments(p)
+
+    from mars_megatron.launch.nemo import HELP as LAUNCH_HELP
+    from mars_megatron.launch.nemo import add_arguments as add_launch_arguments
+
+    p = sub.add_parser("launch", help=LAUNCH_HELP)
+    add_launch_arguments(p)
     return parser
 
 
@@ -186,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             from mars_megatron.evaluation.command import run_eval
 
             run_eval(args)
+        elif args.command == "launch":
+            from mars_megatron.launch.nemo import run as launch
+
+            return launch(args)
         elif args.command == "plan":
             from mars_megatron.launch.plan_command import run as run_plan
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv with the pinned CPU environment and the package installed editable.
 # Idempotent: a stamp of the requirement files skips the install when nothing changed.
+# Then scripts/setup_launch.sh makes (or reuses) .venv-launch, the launcher's NeMo-Run environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -8,7 +9,7 @@ VENV=${MARS_VENV:-.venv}
 stamp="$VENV/.mars-setup-stamp"
 want=$(cat requirements/cpu.txt setup.cfg | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
+  exec scripts/setup_launch.sh
 fi
 echo "[setup] creating $VENV with the pinned CPU environment (about 2 minutes on a fresh machine)" >&2
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
@@ -19,3 +20,4 @@ echo "[setup] creating $VENV with the pinned CPU environment (about 2 minutes on
 VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VENV/bin/python" -c "import torch, megatron.core, transformers, vllm, mars_megatron" \
   || { echo "[setup] environment check failed" >&2; exit 1; }
 echo "$want" > "$stamp"
+scripts/setup_launch.sh

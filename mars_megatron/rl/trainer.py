@@ -99,11 +99,15 @@ def prepare(cfg: MarsConfig, *, nproc: int | None, resume: str | bool | None) ->
 
 
 def _start_ray(num_cpus: int, actors: int) -> bool:
-    """Start a local Ray with ``num_cpus`` unless this process is already connected to one (a cluster,
-    or a test's); True if started here (then the run shuts it down at the end). Every actor of the run
+    """Start a local Ray with ``num_cpus`` unless this process is already connected to one (a test's),
+    or ``RAY_ADDRESS`` names a cluster to join (a Slurm job's); True if started here (then the run shuts
+    it down at the end). Every actor of the run
     takes one CPU, so a cluster with fewer is refused now rather than after a placement timeout."""
     import ray
 
+    if not ray.is_initialized() and os.environ.get("RAY_ADDRESS"):
+        # A cluster started outside this process (`mars launch --executor slurm`): join it as the driver.
+        ray.init(log_to_driver=os.environ.get("MARS_RAY_LOGS", "0") == "1", configure_logging=False)
     if ray.is_initialized():
         have = ray.cluster_resources().get("CPU", 0.0)
         if have < actors:

