@@ -286,3 +286,31 @@ def test_local_executor_reports_a_failed_run(tmp_path: Path) -> None:
                tmp_path / "jobs", env={"NEMORUN_HOME": str(tmp_path / "nemorun")})  # fmt: skip
     assert r.returncode == 2, f"{r.stdout}\n{r.stderr}"  # mars train's own exit status for bad input
     assert "mars train: error: model.mcore_dir:" in r.stdout and "no such directory" in r.stdout
+
+
+def test_the_trainer_joins_the_cluster_that_ray_address_names() -> None:
+    """In a Slurm job the Ray cluster is up before `mars train` starts: the trainer joins it as the driver
+    (RAY_ADDRESS) instead of starting its own, and refuses one too small for its actors."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent))
+    assert ray_cli is not None
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0123456789abcdef" * 2}
+    start = [ray_cli, "start", "--head", "--port=6391", "--num-cpus=4", "--include-dashboard=false",
+             "--disable-usage-stats"]  # fmt: skip
+    subprocess.run(start, env=env, check=True, capture_output=True, timeout=120)
+    try:
+        probe = (
+            "from mars_megatron.rl.trainer import _start_ray\nimport ray\n"
+            "print('own', _start_ray(2, 3), ray.cluster_resources()['CPU'])\n"
+            "try:\n    ray.shutdown(); _start_ray(2, 5)\nexcept RuntimeError as e:\n    print('refused', e)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", probe], env={**env, "RAY_ADDRESS": "127.0.0.1:6391"},
+                             capture_output=True, text=True, timeout=180)  # fmt: skip
+        assert "own False 4.0" in out.stdout, out.stdout + out.stderr
+        assert "refused the Ray cluster this process is connected to has 4 CPUs" in out.stdout
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
