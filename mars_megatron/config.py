@@ -266,8 +266,18 @@ class RolloutConfig(Section):
     )
     max_batch: int = _field(64, "Requests one engine call decodes together (transformers engine).", min=1)
     threads: int | None = _field(None, "CPU threads of the rollout engine process; null = all cores.", min=1)
+    tp: int = _field(
+        1,
+        "GPUs per rollout engine (vLLM tensor_parallel_size), all on one node (an engine is one Ray actor). "
+        "More than 1 needs engine 'vllm' and pipeline.placement 'disaggregated' or 'none'.",
+        min=1,
+    )
 
     def validate(self) -> None:
+        if self.tp > 1 and self.engine == "hf":
+            raise ConfigError(
+                f"{self.tp} needs engine 'vllm' (the transformers engine runs on one device)", "tp"
+            )
         if self.top_k == 0:
             raise ConfigError("must be -1 (off) or >= 1, got 0", "top_k")
         if self.top_p > 1:
@@ -437,6 +447,12 @@ class MarsConfig(Section):
                     f"{ALIGNMENT} (FP8 GEMM alignment)",
                     "train.pack_length",
                 )
+        if self.rollout.tp > 1 and self.pipeline.placement == "colocated":
+            raise ConfigError(
+                f"{self.rollout.tp} with pipeline.placement 'colocated', where each engine shares one device "
+                "with one trainer rank; use pipeline.placement=disaggregated for multi-GPU engines",
+                "rollout.tp",
+            )
         if pack < self.rollout.max_response_tokens:
             raise ConfigError(
                 f"{pack} is shorter than rollout.max_response_tokens ({self.rollout.max_response_tokens}): "

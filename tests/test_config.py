@@ -86,14 +86,21 @@ def test_example_layouts() -> None:
     assert tiny.model.hf_dir is None and tiny.check_world_size(2) == 2
     assert (EXAMPLES.parent / tiny.data.train_file).is_file()
     q30 = load_config(EXAMPLES / "qwen3_30b_a3b.yaml")
-    assert (q30.parallel.tp, q30.parallel.pp, q30.parallel.ep, q30.parallel.etp) == (2, 1, 8, 1)
+    assert (q30.parallel.tp, q30.parallel.pp, q30.parallel.ep, q30.parallel.etp) == (4, 1, 8, 1)
     assert (q30.model.dtype, q30.model.transformer_impl) == ("bfloat16", "transformer_engine")
     assert (q30.data.problems_per_step, q30.agents.group_size, q30.optimizer.lr) == (128, 8, 1e-6)
     assert (q30.rollout.max_response_tokens, q30.train.pack_length) == (65536, 98304)
-    assert q30.parallel.moe_token_dispatcher == "alltoall" and q30.check_world_size(64) == 32
+    assert q30.parallel.moe_token_dispatcher == "alltoall" and q30.check_world_size(32) == 8
     q235 = load_config(EXAMPLES / "qwen3_235b_a22b.yaml")
     assert (q235.parallel.tp, q235.parallel.pp, q235.parallel.ep) == (4, 8, 8)
     assert q235.check_world_size(128) == 4
+    for cfg, rollout_tp in ((q30, 4), (q235, 8)):  # the paper's schedule, disaggregated vLLM engines
+        p = cfg.pipeline
+        assert (p.mode, p.segment_tokens, p.max_staleness) == ("agentic", 16384, 1)
+        assert p.placement == "disaggregated"
+        assert (cfg.rollout.engine, cfg.rollout.tp, cfg.rollout.temperature) == ("vllm", rollout_tp, 0.85)
+        assert (cfg.train.recompute, cfg.model.fp8) == ("full", None)
+        assert cfg.rollout.max_input_tokens + cfg.rollout.max_response_tokens == cfg.train.pack_length
 
 
 # --- overrides -----------------------------------------------------------------------------------------
@@ -211,6 +218,7 @@ def test_wrong_types_name_the_field(tmp_path: Path, text: str, expected: str) ->
     [
         ("parallel.tp=0", "parallel.tp: expected a positive int, got 0"),
         ("parallel.etp=0", "parallel.etp: expected a positive int, got 0"),
+        ("rollout.tp=0", "rollout.tp: expected a positive int, got 0"),
         ("train.pack_length=1", "train.pack_length: expected int >= 2, got 1"),
         ("checkpoint.save_interval=-1", "checkpoint.save_interval: expected int >= 0, got -1"),
         ("optimizer.lr=0", "optimizer.lr: expected float > 0, got 0.0"),
@@ -297,6 +305,12 @@ def test_file_error_names_file_even_with_overrides(tmp_path: Path) -> None:
             "train.pack_length: 98305 is not divisible by parallel.tp = 2",
         ),
         (["checkpoint.save_interval=10"], "checkpoint.save_interval: is 10 but save_dir is null"),
+        (["rollout.tp=2"], "rollout.tp: 2 needs engine 'vllm'"),
+        (
+            ["rollout.engine=vllm", "rollout.tp=4", "pipeline.placement=colocated"],
+            "rollout.tp: 4 with pipeline.placement 'colocated', where each engine shares one device with one "
+            "trainer rank; use pipeline.placement=disaggregated",
+        ),
     ],
 )
 def test_cross_field_checks(overrides: list[str], expected: str) -> None:
@@ -309,6 +323,11 @@ def test_cross_field_checks_pass_when_consistent() -> None:
     # SP off (allowed with ep 1): the pack length need not split over tp
     cfg = load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=false", "train.pack_length=98305"])
     assert cfg.parallel.effective_sequence_parallel is False and cfg.train.pack_length == 98305
+    # multi-GPU engines: vLLM, on devices of their own (disaggregated) or where Ray puts them (none)
+    for placement in ("disaggregated", "none"):
+        cfg = load_config(None, ["rollout.engine=vllm", "rollout.tp=4", f"pipeline.placement={placement}"])
+        assert cfg.rollout.tp == 4
+    assert load_config(None, ["rollout.engine=vllm", "pipeline.placement=colocated"]).rollout.tp == 1
 
 
 # --- world size -----------------------------------------------------------------------------------------

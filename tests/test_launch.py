@@ -20,12 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from mars_megatron.config import load_config
+from mars_megatron.config import ConfigError, load_config
 from mars_megatron.launch import nemo
 from mars_megatron.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-Q30B = "examples/qwen3_30b_a3b.yaml"  # tp 2, ep 8: trainer ranks must be a multiple of 8
+Q30B = "examples/qwen3_30b_a3b.yaml"  # tp 4, ep 8: trainer ranks must be a multiple of 8
+# The recipe's engines take 32 GPUs of their own (disaggregated); on fewer nodes every GPU is a trainer rank
+ALL_TRAINER = "pipeline.placement=none"
 TINY = REPO / "examples" / "tiny_cpu.yaml"
 DATA = REPO / "examples" / "data" / "arith_train.jsonl"
 IMAGE = "nvcr.io/acme/mars:26.08"
@@ -47,7 +49,7 @@ def launch(*args: str | Path, cwd: Path = REPO, env: dict[str, str] | None = Non
 
 def slurm_args(nodes: int, tmp: Path, *extra: str) -> list[str]:
     return [
-        Q30B, "train.steps=3", "algorithm.role_weights={verifier: 2}", "--executor", "slurm",
+        Q30B, ALL_TRAINER, "train.steps=3", "algorithm.role_weights={verifier: 2}", "--executor", "slurm",
         "--nodes", str(nodes), "--gpus-per-node", "8", "--account", "acme_llm", "--partition", "batch",
         "--container-image", IMAGE, "--container-mounts", "/lustre/data:/data", "--env", "HF_HOME=/data/hf",
         "--env", "NOTE=two words", "--cpus-per-node", "96", "--job-name", f"q30-{nodes}",
@@ -85,14 +87,14 @@ def test_slurm_without_account_or_image_names_the_flag(capsys: pytest.CaptureFix
 
 def test_nodes_that_do_not_divide_the_layout_name_the_layout(capsys: pytest.CaptureFixture[str]) -> None:
     # pp 2 makes the layout need a multiple of 16 ranks (pp * lcm(tp, ep * etp) = 2 * 8); 3 x 8 = 24
-    argv = [Q30B, "parallel.pp=2", "--executor", "slurm", "--account", "a", "--partition", "p",
+    argv = [Q30B, ALL_TRAINER, "parallel.pp=2", "--executor", "slurm", "--account", "a", "--partition", "p",
             "--container-image", IMAGE]  # fmt: skip
     rc, err = run_main(capsys, *argv, "--nodes", "3", "--gpus-per-node", "8", "--dry-run")
     assert rc == 2
-    assert "parallel: --nodes 3 x --gpus-per-node 8 give 24 trainer ranks" in err
+    assert "parallel: --nodes 3 x --gpus-per-node 8: 24 trainer ranks" in err
     assert "not divisible by etp*ep = 1*8 = 8" in err
     rc, err = run_main(capsys, *argv, "--nodes", "2", "--gpus-per-node", "6", "--dry-run")
-    assert rc == 2 and "give 12 trainer ranks" in err
+    assert rc == 2 and "12 trainer ranks" in err
 
 
 def test_unknown_executor_and_local_misuse(capsys: pytest.CaptureFixture[str]) -> None:
@@ -110,14 +112,16 @@ def test_unknown_executor_and_local_misuse(capsys: pytest.CaptureFixture[str]) -
     assert rc == 2 and "parallel.tp: expected a positive int, got 0" in err
 
 
-def test_disaggregated_engines_take_their_gpus_from_the_trainer() -> None:
-    cfg = load_config(REPO / Q30B, ["pipeline.placement=disaggregated", "pipeline.rollout_workers=2"])
-    assert nemo.trainer_world_size(cfg, 16) == 14
-    per_role = load_config(REPO / Q30B, ["pipeline.placement=disaggregated", "algorithm.policies=per_role"])
-    assert nemo.trainer_world_size(per_role, 16) == 13  # one engine per role
-    assert nemo.trainer_world_size(load_config(REPO / Q30B), 16) == 16  # colocated / none: all GPUs
-    with pytest.raises(ValueError, match=r"pipeline\.rollout_workers: 2 GPUs leave no trainer rank"):
-        nemo.trainer_world_size(cfg, 2)
+def test_disaggregated_engines_take_their_gpus_from_the_trainer(capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = load_config(REPO / Q30B)  # 8 engines x rollout.tp 4, disaggregated
+    assert nemo.trainer_world_size(recipe, 64) == 32
+    assert nemo.trainer_world_size(load_config(REPO / Q30B, [ALL_TRAINER]), 64) == 64
+    per_role = load_config(REPO / Q30B, ["algorithm.policies=per_role"])  # 3 x 8 engines x 4 GPUs
+    with pytest.raises(ConfigError, match=r"24 rollout engines x rollout\.tp 4 = 96 GPUs leave no trainer"):
+        nemo.trainer_world_size(per_role, 64)
+    argv = [Q30B, "--executor", "slurm", "--account", "a", "--partition", "p", "--container-image", IMAGE]
+    rc, err = run_main(capsys, *argv, "--nodes", "4", "--dry-run")  # 32 GPUs: all taken by the engines
+    assert rc == 2 and "--nodes 4 x --gpus-per-node 8: 8 rollout engines x rollout.tp 4" in err
 
 
 def test_arguments_survive_the_rerun_in_the_launch_env(tmp_path: Path) -> None:
@@ -147,7 +151,7 @@ def render(nodes: int, tmp: Path) -> str:
 
 
 def train_line(nodes: int) -> list[str]:
-    return ["mars", "train", Q30B, "train.steps=3", "algorithm.role_weights={verifier: 2}",
+    return ["mars", "train", Q30B, ALL_TRAINER, "train.steps=3", "algorithm.role_weights={verifier: 2}",
             "--nproc", str(8 * nodes)]  # fmt: skip
 
 
@@ -293,19 +297,28 @@ def test_the_trainer_joins_the_cluster_that_ray_address_names() -> None:
     (RAY_ADDRESS) instead of starting its own, and refuses one too small for its actors."""
     import os
     import shutil
+    import signal
     import subprocess
     import sys
+    import tempfile
 
     ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent))
     assert ray_cli is not None
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0123456789abcdef" * 2}
-    start = [ray_cli, "start", "--head", "--port=6391", "--num-cpus=4", "--include-dashboard=false",
-             "--disable-usage-stats"]  # fmt: skip
-    subprocess.run(start, env=env, check=True, capture_output=True, timeout=120)
+    # --block: the head lives in this process group, so stopping it stops only this cluster (`ray stop`
+    # would stop every Ray on the machine)
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
+    head = subprocess.Popen(
+        [ray_cli, "start", "--head", "--block", "--port=6391", "--num-cpus=4", "--include-dashboard=false",
+         "--disable-usage-stats", f"--temp-dir={temp}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
     try:
         probe = (
-            "from mars_megatron.rl.trainer import _start_ray\nimport ray\n"
-            "print('own', _start_ray(2, 3), ray.cluster_resources()['CPU'])\n"
+            "import time\nfrom mars_megatron.rl.trainer import _start_ray\nimport ray\n"
+            "for attempt in range(60):\n    try:\n        own = _start_ray(2, 3); break\n"
+            "    except ConnectionError:\n        time.sleep(1)\n"
+            "print('own', own, ray.cluster_resources()['CPU'])\n"
             "try:\n    ray.shutdown(); _start_ray(2, 5)\nexcept RuntimeError as e:\n    print('refused', e)\n"
         )
         out = subprocess.run([sys.executable, "-c", probe], env={**env, "RAY_ADDRESS": "127.0.0.1:6391"},
@@ -313,4 +326,6 @@ def test_the_trainer_joins_the_cluster_that_ray_address_names() -> None:
         assert "own False 4.0" in out.stdout, out.stdout + out.stderr
         assert "refused the Ray cluster this process is connected to has 4 CPUs" in out.stdout
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)

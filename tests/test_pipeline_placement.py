@@ -67,3 +67,56 @@ def test_a_placement_the_cluster_cannot_grant_names_what_is_missing(cluster: Non
         RuntimeError, match=r"pipeline.placement=disaggregated: the cluster did not grant 6 x"
     ):
         place("disaggregated", 4, 2, timeout_s=2)
+
+
+def test_disaggregated_engines_of_two_gpus(cluster: None) -> None:
+    """rollout.tp = 2: each engine's bundle holds 2 of the 4 logical GPUs, trainer ranks keep 1 each."""
+    import ray
+
+    from mars_megatron.pipeline.placement import place
+
+    placement = place("disaggregated", 2, 1, engine_gpus=2, timeout_s=30)
+    try:
+        assert placement.group.bundle_specs == [{"CPU": 1.0, "GPU": 1.0}] * 2 + [{"CPU": 1.0, "GPU": 2.0}]
+        assert placement.resources() == {"num_cpus": 1.0, "num_gpus": 1.0}
+        assert placement.engine_resources() == {"num_cpus": 1.0, "num_gpus": 2.0}
+        gpu_ids = ray.remote(lambda: ray.get_gpu_ids())
+        res = placement.engine_resources()
+        ids = gpu_ids.options(**res, scheduling_strategy=placement.strategy(placement.engine_bundles[0]))
+        assert len(ray.get(ids.remote())) == 2
+    finally:
+        placement.remove()
+    with pytest.raises(ValueError, match="colocated engines take 1 device each"):
+        place("colocated", 2, 2, engine_gpus=2)
+
+
+def test_unplaced_engines_take_rollout_tp_gpus_when_the_cluster_has_room(cluster: None) -> None:
+    """pipeline.placement=none: rollout.tp GPUs per engine beside the trainer ranks' (none here: this
+    process has no CUDA), else 0 (the engines share the devices they see)."""
+    from types import SimpleNamespace
+
+    from mars_megatron.rl.trainer import MarsRLTrainer
+
+    def gpus(tp: int, workers: int) -> int:
+        cfg = load_config(
+            None, ["rollout.engine=vllm", f"rollout.tp={tp}", f"pipeline.rollout_workers={workers}"]
+        )
+        trainer = SimpleNamespace(cfg=cfg, plan=SimpleNamespace(world_size=2), names=["shared"])
+        return MarsRLTrainer._unplaced_engine_gpus(trainer)  # type: ignore[arg-type]
+
+    assert (gpus(1, 1), gpus(2, 2), gpus(4, 1)) == (1, 2, 4)  # the cluster has 4 logical GPUs
+    assert gpus(2, 3) == 0  # 6 > 4
+
+
+def test_rollout_tp_reaches_vllm_as_tensor_parallel_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mars_megatron.rollout import factory, vllm_engine
+
+    seen: dict = {}
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda model_dir, **kwargs: seen.update(kwargs))
+    recipe = factory.engine_recipe(
+        "vllm", "ckpt", dtype="bfloat16", seed=1, max_batch=8, tensor_parallel_size=4
+    )
+    recipe()
+    assert seen["tensor_parallel_size"] == 4 and seen["quantization"] is None
+    with pytest.raises(ValueError, match="the hf engine runs on one device"):
+        factory.build_engine("hf", "ckpt", dtype="float32", seed=1, max_batch=8, tensor_parallel_size=2)

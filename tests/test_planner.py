@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from mars_megatron.config import ConfigError, load_config
 from mars_megatron.launch import plan_command
+from mars_megatron.launch.config_fit import check_config
 from mars_megatron.launch.planner import (
     GIB,
     PRESETS,
@@ -31,6 +33,7 @@ from mars_megatron.launch.planner import (
     stage_layers,
     step_seconds,
 )
+from mars_megatron.launch.resources import engine_gpus, rollout_engines, trainer_world_size
 from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config, parse_hf_config
 
 A30 = PRESETS["qwen3-30b-a3b"]
@@ -426,3 +429,145 @@ def test_cli_one_layout_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(PlanError) as err:
         plan_command.run(_parser().parse_args([*argv, "--layout", "tp=4,ep=3,etp=1"]))
     assert err.value.path == "ep"
+
+
+# ----------------------------------------------------------------------------- a config's own layout
+REPO = HF_CONFIGS.parents[1]
+# (recipe, GPUs, full-length sequences of KV cache per engine, trainer GiB, engine GiB): the figures in
+# each recipe's header comment, and its `mars plan --config` command.
+RECIPES = [
+    ("qwen3_30b_a3b.yaml", 64, 16, 59.1, 54.2),
+    ("qwen3_235b_a22b.yaml", 256, 4, 68.7, 76.4),
+]
+
+
+@pytest.fixture
+def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # the recipes' model.hf_dir is relative to the working directory
+
+
+@pytest.mark.parametrize(("recipe", "gpus", "seqs", "trainer_gib", "engine_gib"), RECIPES)
+def test_shipped_recipes_fit_80_gib_gpus(
+    in_repo: None, recipe: str, gpus: int, seqs: int, trainer_gib: float, engine_gib: float
+) -> None:
+    cfg = load_config(REPO / "examples" / recipe)
+    fit = check_config(cfg, Cluster(gpus=gpus, gpus_per_node=8, gpu_mem_gib=80), max_seqs=seqs)
+    assert fit.arch == load_hf_config(cfg.model.hf_dir)
+    assert fit.trainer_world == gpus // 2 and fit.engines * cfg.rollout.tp == gpus // 2
+    assert fit.trainer.total / GIB == pytest.approx(trainer_gib, abs=0.05)
+    assert fit.engine_total / GIB == pytest.approx(engine_gib, abs=0.05)
+    assert fit.trainer_fits and fit.engine_fits and fit.fits and not fit.notes
+    layout = fit.layout  # the config's own layout, with cp 1
+    assert (layout.tp, layout.pp, layout.cp, layout.ep, layout.expert_tp) == (4, cfg.parallel.pp, 1, 8, 1)
+    assert (fit.workload.seq_len, fit.workload.recompute) == (98304, "full")
+    assert (fit.rollout.colocated, fit.rollout.seq_len) == (False, 98304)
+
+
+def test_recipe_fit_by_hand() -> None:
+    """The 30B recipe: each engine GPU holds a quarter of the bf16 weights and 24 KiB of KV cache per token;
+    the trainer's figure is the planner's for its layout on 32 ranks."""
+    cfg = load_config(REPO / "examples" / "qwen3_30b_a3b.yaml")
+    fit = check_config(cfg, Cluster(gpus=64), model="qwen3-30b-a3b", max_seqs=16)
+    assert fit.engine_weights == 2 * 30_532_122_624 // 4
+    assert fit.engine_kv == 2 * 48 * 1 * 128 * 2 * 16 * 98304  # K and V, layers, KV heads per GPU, d, bf16
+    layout = Layout(tp=4, ep=8, etp=1, dp=8)
+    alone = memory(
+        A30, layout, Workload(seq_len=98304, recompute="full", global_batch=8), NO_ROLLOUT, Cluster(32)
+    )
+    assert fit.trainer == alone
+    # per-role policies: three models' state on every rank; a KL reference adds bf16 weights per policy
+    overrides = ["algorithm.policies=per_role", "algorithm.kl_coef=0.01", "pipeline.rollout_workers=2"]
+    cfg = load_config(REPO / "examples" / "qwen3_30b_a3b.yaml", overrides)
+    per_role = check_config(cfg, Cluster(gpus=64), model="qwen3-30b-a3b")
+    assert per_role.engines == 6 and per_role.trainer_world == 64 - 24
+    work = Workload(seq_len=98304, recompute="full", global_batch=10)
+    one = memory(A30, Layout(tp=4, ep=8, etp=1, dp=10), work, NO_ROLLOUT, Cluster(40))
+    assert per_role.trainer.weights == 6 * one.weights and per_role.trainer.grads == 3 * one.grads
+    assert per_role.trainer.optimizer == 3 * one.optimizer and per_role.trainer.activations == one.activations
+
+
+@pytest.mark.parametrize(
+    ("gpus", "overrides", "field", "message"),
+    [
+        (
+            64,
+            ["pipeline.rollout_workers=7"],
+            "parallel",
+            "36 trainer ranks (64 GPUs - 28 engine GPUs): world size 36 gives tp*dp = 4*9",
+        ),
+        (
+            32,
+            [],
+            "pipeline.rollout_workers",
+            "8 rollout engines x rollout.tp 4 = 32 GPUs leave no trainer rank",
+        ),
+        (64, ["rollout.tp=3"], "rollout.tp", "3 must divide the attention heads (32)"),
+        (64, ["parallel.tp=8"], "parallel.tp", "8 must divide the attention heads (32) and the KV heads (4)"),
+        (
+            64,
+            ["pipeline.placement=colocated", "rollout.tp=1", "pipeline.rollout_workers=65"],
+            "pipeline.rollout_workers",
+            "65 colocated engines but 64 GPUs",
+        ),
+        (64, ["model.hf_dir=/no/such/model"], "model.hf_dir", "is neither a preset"),
+    ],
+)
+def test_a_config_that_cannot_run_names_the_field(
+    in_repo: None, gpus: int, overrides: list[str], field: str, message: str
+) -> None:
+    cfg = load_config(REPO / "examples" / "qwen3_30b_a3b.yaml", overrides)
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg, Cluster(gpus=gpus))
+    assert err.value.path == field and message in err.value.message, str(err.value)
+
+
+def test_engines_must_fit_one_node_and_placement_none_is_noted() -> None:
+    cfg = load_config(
+        REPO / "examples" / "qwen3_235b_a22b.yaml", ["rollout.tp=16", "pipeline.rollout_workers=8"]
+    )
+    fit = check_config(cfg, Cluster(gpus=256), model="qwen3-235b-a22b", max_seqs=4)
+    assert fit.engine_total < 80 * GIB and not fit.engine_fits and not fit.fits  # memory fits, the node not
+    assert "rollout.tp 16 > 8 GPUs per node: an engine is one Ray actor" in fit.notes
+    cfg = load_config(REPO / "examples" / "qwen3_30b_a3b.yaml", ["pipeline.placement=none"])
+    fit = check_config(cfg, Cluster(gpus=32), model="qwen3-30b-a3b")
+    assert fit.trainer_world == 32 and fit.fits  # every GPU a trainer rank; the engines beside them
+    assert any(n.startswith("placement none: Ray places the 8 engines") for n in fit.notes)
+
+
+def test_trainer_world_size_and_engine_gpus() -> None:
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.tp=2", "pipeline.rollout_workers=3"])
+    assert (rollout_engines(cfg), engine_gpus(cfg), trainer_world_size(cfg, 4)) == (3, 6, 4)  # placement none
+    disaggregated = load_config(None, ["pipeline.placement=disaggregated", "algorithm.policies=per_role",
+                                       "rollout.engine=vllm", "rollout.tp=2"])  # fmt: skip
+    assert (engine_gpus(disaggregated), trainer_world_size(disaggregated, 10)) == (6, 4)
+    with pytest.raises(
+        ConfigError, match=r"pipeline.rollout_workers: 3 rollout engines x rollout.tp 2 = 6 GPUs"
+    ):
+        trainer_world_size(disaggregated, 6)
+    colocated = load_config(None, ["pipeline.placement=colocated", "parallel.tp=2"])
+    assert trainer_world_size(colocated, 8) == 8
+    with pytest.raises(
+        ConfigError, match=r"^parallel: 7 trainer ranks: world size 7 is not divisible by tp\*pp"
+    ):
+        trainer_world_size(colocated, 7)
+
+
+def test_cli_checks_a_config(in_repo: None, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--config", "examples/qwen3_30b_a3b.yaml", "--gpus", "64", "--rollout-seqs", "16"]
+    assert plan_command.run(_parser().parse_args(argv)) == 0
+    out = capsys.readouterr().out
+    assert "placement disaggregated: 32 trainer ranks; 8 rollout engines x rollout.tp 4 = 32 GPUs" in out
+    assert "  total 59.1 of 80 GiB: fits" in out and "  total 54.2 of 80 GiB: fits" in out
+    assert out.rstrip().endswith("\nfits")
+    # an override that no longer fits: exit code 1, and which side does not
+    assert plan_command.run(_parser().parse_args([*argv, "train.recompute=none", "--json"])) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert (data["trainer_fits"], data["engine_fits"], data["fits"]) == (False, True, False)
+    assert data["layout"]["dp"] == 8 and data["trainer_gib"]["total"] > 80
+    with pytest.raises(PlanError) as err:  # the layout and the workload come from the config
+        plan_command.run(_parser().parse_args([*argv, "--seq-len", "4096"]))
+    assert err.value.path == "--seq-len" and "train.pack_length" in err.value.message
+    with pytest.raises(PlanError, match="overrides need --config"):
+        plan_command.run(_parser().parse_args(["--model", "qwen3-30b-a3b", "--gpus", "8", "train.steps=2"]))
+    with pytest.raises(PlanError, match=r"give --model PRESET\|DIR, or --config FILE"):
+        plan_command.run(_parser().parse_args(["--gpus", "8"]))

@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from mars_megatron.config import ConfigError, MarsConfig, load_config
+from mars_megatron.launch.resources import trainer_world_size
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_VENV = REPO / os.environ.get("MARS_LAUNCH_VENV", ".venv-launch")  # as scripts/setup_launch.sh
 LAUNCH_PYTHON = LAUNCH_VENV / "bin" / "python"
-ROLES = 3  # Solver, Verifier, Corrector: policies under algorithm.policies=per_role
 JOB_PREFIX = "mars-"  # Slurm job name: mars-<job name> (NeMo-Run finds a running one by it)
 # Ray (2.60, this project's pin) turns token authentication on for `ray start --head`, and a worker or driver
 # given the address (ray start --address, RAY_ADDRESS) only authenticates with RAY_AUTH_MODE=token and the
@@ -143,21 +143,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def trainer_world_size(cfg: MarsConfig, gpus: int) -> int:
-    """Trainer ranks on ``gpus`` devices: all of them, except under ``pipeline.placement=disaggregated``,
-    where every rollout engine (``rollout_workers`` per policy) holds a device of its own. (Colocated
-    engines share the trainer's devices; with placement 'none' Ray places them beside the ranks.)"""
-    if cfg.pipeline.placement != "disaggregated":
-        return gpus
-    engines = (1 if cfg.algorithm.policies == "shared" else ROLES) * cfg.pipeline.rollout_workers
-    if gpus <= engines:
-        raise ConfigError(
-            f"{gpus} GPUs leave no trainer rank beside {engines} disaggregated rollout engines",
-            "pipeline.rollout_workers",
-        )
-    return gpus - engines
-
-
 def build_spec(args: argparse.Namespace) -> LaunchSpec:
     """Check the arguments and the config; raise :class:`ConfigError`/``ValueError`` naming the field or
     the flag. Starts nothing and needs no NeMo-Run."""
@@ -228,13 +213,12 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
 
 
 def _checked_world(cfg: MarsConfig, nodes: int, gpus_per_node: int) -> int:
-    world = trainer_world_size(cfg, nodes * gpus_per_node)
+    """Trainer ranks of the allocation (:func:`~mars_megatron.launch.resources.trainer_world_size`)."""
     try:
-        cfg.check_world_size(world)
+        return trainer_world_size(cfg, nodes * gpus_per_node)
     except ConfigError as err:
         where = f"--nodes {nodes} x --gpus-per-node {gpus_per_node}"
-        raise ConfigError(f"{where} give {world} trainer ranks: {err.message}", err.path) from None
-    return world
+        raise ConfigError(f"{where}: {err.message}", err.path) from None
 
 
 # ---------------------------------------------------------------- NeMo-Run (only in .venv-launch)

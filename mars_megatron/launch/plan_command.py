@@ -1,6 +1,8 @@
 """``mars plan``: the Megatron layouts that fit a model on a cluster, with memory per GPU and a relative
-cost, ranked. The arithmetic (and every formula) lives in :mod:`.planner`; this module parses options and
-prints. Errors are :class:`~.planner.PlanError` (a ``ValueError`` naming the field), reported by ``mars``."""
+cost, ranked; with ``--config``, whether that config's own layout fits (:mod:`.config_fit`; exit code 1 if
+not). The arithmetic (and every formula) lives in :mod:`.planner`; this module parses options and prints.
+Errors are :class:`~.planner.PlanError` or :class:`~mars_megatron.config.ConfigError` (both
+``ValueError`` naming the field), reported by ``mars``."""
 
 from __future__ import annotations
 
@@ -52,11 +54,36 @@ def _default(name: str) -> Any:
     return next(f.default for f in dataclasses.fields(cls) if f.name == attr)
 
 
+# options that --config takes from the config instead: dest -> where it comes from
+_FROM_CONFIG = {
+    "layout": "parallel.*",
+    "seq_len": "train.pack_length",
+    "micro_batch": "one pack per micro-batch",
+    "global_batch": "the worst case: pp micro-batches per rank",
+    "recompute": "train.recompute",
+    "no_flash_attention": "the trainer's flash attention",
+    "colocated": "pipeline.placement",
+    "rollout_tp": "rollout.tp",
+    "rollout_seq_len": "rollout.max_input_tokens + rollout.max_response_tokens",
+    "trainer_offload": "the trainer, which keeps its state on the GPU",
+    "logits_bytes": "the trainer's loss",
+    "grad_bytes": "the trainer's fp32 main grads",
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``mars plan``."""
     p.add_argument(
-        "--model", required=True, help=f"preset ({', '.join(PRESETS)}) or HF directory with config.json"
+        "--model",
+        help=f"preset ({', '.join(PRESETS)}) or HF directory with config.json; with --config: instead of "
+        "model.hf_dir",
     )
+    p.add_argument(
+        "--config",
+        help="check this MarsRL config's own layout on --gpus GPUs (trainer and engines); exit code 1 if it "
+        "does not fit",
+    )
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of --config")
     p.add_argument("--gpus", type=int, required=True, help="GPUs of the training job")
     p.add_argument("--gpus-per-node", type=int, help=f"default {_default('gpus_per_node')}")
     p.add_argument("--gpu-mem-gib", type=float, help=f"memory per GPU; default {_default('gpu_mem_gib')}")
@@ -89,7 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rollout-tp", type=int, help="GPUs per engine (default: the smallest that fits)")
     p.add_argument(
-        "--rollout-seqs", type=int, help=f"sequences an engine holds; default {_default('rollout_seqs')}"
+        "--rollout-seqs",
+        type=int,
+        help=f"sequences an engine holds (full length); default {_default('rollout_seqs')}",
     )
     p.add_argument("--rollout-seq-len", type=int, help="tokens per rollout sequence (default: --seq-len)")
     p.add_argument(
@@ -140,7 +169,14 @@ def _build(args: argparse.Namespace) -> tuple[Cluster, Workload, Rollout]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The ``mars plan`` job: rank the candidates and print them (a table, or JSON with ``--json``)."""
+    """The ``mars plan`` job: rank the candidates and print them (a table, or JSON with ``--json``); with
+    ``--config``, check that config (0 if it fits, 1 if not)."""
+    if args.config is not None:
+        return run_config(args)
+    if args.overrides:
+        raise PlanError(f"{args.overrides[0]!r}: overrides need --config", "overrides")
+    if args.model is None:
+        raise PlanError("give --model PRESET|DIR, or --config FILE", "model")
     if args.top < 0:
         raise PlanError(f"must be >= 0, got {args.top}", "top")
     arch = resolve_model(args.model)
@@ -157,6 +193,23 @@ def run(args: argparse.Namespace) -> int:
     )
     print(json.dumps(plan_dict(result, args.top), indent=1) if args.json else format_plan(result, args.top))
     return 0
+
+
+def run_config(args: argparse.Namespace) -> int:
+    """``mars plan --config FILE [overrides] --gpus N``: print :func:`.config_fit.format_fit`."""
+    from mars_megatron.config import load_config
+    from mars_megatron.launch.config_fit import check_config, fit_dict, format_fit
+
+    for dest, source in _FROM_CONFIG.items():
+        if getattr(args, dest, None) not in (None, False):
+            flag = "--" + dest.replace("_", "-")
+            raise PlanError(f"comes from the config with --config ({source})", flag)
+    cfg = load_config(args.config, args.overrides)
+    given = {name: getattr(args, name) for name in ("gpus_per_node", "gpu_mem_gib", "overhead_gib")}
+    cluster = Cluster(gpus=args.gpus, **{k: v for k, v in given.items() if v is not None})
+    fit = check_config(cfg, cluster, model=args.model, max_seqs=args.rollout_seqs)
+    print(json.dumps(fit_dict(fit), indent=1) if args.json else format_fit(fit, args.config))
+    return 0 if fit.fits else 1
 
 
 # ------------------------------------------------------------------------------------------------ output

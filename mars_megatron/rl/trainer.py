@@ -26,7 +26,8 @@ from mars_megatron.agents.roles import Role
 from mars_megatron.agents.trajectory import TrainingConfig
 from mars_megatron.config import ConfigError, MarsConfig, dump_config
 from mars_megatron.rl.data import ProblemStream
-from mars_megatron.rl.worker import PolicyWorker, policy_names, policy_of
+from mars_megatron.rl.policies import policy_names, policy_of
+from mars_megatron.rl.worker import PolicyWorker
 
 STATE_VERSION = 1
 PIPELINE_FILE = "pipeline_state.pt"
@@ -117,6 +118,7 @@ def _start_ray(num_cpus: int, actors: int) -> bool:
             )
         return False
     ray.init(
+        address="local",  # a new cluster of this run's, never one a `ray start` left on this machine
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=os.environ.get("MARS_RAY_LOGS", "0") == "1",
@@ -143,7 +145,12 @@ class MarsRLTrainer:
         if p.placement != "none":
             from mars_megatron.pipeline.placement import place
 
-            self.placement = place(p.placement, plan.world_size, len(self.names) * p.rollout_workers)
+            self.placement = place(
+                p.placement,
+                plan.world_size,
+                len(self.names) * p.rollout_workers,
+                engine_gpus=cfg.rollout.tp,
+            )
         names = [name for name in self.names for _ in range(p.rollout_workers)]
         self.workers = [(name, self._start_engine(i)) for i, name in enumerate(names)]
         self.engines = {name: next(e for n, e in self.workers if n == name) for name in self.names}
@@ -169,6 +176,8 @@ class MarsRLTrainer:
         self.driver = self._pipeline(codec)
 
     def _start_engine(self, index: int) -> Any:
+        """Rollout engine ``index`` as a Ray actor, on its placement bundle or (placement 'none') where Ray
+        puts it, with :meth:`_unplaced_engine_gpus` GPUs."""
         from mars_megatron.rollout.factory import engine_recipe
         from mars_megatron.rollout.ray_engine import start_rollout_actor
 
@@ -180,10 +189,12 @@ class MarsRLTrainer:
             seed=cfg.train.seed,
             max_batch=cfg.rollout.max_batch,
             fp8=cfg.model.fp8,
+            tensor_parallel_size=cfg.rollout.tp,
         )
         if self.placement is None:
-            return start_rollout_actor(recipe, num_cpus=1, threads=self._threads)
-        res = self.placement.resources()
+            gpus = self._unplaced_engine_gpus()
+            return start_rollout_actor(recipe, num_cpus=1, num_gpus=gpus, threads=self._threads)
+        res = self.placement.engine_resources()
         return start_rollout_actor(
             recipe,
             num_cpus=res["num_cpus"],
@@ -191,6 +202,20 @@ class MarsRLTrainer:
             threads=self._threads,
             scheduling_strategy=self.placement.strategy(self.placement.engine_bundles[index]),
         )
+
+    def _unplaced_engine_gpus(self) -> int:
+        """Placement 'none': ``rollout.tp`` GPUs per engine when the Ray cluster has them beside the trainer
+        ranks' (one each when this process sees CUDA, as :class:`RayWorkerGroup` asks). Otherwise 0: the
+        engines see every device of their node and share them (one GPU holding a rank and an engine)."""
+        import ray
+        import torch
+
+        have = ray.cluster_resources().get("GPU", 0)
+        ranks = self.plan.world_size if torch.cuda.is_available() else 0
+        engines = len(self.names) * self.cfg.pipeline.rollout_workers * self.cfg.rollout.tp
+        if have == 0 or have < ranks + engines:
+            return 0
+        return self.cfg.rollout.tp
 
     def _trainer_placement(self) -> dict[str, Any]:
         if self.placement is None:

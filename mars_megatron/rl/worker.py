@@ -23,17 +23,6 @@ from mars_megatron.rollout.engine import WeightUpdatable
 from mars_megatron.training import parallel as par
 from mars_megatron.training.batches import MicroBatch
 
-SHARED = "shared"
-
-
-def policy_names(cfg: MarsConfig) -> list[str]:
-    """``["shared"]``, or one policy per role."""
-    return [SHARED] if cfg.algorithm.policies == "shared" else [role.value for role in Role]
-
-
-def policy_of(role: Role, names: Sequence[str]) -> str:
-    return SHARED if SHARED in names else role.value
-
 
 def loss_config(cfg: MarsConfig) -> LossConfig:
     a = cfg.algorithm

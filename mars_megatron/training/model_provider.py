@@ -215,6 +215,8 @@ def transformer_config(
             moe_grouped_gemm=impl == "transformer_engine",
             moe_router_dtype="fp32" if dtype != "float32" else None,
         )
+    if recompute != "none":
+        cpu_compat.enable_recompute()
     if recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute == "selective":

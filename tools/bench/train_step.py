@@ -258,7 +258,8 @@ def worker(
 ) -> dict[str, Any]:
     """One rank: build the trainer's PolicyWorker, time its train step and the bare loop alternately."""
     from mars_megatron.config import load_config
-    from mars_megatron.rl.worker import SHARED, PolicyWorker
+    from mars_megatron.rl.policies import SHARED
+    from mars_megatron.rl.worker import PolicyWorker
 
     cfg = load_config(
         None,
