@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from mars_megatron.agents.prompts import PromptSet
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.trajectory import TrainingConfig
+from mars_megatron.algorithm.sample import Sample
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import (
     batch_metrics,
@@ -36,8 +37,8 @@ class Round:
     """Every output of one synchronous round, scored, with the trainer's records and the metrics."""
 
     batch: Batch
-    samples: list
-    """:class:`~mars_megatron.algorithm.sample.Sample` per output, with its training reward."""
+    samples: list[Sample]
+    """One per output, with its training reward."""
     metrics: dict[str, float]
     scheduler: Scheduler
 
