@@ -306,14 +306,15 @@ def _all_coords() -> list[Any]:
 
 
 def _sender(coords: list[Any], stage: int, owner_ep: int | None, group: str) -> int:
-    """The lowest global rank that holds the parameter in TP/expert-TP rank 0 of data-parallel replica 0."""
+    """The lowest global rank that holds the parameter in TP/expert-TP rank 0 of data-parallel replica 0
+    (context-parallel rank 0: CP ranks hold the same weights)."""
     for c in coords:
         if c.pp != stage:
             continue
         if owner_ep is not None:
             if c.ep == owner_ep and c.etp == 0 and c.edp == 0:
                 return c.rank
-        elif c.tp == 0 and c.dp == 0:
+        elif c.tp == 0 and c.dp == 0 and c.cp == 0:
             return c.rank
     raise AssertionError(f"no rank holds stage {stage} expert {owner_ep}")
 
@@ -323,5 +324,5 @@ def _in_sender_replica(me: Any, group: str, sender: Any) -> bool:
     if group == "etp":
         return me.edp == sender.edp and me.ep == sender.ep
     if group == "tp":
-        return me.dp == sender.dp
+        return me.dp == sender.dp and me.cp == sender.cp
     return me.rank == sender.rank

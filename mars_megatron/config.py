@@ -106,6 +106,12 @@ class ModelConfig(Section):
 class ParallelConfig(Section):
     tp: int = _field(1, "Tensor-parallel size: ranks that split each layer's weights.", min=1)
     pp: int = _field(1, "Pipeline-parallel size: ranks that split the layer stack into stages.", min=1)
+    cp: int = _field(
+        1,
+        "Context-parallel size: ranks that split each packed sequence (load-balanced halves, 2*cp chunks) "
+        "and exchange keys/values in attention; for packs too long for one rank's activations.",
+        min=1,
+    )
     ep: int = _field(1, "Expert-parallel size: ranks that split the experts of each MoE layer.", min=1)
     etp: int | None = _field(
         None,
@@ -164,21 +170,30 @@ class ParallelConfig(Section):
     def check_world_size(self, world_size: int) -> int:
         """Check Megatron's layout rules for ``world_size`` ranks and return the data-parallel size.
 
-        world = tp * pp * dp, and within a pipeline stage the same tp * dp ranks are laid out as
-        etp * ep * edp for the experts, so tp * dp must be divisible by etp * ep.
+        world = tp * cp * pp * dp, and within a pipeline stage the same tp * cp * dp ranks are laid out
+        as etp * ep * edp for the experts, so tp * cp * dp must be divisible by etp * ep.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world size must be a positive int, got {world_size!r}")
-        tp, pp, ep, etp = self.tp, self.pp, self.ep, self.effective_etp
-        if world_size % (tp * pp):
-            raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
-        dp = world_size // (tp * pp)
-        if (tp * dp) % (etp * ep):
+        tp, cp, pp, ep, etp = self.tp, self.cp, self.pp, self.ep, self.effective_etp
+        if world_size % (tp * cp * pp):
             raise ConfigError(
-                f"world size {world_size} gives tp*dp = {tp}*{dp} = {tp * dp} ranks per pipeline stage, "
-                f"not divisible by etp*ep = {etp}*{ep} = {etp * ep}"
+                f"world size {world_size} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {tp * cp * pp}"
+            )
+        dp = world_size // (tp * cp * pp)
+        if (tp * cp * dp) % (etp * ep):
+            raise ConfigError(
+                f"world size {world_size} gives tp*cp*dp = {tp}*{cp}*{dp} = {tp * cp * dp} ranks per "
+                f"pipeline stage, not divisible by etp*ep = {etp}*{ep} = {etp * ep}"
             )
         return dp
+
+    @property
+    def seq_multiple(self) -> int:
+        """What every micro-batch's length must be a multiple of: tp when activations are
+        sequence-parallel, times 2*cp when context parallel (each rank takes two of 2*cp chunks)."""
+        tp = self.tp if self.effective_sequence_parallel else 1
+        return tp * (2 * self.cp if self.cp > 1 else 1)
 
 
 @dataclass
@@ -437,10 +452,17 @@ class MarsConfig(Section):
             raise ConfigError(
                 f"{pack} is not divisible by parallel.tp = {tp} (sequence parallel)", "train.pack_length"
             )
+        if pack % self.parallel.seq_multiple:
+            raise ConfigError(
+                f"{pack} is not divisible by {self.parallel.seq_multiple} (2*parallel.cp, times tp under "
+                "sequence parallel): context parallelism splits a pack into 2*cp equal chunks",
+                "train.pack_length",
+            )
         if self.model.fp8 is not None:
             from mars_megatron.training.fp8 import ALIGNMENT
 
-            shard = pack // tp if self.parallel.effective_sequence_parallel else pack
+            sp = self.parallel.effective_sequence_parallel
+            shard = pack // self.parallel.cp // (tp if sp else 1)
             if shard % ALIGNMENT:
                 raise ConfigError(
                     f"{pack} gives {shard} tokens per micro-batch and rank; model.fp8 needs a multiple of "

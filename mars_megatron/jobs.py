@@ -34,13 +34,14 @@ def run(fn: Callable[..., Any], parallel: ParallelConfig, *args: Any, nproc: int
 
 
 def _is_writer() -> bool:
-    """The one rank that writes shared outputs: last pipeline stage, TP rank 0, DP rank 0."""
+    """The one rank that writes shared outputs: last pipeline stage, TP, DP and CP rank 0."""
     from megatron.core import parallel_state as ps
 
     return (
         ps.is_pipeline_last_stage()
         and ps.get_tensor_model_parallel_rank() == 0
         and ps.get_data_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
     )
 
 

@@ -21,7 +21,7 @@ from mars_megatron.training.logprobs import vocab_parallel_logprobs
 @dataclass(frozen=True)
 class Case:
     """Score ``score_seqs``, then take ``steps`` optimizer steps on ``train_seqs`` (the same global batch
-    every step), with the HF checkpoint ``hf_dir`` loaded into layout ``(tp, pp, ep, etp)``."""
+    every step), with the HF checkpoint ``hf_dir`` loaded into layout ``(tp, pp, ep, etp, cp)``."""
 
     name: str
     hf_dir: str
@@ -29,6 +29,7 @@ class Case:
     pp: int = 1
     ep: int = 1
     etp: int | None = None
+    cp: int = 1
     score_seqs: list[list[int]] = field(default_factory=list)
     train_seqs: list[list[int]] = field(default_factory=list)
     micro_batch: int = 2  # scoring
@@ -40,7 +41,7 @@ class Case:
     bad_batches: list[tuple[list[list[int]], int]] = field(default_factory=list)
 
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp)
+        return ParallelConfig(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp)
 
 
 def score_and_train(cases: list[Case], seed: int = 1234) -> dict[str, dict]:

@@ -86,20 +86,22 @@ def test_example_layouts() -> None:
     assert tiny.model.hf_dir is None and tiny.check_world_size(2) == 2
     assert (EXAMPLES.parent / tiny.data.train_file).is_file()
     q30 = load_config(EXAMPLES / "qwen3_30b_a3b.yaml")
-    assert (q30.parallel.tp, q30.parallel.pp, q30.parallel.ep, q30.parallel.etp) == (4, 1, 8, 1)
+    p30 = q30.parallel
+    assert (p30.tp, p30.pp, p30.cp, p30.ep, p30.etp) == (4, 2, 4, 8, 1)
     assert (q30.model.dtype, q30.model.transformer_impl) == ("bfloat16", "transformer_engine")
     assert (q30.data.problems_per_step, q30.agents.group_size, q30.optimizer.lr) == (128, 8, 1e-6)
     assert (q30.rollout.max_response_tokens, q30.train.pack_length) == (65536, 98304)
-    assert q30.parallel.moe_token_dispatcher == "alltoall" and q30.check_world_size(32) == 8
+    assert q30.parallel.moe_token_dispatcher == "alltoall" and q30.check_world_size(32) == 1
     q235 = load_config(EXAMPLES / "qwen3_235b_a22b.yaml")
-    assert (q235.parallel.tp, q235.parallel.pp, q235.parallel.ep) == (4, 8, 8)
-    assert q235.check_world_size(128) == 4
-    for cfg, rollout_tp in ((q30, 4), (q235, 8)):  # the paper's schedule, disaggregated vLLM engines
+    assert (q235.parallel.tp, q235.parallel.pp, q235.parallel.cp, q235.parallel.ep) == (2, 8, 8, 8)
+    assert q235.check_world_size(128) == 1
+    # the paper's schedule, disaggregated vLLM engines
+    for cfg, rollout_tp, recompute in ((q30, 4, "none"), (q235, 8, "full")):
         p = cfg.pipeline
         assert (p.mode, p.segment_tokens, p.max_staleness) == ("agentic", 16384, 1)
         assert p.placement == "disaggregated"
         assert (cfg.rollout.engine, cfg.rollout.tp, cfg.rollout.temperature) == ("vllm", rollout_tp, 0.85)
-        assert (cfg.train.recompute, cfg.model.fp8) == ("full", None)
+        assert (cfg.train.recompute, cfg.model.fp8) == (recompute, None)
         assert cfg.rollout.max_input_tokens + cfg.rollout.max_response_tokens == cfg.train.pack_length
 
 
@@ -132,7 +134,7 @@ def test_overrides_of_each_type() -> None:
 
 def test_override_section_mapping_merges_and_last_wins() -> None:
     cfg = load_config(EXAMPLES / "qwen3_30b_a3b.yaml", ["parallel={tp: 4, ep: 4}", "parallel.ep=2"])
-    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep) == (4, 1, 2)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep) == (4, 2, 2)
     assert cfg.parallel.moe_token_dispatcher == "alltoall"  # kept from the file
 
 
@@ -161,7 +163,7 @@ def test_overrides_must_not_be_one_string() -> None:
 def test_nested_unknown_key_in_file(tmp_path: Path) -> None:
     path = write(tmp_path, "parallel:\n  tpp: 2\n")
     assert error_of(path) == (
-        f"{path}: parallel.tpp: unknown key; valid keys in 'parallel': tp, pp, ep, etp, "
+        f"{path}: parallel.tpp: unknown key; valid keys in 'parallel': tp, pp, cp, ep, etp, "
         "sequence_parallel, moe_token_dispatcher, use_distributed_optimizer, first_stage_layers, "
         "last_stage_layers (did you mean 'parallel.tp'?)"
     )
@@ -352,21 +354,21 @@ def test_valid_world_sizes(layout: dict[str, int | None], world: int, dp: int) -
 @pytest.mark.parametrize(
     ("layout", "world", "expected"),
     [
-        ({"tp": 2, "pp": 2}, 6, "world size 6 is not divisible by tp*pp = 2*2 = 4"),
+        ({"tp": 2, "pp": 2}, 6, "world size 6 is not divisible by tp*cp*pp = 2*1*2 = 4"),
         (
             {"tp": 4, "pp": 8, "ep": 8, "etp": 1},
             32,
-            "tp*dp = 4*1 = 4 ranks per pipeline stage, not divisible by etp*ep = 1*8 = 8",
+            "tp*cp*dp = 4*1*1 = 4 ranks per pipeline stage, not divisible by etp*ep = 1*8 = 8",
         ),
         (
             {"pp": 2, "ep": 4},
             4,
-            "tp*dp = 1*2 = 2 ranks per pipeline stage, not divisible by etp*ep = 1*4 = 4",
+            "tp*cp*dp = 1*1*2 = 2 ranks per pipeline stage, not divisible by etp*ep = 1*4 = 4",
         ),
         (
             {"tp": 2, "ep": 4, "etp": None},
             4,
-            "tp*dp = 2*2 = 4 ranks per pipeline stage, not divisible by etp*ep = 2*4 = 8",
+            "tp*cp*dp = 2*1*2 = 4 ranks per pipeline stage, not divisible by etp*ep = 2*4 = 8",
         ),
         ({}, 0, "world size must be a positive int, got 0"),
         ({}, True, "world size must be a positive int, got True"),
@@ -389,10 +391,12 @@ def test_root_world_size_prefixes_parallel() -> None:
     assert cfg.check_world_size(2) == 2 and cfg.check_world_size(4) == 4
     with pytest.raises(ConfigError) as info:
         cfg.check_world_size(3)
-    assert str(info.value).startswith("parallel: world size 3 gives tp*dp = 1*3 = 3 ranks per pipeline stage")
+    assert str(info.value).startswith(
+        "parallel: world size 3 gives tp*cp*dp = 1*1*3 = 3 ranks per pipeline stage"
+    )
     with pytest.raises(ConfigError) as info:
         load_config(None, ["parallel.tp=2"]).check_world_size(3)
-    assert str(info.value).startswith("parallel: world size 3 is not divisible by tp*pp = 2*1 = 2")
+    assert str(info.value).startswith("parallel: world size 3 is not divisible by tp*cp*pp = 2*1*1 = 2")
 
 
 # --- dump / describe ------------------------------------------------------------------------------------

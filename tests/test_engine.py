@@ -1,6 +1,7 @@
 """MegatronEngine on real Megatron-Core (gloo, CPU, fp32) against real ``transformers``.
 
-* log-probs equal transformers' for the same HF checkpoint, in one process and in TP2 / PP2 / EP2 / DP2;
+* log-probs equal transformers' for the same HF checkpoint, in one process and in TP2 / PP2 / EP2 / DP2 / CP2,
+  and with CP2 combined with TP2 + EP2 and with PP2 on four ranks;
 * training steps give the same losses and gradient norms in every layout as in one process;
 * the first step's loss and gradient norm are transformers', and the loss falls over a few steps;
 * a last micro-batch smaller than the others scores right under PP2 and TP2 (sequence parallel).
@@ -35,20 +36,23 @@ LR = 3e-3
 SINGLE_STEPS = 5
 LAYOUT_STEPS = 3
 
-# name -> (tp, pp, ep, etp) in a world of two ranks; ep > 1 only applies to the MoE model.
+# name -> (tp, pp, ep, etp, cp) in a world of two ranks; ep > 1 only applies to the MoE model.
 LAYOUTS = {
-    "dp2": (1, 1, 1, None),
-    "tp2": (2, 1, 1, None),
-    "pp2": (1, 2, 1, None),
-    "ep2": (1, 1, 2, None),
-    "tp2-ep2-etp1": (2, 1, 2, 1),
+    "dp2": (1, 1, 1, None, 1),
+    "tp2": (2, 1, 1, None, 1),
+    "pp2": (1, 2, 1, None, 1),
+    "ep2": (1, 1, 2, None, 1),
+    "tp2-ep2-etp1": (2, 1, 2, 1, 1),
+    "cp2": (1, 1, 1, None, 2),
 }
 LAYOUT_PARAMS = [
     pytest.param(preset, layout, id=f"{preset}-{layout}")
     for preset in PRESETS
-    for layout, (_, _, ep, _) in LAYOUTS.items()
+    for layout, (_, _, ep, _, _) in LAYOUTS.items()
     if ep == 1 or preset == "moe"
 ]
+# context parallelism combined with the other splits, in a world of four ranks (MoE model)
+CP_LAYOUTS = {"tp2-cp2-ep2": (2, 1, 2, None, 2), "pp2-cp2": (1, 2, 1, None, 2)}
 
 # layouts that score SCORE in micro-batches of 3, so the last micro-batch is smaller than the others
 UNEVEN = [("moe", "pp2"), ("dense", "tp2")]
@@ -131,7 +135,7 @@ def layouts(models: dict[str, Path]) -> list[dict[str, dict]]:
     cases = []
     for param in LAYOUT_PARAMS:
         preset, layout = param.values
-        tp, pp, ep, etp = LAYOUTS[layout]
+        tp, pp, ep, etp, cp = LAYOUTS[layout]
         bad = [(TRAIN, 31)] if layout == "tp2" else []
         cases.append(
             Case(
@@ -141,6 +145,7 @@ def layouts(models: dict[str, Path]) -> list[dict[str, dict]]:
                 pp=pp,
                 ep=ep,
                 etp=etp,
+                cp=cp,
                 score_seqs=SCORE,
                 train_seqs=TRAIN,
                 micro_batch=MICRO_BATCH,
@@ -150,12 +155,35 @@ def layouts(models: dict[str, Path]) -> list[dict[str, dict]]:
             )
         )
     for preset, layout in UNEVEN:  # scoring only: micro-batches of 3, 3 and 2 sequences
-        tp, pp, ep, etp = LAYOUTS[layout]
+        tp, pp, ep, etp, _ = LAYOUTS[layout]
         name = f"{preset}-{layout}-uneven"
         cases.append(
             Case(name, str(models[preset]), tp=tp, pp=pp, ep=ep, etp=etp, score_seqs=SCORE, micro_batch=3)
         )
     return parallel.launch(score_and_train, 2, cases, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def cp_layouts(models: dict[str, Path]) -> list[dict[str, dict]]:
+    """Four ranks, every layout of CP_LAYOUTS on the MoE model: score, then LAYOUT_STEPS steps."""
+    cases = [
+        Case(
+            f"moe-{name}",
+            str(models["moe"]),
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            etp=etp,
+            cp=cp,
+            score_seqs=SCORE,
+            train_seqs=TRAIN,
+            micro_batch=MICRO_BATCH,
+            steps=LAYOUT_STEPS,
+            lr=LR,
+        )
+        for name, (tp, pp, ep, etp, cp) in CP_LAYOUTS.items()
+    ]
+    return parallel.launch(score_and_train, 4, cases, timeout_s=600)
 
 
 def _assert_logprobs_equal(got: list[list[float]], ref: list[torch.Tensor]) -> None:
@@ -236,7 +264,8 @@ def test_layout_training_matches_one_process(preset: str, layout: str, layouts: 
 def test_sequence_parallel_train_step_rejects_pack_length_not_divisible_by_tp(layouts: list) -> None:
     for rank in layouts:
         (error,) = rank["dense-tp2"]["errors"]
-        assert error[0] == "ValueError" and "pack_length 31 must be a multiple of tp=2" in error[1]
+        assert error[0] == "ValueError"
+        assert "pack_length 31 must be a multiple of 2: tp=2 under sequence parallel" in error[1]
 
 
 @pytest.mark.multiproc
@@ -252,6 +281,28 @@ def test_uneven_last_micro_batch_logprobs_match_transformers(
         results = results[1:]
     for got in results:
         _assert_logprobs_equal(got, hf[preset]["score"])
+
+
+# ----------------------------------------------------------------------------------------- four ranks
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", CP_LAYOUTS)
+def test_context_parallel_layouts_match_transformers_and_one_process(
+    layout: str, cp_layouts: list, hf: dict, single: dict
+) -> None:
+    """CP2 under TP2 + EP2 (keys/values gathered within each CP group while experts exchange tokens)
+    and under PP2 (activations of a rank's share cross the stage boundary) score and train as one
+    process does."""
+    results = [rank[f"moe-{layout}"] for rank in cp_layouts]
+    scores = [r["logprobs"] for r in results if r["logprobs"] is not None]
+    assert len(scores) == (2 if CP_LAYOUTS[layout][1] > 1 else 4)  # only the last stage returns them
+    for got in scores:
+        _assert_logprobs_equal(got, hf["moe"]["score"])
+    steps = results[0]["steps"]
+    assert all(r["steps"] == steps for r in results), "every rank must report the same global metrics"
+    for i, (got, ref) in enumerate(zip(steps, single["moe"]["steps"][:LAYOUT_STEPS], strict=True)):
+        assert got["tokens"] == ref["tokens"]
+        assert got["loss"] == pytest.approx(ref["loss"], abs=5e-4 if i else 1e-5)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3 if i else 1e-4)
 
 
 # ----------------------------------------------------------------------------------------- layout rules

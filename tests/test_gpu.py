@@ -1,6 +1,7 @@
-"""The GPU paths, end to end: Transformer Engine layer spec, THD packed sequences, NCCL, FP8 training and
-rollout, official vLLM as the RL engine. Marked ``gpu``: skipped where CUDA is missing (every CPU machine
-and CI here), run with ``pytest -m gpu`` on a GPU node. None of these has run yet (README, GPU status)."""
+"""The GPU paths, end to end: Transformer Engine layer spec, THD packed sequences, NCCL, context
+parallelism over THD (two GPUs), FP8 training and rollout, official vLLM as the RL engine. Marked ``gpu``:
+skipped where CUDA is missing (every CPU machine and CI here), run with ``pytest -m gpu`` on a GPU node.
+None of these has run yet (README, GPU status)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,23 @@ def test_official_vllm_as_the_rl_engine_with_fp8_rollout(tiny: Path, tmp_path: P
     fp8 = ["model.fp8=hybrid", "train.pack_length=1024"]
     records = _train(tiny, tmp_path / "run", "rollout.engine=vllm", *TE, *fp8)
     assert [r["policy_version"] for r in records] == [1.0, 2.0]
+
+
+def test_context_parallel_thd_steps_on_two_gpus(tiny: Path) -> None:
+    """CP2 with TE's ring attention over THD packs (every sample padded to a multiple of 2*cp and split
+    per sample) takes the step one GPU takes, within bf16 rounding."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("context parallelism needs two GPUs")
+    from mars_megatron.training import parallel
+    from tests.rl_workers import train_samples
+    from tests.test_rl_train import BASE, SAMPLES
+
+    overrides = [*BASE, *TE, "optimizer.lr=1e-3"]
+    (one,) = parallel.launch(train_samples, 1, str(tiny), overrides, SAMPLES, 1, timeout_s=600)
+    ranks = parallel.launch(
+        train_samples, 2, str(tiny), [*overrides, "parallel.cp=2"], SAMPLES, 1, timeout_s=600
+    )
+    for r in ranks:
+        assert r[0]["train/tokens"] == one[0]["train/tokens"]
+        assert r[0]["train/loss"] == pytest.approx(one[0]["train/loss"], rel=2e-2)
+        assert r[0]["train/grad_norm"] == pytest.approx(one[0]["train/grad_norm"], rel=2e-2)

@@ -25,9 +25,10 @@ from mars_megatron.launch import nemo
 from mars_megatron.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-Q30B = "examples/qwen3_30b_a3b.yaml"  # tp 4, ep 8: trainer ranks must be a multiple of 8
-# The recipe's engines take 32 GPUs of their own (disaggregated); on fewer nodes every GPU is a trainer rank
-ALL_TRAINER = "pipeline.placement=none"
+Q30B = "examples/qwen3_30b_a3b.yaml"  # tp 4, pp 2, cp 4, ep 8: trainer ranks must be a multiple of 32
+# The recipe's engines take 32 GPUs of their own (disaggregated); on fewer nodes every GPU is a trainer rank,
+# in a layout without pipeline and context parallelism (tp 4, ep 8: any multiple of 8 ranks)
+ALL_TRAINER = ("pipeline.placement=none", "parallel.pp=1", "parallel.cp=1")
 TINY = REPO / "examples" / "tiny_cpu.yaml"
 DATA = REPO / "examples" / "data" / "arith_train.jsonl"
 IMAGE = "nvcr.io/acme/mars:26.08"
@@ -49,7 +50,7 @@ def launch(*args: str | Path, cwd: Path = REPO, env: dict[str, str] | None = Non
 
 def slurm_args(nodes: int, tmp: Path, *extra: str) -> list[str]:
     return [
-        Q30B, ALL_TRAINER, "train.steps=3", "algorithm.role_weights={verifier: 2}", "--executor", "slurm",
+        Q30B, *ALL_TRAINER, "train.steps=3", "algorithm.role_weights={verifier: 2}", "--executor", "slurm",
         "--nodes", str(nodes), "--gpus-per-node", "8", "--account", "acme_llm", "--partition", "batch",
         "--container-image", IMAGE, "--container-mounts", "/lustre/data:/data", "--env", "HF_HOME=/data/hf",
         "--env", "NOTE=two words", "--cpus-per-node", "96", "--job-name", f"q30-{nodes}",
@@ -87,7 +88,7 @@ def test_slurm_without_account_or_image_names_the_flag(capsys: pytest.CaptureFix
 
 def test_nodes_that_do_not_divide_the_layout_name_the_layout(capsys: pytest.CaptureFixture[str]) -> None:
     # pp 2 makes the layout need a multiple of 16 ranks (pp * lcm(tp, ep * etp) = 2 * 8); 3 x 8 = 24
-    argv = [Q30B, ALL_TRAINER, "parallel.pp=2", "--executor", "slurm", "--account", "a", "--partition", "p",
+    argv = [Q30B, *ALL_TRAINER, "parallel.pp=2", "--executor", "slurm", "--account", "a", "--partition", "p",
             "--container-image", IMAGE]  # fmt: skip
     rc, err = run_main(capsys, *argv, "--nodes", "3", "--gpus-per-node", "8", "--dry-run")
     assert rc == 2
@@ -115,7 +116,7 @@ def test_unknown_executor_and_local_misuse(capsys: pytest.CaptureFixture[str]) -
 def test_disaggregated_engines_take_their_gpus_from_the_trainer(capsys: pytest.CaptureFixture[str]) -> None:
     recipe = load_config(REPO / Q30B)  # 8 engines x rollout.tp 4, disaggregated
     assert nemo.trainer_world_size(recipe, 64) == 32
-    assert nemo.trainer_world_size(load_config(REPO / Q30B, [ALL_TRAINER]), 64) == 64
+    assert nemo.trainer_world_size(load_config(REPO / Q30B, list(ALL_TRAINER)), 64) == 64
     per_role = load_config(REPO / Q30B, ["algorithm.policies=per_role"])  # 3 x 8 engines x 4 GPUs
     with pytest.raises(ConfigError, match=r"24 rollout engines x rollout\.tp 4 = 96 GPUs leave no trainer"):
         nemo.trainer_world_size(per_role, 64)
@@ -151,7 +152,7 @@ def render(nodes: int, tmp: Path) -> str:
 
 
 def train_line(nodes: int) -> list[str]:
-    return ["mars", "train", Q30B, ALL_TRAINER, "train.steps=3", "algorithm.role_weights={verifier: 2}",
+    return ["mars", "train", Q30B, *ALL_TRAINER, "train.steps=3", "algorithm.role_weights={verifier: 2}",
             "--nproc", str(8 * nodes)]  # fmt: skip
 
 

@@ -433,11 +433,12 @@ def test_cli_one_layout_and_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 # ----------------------------------------------------------------------------- a config's own layout
 REPO = HF_CONFIGS.parents[1]
-# (recipe, GPUs, full-length sequences of KV cache per engine, trainer GiB, engine GiB): the figures in
-# each recipe's header comment, and its `mars plan --config` command.
+# (recipe, GPUs, full-length sequences of KV cache per engine, trainer GiB, engine GiB, trainer layout
+# (tp, pp, cp, ep, etp), recompute): the figures in each recipe's header comment, and its `mars plan
+# --config` command.
 RECIPES = [
-    ("qwen3_30b_a3b.yaml", 64, 16, 59.1, 54.2),
-    ("qwen3_235b_a22b.yaml", 256, 4, 68.7, 76.4),
+    ("qwen3_30b_a3b.yaml", 64, 16, 66.3, 54.2, (4, 2, 4, 8, 1), "none"),
+    ("qwen3_235b_a22b.yaml", 256, 4, 53.1, 76.4, (2, 8, 8, 8, 1), "full"),
 ]
 
 
@@ -446,9 +447,18 @@ def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)  # the recipes' model.hf_dir is relative to the working directory
 
 
-@pytest.mark.parametrize(("recipe", "gpus", "seqs", "trainer_gib", "engine_gib"), RECIPES)
+@pytest.mark.parametrize(
+    ("recipe", "gpus", "seqs", "trainer_gib", "engine_gib", "layout", "recompute"), RECIPES
+)
 def test_shipped_recipes_fit_80_gib_gpus(
-    in_repo: None, recipe: str, gpus: int, seqs: int, trainer_gib: float, engine_gib: float
+    in_repo: None,
+    recipe: str,
+    gpus: int,
+    seqs: int,
+    trainer_gib: float,
+    engine_gib: float,
+    layout: tuple[int, ...],
+    recompute: str,
 ) -> None:
     cfg = load_config(REPO / "examples" / recipe)
     fit = check_config(cfg, Cluster(gpus=gpus, gpus_per_node=8, gpu_mem_gib=80), max_seqs=seqs)
@@ -456,10 +466,11 @@ def test_shipped_recipes_fit_80_gib_gpus(
     assert fit.trainer_world == gpus // 2 and fit.engines * cfg.rollout.tp == gpus // 2
     assert fit.trainer.total / GIB == pytest.approx(trainer_gib, abs=0.05)
     assert fit.engine_total / GIB == pytest.approx(engine_gib, abs=0.05)
-    assert fit.trainer_fits and fit.engine_fits and fit.fits and not fit.notes
-    layout = fit.layout  # the config's own layout, with cp 1
-    assert (layout.tp, layout.pp, layout.cp, layout.ep, layout.expert_tp) == (4, cfg.parallel.pp, 1, 8, 1)
-    assert (fit.workload.seq_len, fit.workload.recompute) == (98304, "full")
+    assert fit.trainer_fits and fit.engine_fits and fit.fits
+    assert fit.notes == ("cp spans nodes",)  # tp*cp ranks per stage exceed a node: ring attention over IB
+    got = fit.layout  # the config's own layout
+    assert (got.tp, got.pp, got.cp, got.ep, got.expert_tp) == layout
+    assert (fit.workload.seq_len, fit.workload.recompute) == (98304, recompute)
     assert (fit.rollout.colocated, fit.rollout.seq_len) == (False, 98304)
 
 
@@ -470,13 +481,15 @@ def test_recipe_fit_by_hand() -> None:
     fit = check_config(cfg, Cluster(gpus=64), model="qwen3-30b-a3b", max_seqs=16)
     assert fit.engine_weights == 2 * 30_532_122_624 // 4
     assert fit.engine_kv == 2 * 48 * 1 * 128 * 2 * 16 * 98304  # K and V, layers, KV heads per GPU, d, bf16
-    layout = Layout(tp=4, ep=8, etp=1, dp=8)
+    layout = Layout(tp=4, pp=2, cp=4, ep=8, etp=1, dp=1)
     alone = memory(
-        A30, layout, Workload(seq_len=98304, recompute="full", global_batch=8), NO_ROLLOUT, Cluster(32)
+        A30, layout, Workload(seq_len=98304, recompute="none", global_batch=8), NO_ROLLOUT, Cluster(32)
     )
     assert fit.trainer == alone
     # per-role policies: three models' state on every rank; a KL reference adds bf16 weights per policy
-    overrides = ["algorithm.policies=per_role", "algorithm.kl_coef=0.01", "pipeline.rollout_workers=2"]
+    # (on 40 trainer ranks: a layout without pipeline and context parallelism)
+    overrides = ["algorithm.policies=per_role", "algorithm.kl_coef=0.01", "pipeline.rollout_workers=2",
+                 "parallel.pp=1", "parallel.cp=1", "train.recompute=full"]  # fmt: skip
     cfg = load_config(REPO / "examples" / "qwen3_30b_a3b.yaml", overrides)
     per_role = check_config(cfg, Cluster(gpus=64), model="qwen3-30b-a3b")
     assert per_role.engines == 6 and per_role.trainer_world == 64 - 24
@@ -486,6 +499,9 @@ def test_recipe_fit_by_hand() -> None:
     assert per_role.trainer.optimizer == 3 * one.optimizer and per_role.trainer.activations == one.activations
 
 
+NO_CP = ["parallel.pp=1", "parallel.cp=1"]  # a recipe layout that fits any trainer world of 8k ranks
+
+
 @pytest.mark.parametrize(
     ("gpus", "overrides", "field", "message"),
     [
@@ -493,7 +509,7 @@ def test_recipe_fit_by_hand() -> None:
             64,
             ["pipeline.rollout_workers=7"],
             "parallel",
-            "36 trainer ranks (64 GPUs - 28 engine GPUs): world size 36 gives tp*dp = 4*9",
+            "36 trainer ranks (64 GPUs - 28 engine GPUs): world size 36 is not divisible by tp*cp*pp = 4*4*2",
         ),
         (
             32,
@@ -501,8 +517,13 @@ def test_recipe_fit_by_hand() -> None:
             "pipeline.rollout_workers",
             "8 rollout engines x rollout.tp 4 = 32 GPUs leave no trainer rank",
         ),
-        (64, ["rollout.tp=3"], "rollout.tp", "3 must divide the attention heads (32)"),
-        (64, ["parallel.tp=8"], "parallel.tp", "8 must divide the attention heads (32) and the KV heads (4)"),
+        (64, ["rollout.tp=3", *NO_CP], "rollout.tp", "3 must divide the attention heads (32)"),
+        (
+            64,
+            ["parallel.tp=8", *NO_CP],
+            "parallel.tp",
+            "8 must divide the attention heads (32) and the KV heads (4)",
+        ),
         (
             64,
             ["pipeline.placement=colocated", "rollout.tp=1", "pipeline.rollout_workers=65"],
@@ -547,7 +568,7 @@ def test_trainer_world_size_and_engine_gpus() -> None:
     colocated = load_config(None, ["pipeline.placement=colocated", "parallel.tp=2"])
     assert trainer_world_size(colocated, 8) == 8
     with pytest.raises(
-        ConfigError, match=r"^parallel: 7 trainer ranks: world size 7 is not divisible by tp\*pp"
+        ConfigError, match=r"^parallel: 7 trainer ranks: world size 7 is not divisible by tp\*cp\*pp"
     ):
         trainer_world_size(colocated, 7)
 
@@ -557,13 +578,13 @@ def test_cli_checks_a_config(in_repo: None, capsys: pytest.CaptureFixture[str]) 
     assert plan_command.run(_parser().parse_args(argv)) == 0
     out = capsys.readouterr().out
     assert "placement disaggregated: 32 trainer ranks; 8 rollout engines x rollout.tp 4 = 32 GPUs" in out
-    assert "  total 59.1 of 80 GiB: fits" in out and "  total 54.2 of 80 GiB: fits" in out
+    assert "  total 66.3 of 80 GiB: fits" in out and "  total 54.2 of 80 GiB: fits" in out
     assert out.rstrip().endswith("\nfits")
     # an override that no longer fits: exit code 1, and which side does not
-    assert plan_command.run(_parser().parse_args([*argv, "train.recompute=none", "--json"])) == 1
+    assert plan_command.run(_parser().parse_args([*argv, "parallel.cp=1", "--json"])) == 1
     data = json.loads(capsys.readouterr().out)
     assert (data["trainer_fits"], data["engine_fits"], data["fits"]) == (False, True, False)
-    assert data["layout"]["dp"] == 8 and data["trainer_gib"]["total"] > 80
+    assert data["layout"]["dp"] == 4 and data["trainer_gib"]["total"] > 80
     with pytest.raises(PlanError) as err:  # the layout and the workload come from the config
         plan_command.run(_parser().parse_args([*argv, "--seq-len", "4096"]))
     assert err.value.path == "--seq-len" and "train.pack_length" in err.value.message

@@ -2,7 +2,7 @@
 
 * its first loss and gradient norm equal a transformers autograd reference of the same objective (with
   POIS the ratio is 1, so the gradient is that of −Σ A·log π over the response tokens / token count);
-* TP2, PP2, EP2 and DP2 take the same step as one process;
+* TP2, PP2, EP2, DP2 and CP2 take the same step as one process;
 * packs never split or drop a sample: the trained token count is the responses' length.
 """
 
@@ -131,3 +131,30 @@ def test_recompute_takes_the_same_step(moe: Path, one_process: list[dict], recom
     )
     assert steps[0]["train/loss"] == pytest.approx(one_process[0]["train/loss"], abs=1e-6)
     assert steps[0]["train/grad_norm"] == pytest.approx(one_process[0]["train/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.multiproc
+def test_context_parallel_takes_the_same_steps(moe: Path) -> None:
+    """CP2 against one process on an objective that reads every per-token input a CP rank must take its
+    share of: old log-probs (two updates per batch, so the second one's ratios are not 1) and the
+    reference's log-probs for the KL term, both scored under CP and gathered back into pack order.
+    lr 1e-3: at 1e-2 Adam turns the 1e-7 float noise of near-zero gradients into lr-sized steps and the
+    second update differs by 2e-4 between any two layouts (measured for DP2 and CP2 alike)."""
+    overrides = [
+        *BASE,
+        "optimizer.lr=1e-3",
+        "algorithm.importance=none",
+        "algorithm.kl_coef=0.05",
+        "train.updates_per_batch=2",
+    ]
+    (one,) = parallel.launch(train_samples, 1, str(moe), overrides, SAMPLES, 2, timeout_s=300)
+    ranks = parallel.launch(
+        train_samples, 2, str(moe), [*overrides, "parallel.cp=2"], SAMPLES, 2, timeout_s=300
+    )
+    assert one[1]["train/ratio_mean"] != pytest.approx(1.0, abs=1e-6)
+    assert one[0]["train/kl"] > 0
+    for r in ranks:
+        for got, ref in zip(r, one, strict=True):
+            assert got["train/tokens"] == ref["train/tokens"]
+            assert got["train/loss"] == pytest.approx(ref["train/loss"], abs=1e-5)
+            assert got["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-4)

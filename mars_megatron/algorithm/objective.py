@@ -106,7 +106,20 @@ class LossInputs:
     token_weights: torch.Tensor | None = None
     """Role weights per token (:func:`losses.role_weights`); None weighs all 1."""
     entropy: float | torch.Tensor | None = None
-    """The batch's policy entropy for DMMPT; None estimates it from this micro-batch's log-probs."""
+    """The batch's policy entropy for DMMPT; None estimates it from this micro-batch's log-probs (under
+    context parallelism: from this rank's share of them)."""
+
+    def select(self, index: torch.Tensor) -> LossInputs:
+        """The columns ``index`` of every per-token field: a context-parallel rank's share of a pack."""
+        if self.advantages.dim() != 2:
+            raise ValueError("LossInputs.select needs per-token advantages [b, s] (packed inputs)")
+
+        def take(value: object) -> object:
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                return value[:, index.to(value.device)]
+            return value
+
+        return LossInputs(**{name: take(value) for name, value in vars(self).items()})
 
 
 def _need(value: torch.Tensor | None, name: str, why: str) -> torch.Tensor:
@@ -281,6 +294,8 @@ def make_loss_fn(
 
     def loss_fn(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = inputs_for(mb)
+        if mb.cp_index is not None:  # this context-parallel rank scored only these positions
+            inputs = inputs.select(mb.cp_index)
         loss, count, stats = compute_loss(logprobs, inputs, config)
         if stats_sink is not None:
             stats_sink.append(stats)

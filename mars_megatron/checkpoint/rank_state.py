@@ -271,6 +271,7 @@ def load_rank_state(directory: str | Path, name: str, engine: Any) -> None:
 
     src = Path(directory) / name
     saved_layout = _read_json(src / LAYOUT_FILE)
+    saved_layout.setdefault("cp", 1)  # written before parallel.cp existed
     layout = parallel_layout(engine)
     if saved_layout != layout:
         differ = sorted(k for k in {*saved_layout, *layout} if saved_layout.get(k) != layout.get(k))

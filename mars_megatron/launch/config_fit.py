@@ -1,6 +1,6 @@
 """``mars plan --config``: a MarsRL config's own layout through the planner. Does it fit the GPUs?
 
-Trainer: the layout of ``parallel.*`` (cp = 1: the trainer has no context parallelism) on the ranks that
+Trainer: the layout of ``parallel.*`` (context parallelism included) on the ranks that
 :func:`~.resources.trainer_world_size` leaves, one pack of ``train.pack_length`` tokens per micro-batch,
 ``train.recompute``, and the worst 1F1B case (stage i holds pp − i micro-batches in flight). With
 ``algorithm.policies=per_role`` every rank holds three policies (weights, grads and optimizer state each);
@@ -91,10 +91,10 @@ def config_layout(cfg: MarsConfig, world: int) -> Layout:
     return Layout(
         tp=p.tp,
         pp=p.pp,
-        cp=1,
+        cp=p.cp,
         ep=p.ep,
         etp=p.etp,
-        dp=world // (p.tp * p.pp),
+        dp=world // (p.tp * p.pp * p.cp),
         first_stage_layers=p.first_stage_layers,
         last_stage_layers=p.last_stage_layers,
     )

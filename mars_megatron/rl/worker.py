@@ -152,10 +152,11 @@ class PolicyWorker:
         truncated = 0
         for (mini, plan, mbs), old_lp, ref_lp in zip(packed, old, ref, strict=True):
             truncated += len(plan.truncated)
-            index = {id(mb): k for k, mb in enumerate(mbs)}
+            # keyed by pack: a context-parallel rank's share of a micro-batch is a new MicroBatch
+            index = {id(mb.pack): k for k, mb in enumerate(mbs)}
 
             def inputs_for(mb: MicroBatch, mini=mini, index=index, old_lp=old_lp, ref_lp=ref_lp):
-                k = index[id(mb)]
+                k = index[id(mb.pack)]
                 assert mb.pack is not None
                 return packed_loss_inputs(
                     mini,
@@ -196,5 +197,6 @@ class PolicyWorker:
                 ps.is_pipeline_last_stage()
                 and ps.get_tensor_model_parallel_rank() == 0
                 and ps.get_data_parallel_rank() == 0
+                and ps.get_context_parallel_rank() == 0
             ),
         }

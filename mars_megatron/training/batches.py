@@ -28,6 +28,23 @@ class MicroBatch:
     pack: PackedSequence | None = None
     """Set when the one row is a pack of several samples: where each sample sits, and its boundaries
     (the attention mask on CPU, ``PackedSeqParams`` on GPU)."""
+    cp_index: torch.Tensor | None = None
+    """Set on a context-parallel rank's share (:meth:`select`): the positions of the full micro-batch its
+    columns are. ``lengths`` and ``pack`` still describe the full micro-batch."""
+
+    def select(self, index: torch.Tensor) -> MicroBatch:
+        """This CP rank's columns of the micro-batch (see ``training/context_parallel.py``)."""
+        if self.cp_index is not None:
+            raise ValueError("micro-batch is already one context-parallel rank's share")
+        return MicroBatch(
+            self.tokens[:, index],
+            self.position_ids[:, index],
+            self.targets[:, index],
+            self.loss_mask[:, index],
+            self.lengths,
+            self.pack,
+            index,
+        )
 
     @classmethod
     def from_pack(cls, pack: PackedSequence) -> MicroBatch:

@@ -69,6 +69,8 @@ class MegatronEngine:
         self.config.calculate_per_token_loss = True
         self.dp = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
+        self.cp = ps.get_context_parallel_world_size()
+        self.cp_rank = ps.get_context_parallel_rank()
         self.optimizer: Any = None
         self.skipped_steps = 0  # steps dropped for a non-finite loss or gradient
         if optimizer is not None:
@@ -111,7 +113,59 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------------------------------ schedules
     def _seq_multiple(self) -> int:
-        return self.parallel.tp if self.config.sequence_parallel else 1
+        return self.parallel.seq_multiple
+
+    def _sample_multiple(self) -> int:
+        """THD packs under context parallelism split every sample into 2*cp chunks (TE's ring attention
+        works per sample), so each sample is padded to the micro-batch multiple; elsewhere 1."""
+        return self._seq_multiple() if self.cp > 1 and self.impl == "transformer_engine" else 1
+
+    def _model_inputs(self, mb: MicroBatch) -> tuple[MicroBatch, dict[str, Any]]:
+        """What this rank feeds the model for ``mb``: its context-parallel share of the tokens (all of
+        them without CP) and the attention arguments (THD params with TE, a mask with local attention)."""
+        te = self.impl == "transformer_engine"
+        thd = mb.pack is not None and te
+        kwargs: dict[str, Any] = {"attention_mask": None}
+        if thd:
+            # TE's attention reads sample boundaries from cu_seqlens (whole samples, CP included)
+            kwargs["packed_seq_params"] = _thd(mb)
+        if self.cp == 1:
+            if mb.pack is not None and not te:
+                # Local attention (CPU): the same pack as sbhd with a block-diagonal causal mask.
+                kwargs["attention_mask"] = mb.pack.attention_mask().to(mb.tokens.device)
+            return mb, kwargs
+        from mars_megatron.training.context_parallel import local_mask
+
+        indices = self._cp_indices(mb)
+        local = mb.select(indices[self.cp_rank].to(mb.tokens.device))
+        if not te:
+            length = mb.tokens.shape[1]
+            full = (
+                mb.pack.attention_mask()
+                if mb.pack is not None
+                else ~torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+            )
+            kwargs["attention_mask"] = local_mask(full, indices, self.cp_rank).to(mb.tokens.device)
+        return local, kwargs
+
+    def _cp_indices(self, mb: MicroBatch) -> list[torch.Tensor]:
+        from mars_megatron.training.context_parallel import rank_indices
+
+        thd = mb.pack is not None and self.impl == "transformer_engine"
+        cu = mb.pack.cu_seqlens if thd else None  # type: ignore[union-attr]
+        return rank_indices(mb.tokens.shape[1], self.cp, cu_seqlens=cu)
+
+    def _full_logprobs(self, sink: list[tuple[torch.Tensor, MicroBatch]]) -> list[torch.Tensor]:
+        """Log-probs of every micro-batch in its full layout ``[b, s]``: under CP each rank scored its
+        share, so the shares are all-gathered over the CP group and put back in place."""
+        if self.cp == 1:
+            return [lp for lp, _ in sink]
+        from megatron.core import parallel_state as ps
+
+        from mars_megatron.training.context_parallel import gather_positions
+
+        group = ps.get_context_parallel_group()
+        return [gather_positions(lp, self._cp_indices(mb), mb.tokens.shape[1], group) for lp, mb in sink]
 
     def _token_logprobs(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         from megatron.core import parallel_state as ps
@@ -127,24 +181,21 @@ class MegatronEngine:
         )
 
     def _forward_step(
-        self, loss_fn: LossFn, sink: list[torch.Tensor] | None, data: Iterator[MicroBatch], model: Any
+        self,
+        loss_fn: LossFn,
+        sink: list[tuple[torch.Tensor, MicroBatch]] | None,
+        data: Iterator[MicroBatch],
+        model: Any,
     ):
         mb = _on_device(next(data))
-        if mb.pack is None:
-            output = model(mb.tokens, mb.position_ids, attention_mask=None)
-        elif self.impl == "transformer_engine":
-            # THD: TE's attention reads the sample boundaries from cu_seqlens, no [T, T] mask.
-            output = model(mb.tokens, mb.position_ids, attention_mask=None, packed_seq_params=_thd(mb))
-        else:
-            # Local attention (CPU): the same pack as sbhd with a block-diagonal causal mask.
-            mask = mb.pack.attention_mask().to(mb.tokens.device)
-            output = model(mb.tokens, mb.position_ids, attention_mask=mask)
+        local, kwargs = self._model_inputs(mb)
+        output = model(local.tokens, local.position_ids, **kwargs)
 
         def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-            logprobs = self._token_logprobs(output_tensor, mb)
+            logprobs = self._token_logprobs(output_tensor, local)
             if sink is not None:
-                sink.append(logprobs.detach())
-            loss, tokens = loss_fn(logprobs, mb)
+                sink.append((logprobs.detach(), mb))
+            loss, tokens = loss_fn(logprobs, local)
             tokens = tokens.to(torch.int)
             return loss, tokens, {"loss_sum": loss.detach().clone(), "tokens": tokens.detach().clone()}
 
@@ -195,12 +246,12 @@ class MegatronEngine:
         # one-token dummy sequences (no targets) and their outputs are dropped.
         dummies = -len(seqs) % micro_batch
         mbs = make_micro_batches([*seqs, *([[0]] * dummies)], micro_batch, multiple=self._seq_multiple())
-        sink: list[torch.Tensor] = []
+        sink: list[tuple[torch.Tensor, MicroBatch]] = []
         self._run(mbs, lm_loss, forward_only=True, sink=sink)
         if not self._on_last_stage():
             return None
         out = []
-        for mb, lp in zip(mbs, sink, strict=True):
+        for mb, lp in zip(mbs, self._full_logprobs(sink), strict=True):
             out += [lp[row, : n - 1].tolist() for row, n in enumerate(mb.lengths)]
         return out[: len(seqs)]
 
@@ -208,10 +259,13 @@ class MegatronEngine:
         """The packing of a global batch: every rank computes the same plan (it is deterministic), and
         every DP rank gets the same number of packs (short ranks get empty ones) so the schedules agree."""
         if pack_length % self._seq_multiple():
-            raise ValueError(
-                f"pack_length {pack_length} must be a multiple of tp={self.parallel.tp} (sequence parallel)"
-            )
-        return plan_packs(lengths, pack_length, self.dp, pad_ranks=True)
+            why = f"tp={self.parallel.tp} under sequence parallel" if self.config.sequence_parallel else ""
+            if self.cp > 1:
+                why = f"{why + ' times ' if why else ''}2*cp = {2 * self.cp} (context parallel)"
+            raise ValueError(f"pack_length {pack_length} must be a multiple of {self._seq_multiple()}: {why}")
+        return plan_packs(
+            lengths, pack_length, self.dp, pad_ranks=True, sample_multiple=self._sample_multiple()
+        )
 
     def rank_packs(
         self,
@@ -233,9 +287,9 @@ class MegatronEngine:
         """Per-token log-probs ``[1, T]`` of each micro-batch under the current weights (e.g. the old
         policy before an update); on the last pipeline stage, ``None`` elsewhere."""
         self.model.eval()
-        sink: list[torch.Tensor] = []
+        sink: list[tuple[torch.Tensor, MicroBatch]] = []
         self._run(micro_batches, lm_loss, forward_only=True, sink=sink)
-        return sink if self._on_last_stage() else None
+        return self._full_logprobs(sink) if self._on_last_stage() else None
 
     def train_step(
         self,
@@ -308,6 +362,7 @@ def _on_device(mb: MicroBatch) -> MicroBatch:
         mb.loss_mask.to(device),
         mb.lengths,
         mb.pack,
+        None if mb.cp_index is None else mb.cp_index.to(device),
     )
 
 

@@ -182,6 +182,7 @@ def transformer_config(
         fp16=dtype == "float16",
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
         num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
         num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
         expert_model_parallel_size=parallel.ep,
@@ -255,8 +256,10 @@ def _swap_module(spec: Any, old: type, new: type, seen: set[int] | None = None) 
 
 
 def layer_spec(config: Any, impl: str, pp_rank: int) -> Any:
-    """Decoder block spec for this pipeline stage, with our RMSNorm in the local spec."""
+    """Decoder block spec for this pipeline stage, with our RMSNorm in the local spec (and, under context
+    parallelism, attention over all-gathered keys/values: megatron's local attention has no CP)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     use_te = impl == "transformer_engine"
@@ -265,6 +268,10 @@ def layer_spec(config: Any, impl: str, pp_rank: int) -> Any:
     )
     if not use_te:
         spec = _swap_module(spec, WrappedTorchNorm, RMSNorm)
+        if config.context_parallel_size > 1:
+            from mars_megatron.training.context_parallel import cp_attention_class
+
+            spec = _swap_module(spec, DotProductAttention, cp_attention_class())
     return spec
 
 

@@ -47,6 +47,8 @@ class PackPlan:
     rank_packs: tuple[tuple[int, ...], ...]
     truncated: tuple[int, ...] = ()
     num_padding_packs: int = 0
+    sample_multiple: int = 1
+    """Every sample's room in a pack is its length rounded up to this (THD under context parallelism)."""
     pack_loads: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -55,7 +57,7 @@ class PackPlan:
         assert seen == list(range(n)), "every sample must be in exactly one pack"
         loads = tuple(sum(self.packed_lengths[i] for i in p) for p in self.packs)
         assert all(load <= self.capacity for load in loads), "a pack is over the capacity"
-        assert self.packed_lengths == tuple(min(x, self.capacity) for x in self.lengths)
+        assert self.packed_lengths == _room(self.lengths, self.capacity, self.sample_multiple)
         assert self.truncated == tuple(i for i, x in enumerate(self.lengths) if x > self.capacity)
         for i in self.truncated:
             assert any(p == (i,) for p in self.packs), f"truncated sample {i} must be packed alone"
@@ -98,6 +100,11 @@ class PackPlan:
         loads = self.rank_loads
         mean = sum(loads) / len(loads)
         return max(loads) / mean if mean else 1.0
+
+
+def _room(lengths: Sequence[int], capacity: int, multiple: int) -> tuple[int, ...]:
+    """Tokens each sample takes in a pack: truncated to the capacity, rounded up to ``multiple``."""
+    return tuple(min(-(-x // multiple) * multiple, capacity) for x in lengths)
 
 
 def bin_pack(lengths: Sequence[int], capacity: int, algorithm: str = "bfd") -> list[list[int]]:
@@ -343,9 +350,12 @@ def plan_packs(
     balance_tolerance: float = 0.005,
     algorithm: str = "bfd",
     rebalance: bool = True,
+    sample_multiple: int = 1,
 ) -> PackPlan:
     """Pack samples of ``lengths`` tokens into packs of at most ``capacity`` tokens over ``dp`` ranks.
 
+    ``sample_multiple``: each sample takes its length rounded up to this (padding it so that context
+    parallelism can cut every sample into 2*cp chunks); the capacity must be a multiple of it.
     ``balance_tolerance``: stop rebalancing once the busiest rank is within this fraction of the mean.
     ``algorithm``/``rebalance`` exist to compare against simpler planners (see ``tools/bench/packing.py``).
     Deterministic: the same arguments give the same plan.
@@ -354,7 +364,9 @@ def plan_packs(
         raise ValueError(f"capacity ({capacity}) and dp ({dp}) must be positive")
     if any(x <= 0 for x in lengths):
         raise ValueError("every sample needs at least one token")
-    packed = tuple(min(x, capacity) for x in lengths)
+    if sample_multiple <= 0 or capacity % sample_multiple:
+        raise ValueError(f"capacity ({capacity}) must be a multiple of sample_multiple ({sample_multiple})")
+    packed = _room(lengths, capacity, sample_multiple)
     truncated = tuple(i for i, x in enumerate(lengths) if x > capacity)
     rest = [i for i, x in enumerate(lengths) if x <= capacity]
     bins = [[i] for i in truncated]
@@ -382,6 +394,7 @@ def plan_packs(
         rank_packs=tuple(tuple(r) for r in ranks),
         truncated=truncated,
         num_padding_packs=padding,
+        sample_multiple=sample_multiple,
     )
 
 
@@ -520,9 +533,12 @@ def build_pack(
     restart_positions: bool = True,
     pad_token: int = 0,
     target_masks: Sequence[Sequence[float]] | None = None,
+    sample_multiple: int = 1,
 ) -> PackedSequence:
     """Concatenate ``seqs`` (each truncated to ``max_len`` tokens) into one pack, padded to ``multiple``
     with a masked pad sample. ``restart_positions=False`` lets positions run on across samples.
+    ``sample_multiple > 1`` pads every sample's segment with masked pad tokens to a multiple of it (its
+    span stays the real tokens; causal attention keeps the pads from touching them).
 
     ``target_masks[i]`` (``len(seqs[i]) - 1`` entries) narrows sample i's loss mask to the targets that are
     trained on, e.g. 0 on the prompt and 1 on the response; without it every next token counts."""
@@ -539,9 +555,12 @@ def build_pack(
                 raise ValueError(
                     f"target_masks[{i}] has {len(tm)} entries, sample {i} has {len(seq) - 1} targets"
                 )
-    real = sum(len(p) for p in parts)
+    if sample_multiple <= 0:
+        raise ValueError(f"sample_multiple must be positive, got {sample_multiple}")
+    rooms = [-(-len(p) // sample_multiple) * sample_multiple for p in parts]
+    real = sum(rooms)
     total = max(-(-real // multiple) * multiple, multiple)
-    seg_lens = [len(p) for p in parts] + ([total - real] if total > real else [])
+    seg_lens = rooms + ([total - real] if total > real else [])
     tokens = torch.full((total,), pad_token, dtype=torch.long)
     targets = torch.zeros(total, dtype=torch.long)
     mask = torch.zeros(total, dtype=torch.float32)
@@ -556,7 +575,7 @@ def build_pack(
         else:
             mask[start : start + len(p) - 1] = torch.as_tensor(list(target_masks[i][: len(p) - 1]))
         spans.append((start, start + len(p)))
-        start += len(p)
+        start += rooms[i]
     if restart_positions:
         positions = torch.cat([torch.arange(n) for n in seg_lens])
     else:
@@ -591,7 +610,12 @@ def build_plan_pack(
     if target_masks is not None:
         kwargs["target_masks"] = [target_masks[i] for i in ids]
     return build_pack(
-        [seqs[i] for i in ids], sample_ids=ids, max_len=plan.capacity, multiple=multiple, **kwargs
+        [seqs[i] for i in ids],
+        sample_ids=ids,
+        max_len=plan.capacity,
+        multiple=multiple,
+        sample_multiple=plan.sample_multiple,
+        **kwargs,
     )
 
 

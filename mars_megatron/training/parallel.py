@@ -29,8 +29,9 @@ from mars_megatron.training import cpu_compat
 
 
 def min_world_size(parallel: ParallelConfig) -> int:
-    """Smallest world that realises the layout: ``pp * lcm(tp, ep * etp)`` (data parallel fills the rest)."""
-    return parallel.pp * math.lcm(parallel.tp, parallel.ep * parallel.effective_etp)
+    """Smallest world that realises the layout: ``pp * lcm(tp * cp, ep * etp)`` (data parallel fills the
+    rest)."""
+    return parallel.pp * math.lcm(parallel.tp * parallel.cp, parallel.ep * parallel.effective_etp)
 
 
 def use_gpu() -> bool:
@@ -71,6 +72,7 @@ def init_model_parallel(parallel: ParallelConfig, seed: int) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.effective_etp,
     )
@@ -96,6 +98,7 @@ class RankCoords:
     rank: int
     pp: int
     tp: int
+    cp: int
     dp: int
     ep: int
     etp: int
@@ -109,6 +112,7 @@ def rank_coords() -> RankCoords:
         rank=dist.get_rank(),
         pp=ps.get_pipeline_model_parallel_rank(),
         tp=ps.get_tensor_model_parallel_rank(),
+        cp=ps.get_context_parallel_rank(),
         dp=ps.get_data_parallel_rank(),
         ep=ps.get_expert_model_parallel_rank(),
         etp=ps.get_expert_tensor_parallel_rank(),
