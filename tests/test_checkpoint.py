@@ -221,8 +221,8 @@ def test_resume_in_one_process_repeats_the_uninterrupted_run(tmp_path: Path, moe
 
 
 @pytest.mark.multiproc
-def test_resume_under_ep2_and_pp2_repeats_the_uninterrupted_run(tmp_path: Path, moe: str) -> None:
-    layouts = {"ep2": {"ep": 2}, "pp2": {"pp": 2}}
+def test_resume_under_ep2_pp2_and_cp2_repeats_the_uninterrupted_run(tmp_path: Path, moe: str) -> None:
+    layouts = {"ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}}
     dirs = {name: tmp_path / name for name in layouts}
     full = parallel.launch(
         run,
@@ -231,7 +231,7 @@ def test_resume_under_ep2_and_pp2_repeats_the_uninterrupted_run(tmp_path: Path, 
         timeout_s=300,
     )
     # the EP2 checkpoint is also offered to a DP2 layout (ep=1), which must refuse it
-    wrong = {"ep2": {}, "pp2": None}
+    wrong = {"ep2": {}, "pp2": None, "cp2": None}
     runs = [
         Run(n, moe, lay, 3, 4, resume_dir=str(dirs[n]), wrong_layout=wrong[n]) for n, lay in layouts.items()
     ]
