@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from mars_megatron.launch import plan_command
 from mars_megatron.launch.config_fit import check_config
 from mars_megatron.launch.planner import (
     GIB,
+    PRESET_PACKAGE,
     PRESETS,
     Cluster,
     CostModel,
@@ -24,6 +28,7 @@ from mars_megatron.launch.planner import (
     check_layout,
     check_rollout,
     enumerate_layouts,
+    gemm_input_bytes,
     layer_activation_bytes,
     memory,
     param_counts,
@@ -68,6 +73,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _plan_error(make: Callable[[], object]) -> PlanError:
+    """The PlanError ``make`` raises (the tests check which field it names)."""
+    with pytest.raises(PlanError) as err:
+        make()
+    return err.value
+
+
+def _small_layer_by_hand(tp: int) -> tuple[int, int]:
+    """SMALL's (attention, MoE) activations per layer in bf16, written out from the module docstring: one
+    pack of s = 128 tokens, cp 1, etp 1, so s_r = 128, s_h = 128 / tp, a_r = 8 / tp, g_r = 2 / tp."""
+    s_r, s_h, a_r, g_r = 128, 128 // tp, 8 // tp, 2 // tp
+    attention = 4 * s_h * 64 + 6 * s_r * 16 * (a_r + g_r)  # norm + QKV inputs; fused QKV, q/k normed, O
+    moe = 4 * s_h * 64 + 4 * s_h * 8 + 4 * 2 * s_h * 1 * 64 + 6 * 2 * s_h * 24  # norm/router in, probs,
+    return attention, moe  # expert tokens in and out, SwiGLU in and out
+
+
 # ------------------------------------------------------------------------------------- parameter counts
 def test_parameter_counts_match_the_published_sizes() -> None:
     # Qwen3-30B-A3B: "30.5B total, 3.3B activated"; Qwen3-235B-A22B: "235B total, 22B activated".
@@ -90,24 +111,17 @@ def test_parameter_count_of_30b_a3b_by_hand() -> None:
     assert param_counts(A30).active == active == 3_353_032_704
 
 
-def test_presets_agree_with_the_shipped_hf_configs() -> None:
-    fields = (
-        "vocab_size",
-        "hidden_size",
-        "num_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "tie_word_embeddings",
-        "attention_bias",
-        "num_experts",
-        "moe_topk",
-        "moe_ffn_hidden_size",
-        "moe_layers",
-    )
-    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
-        loaded = load_hf_config(HF_CONFIGS / f"{name}.json")
-        assert {f: getattr(PRESETS[name], f) for f in fields} == {f: getattr(loaded, f) for f in fields}
+def test_presets_are_the_packaged_hf_configs_that_the_examples_link_to() -> None:
+    # one copy of each config.json: package data (so an installed wheel has the presets), which
+    # examples/hf_configs/<name>.json and the recipes' model.hf_dir (<name>/config.json) link to
+    root = Path(str(resources.files(PRESET_PACKAGE) / "hf_configs"))
+    assert list(PRESETS) == ["qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-8b"]
+    for name, arch in PRESETS.items():
+        packaged = (root / name / "config.json").resolve()
+        assert arch == load_hf_config(packaged)
+        assert (HF_CONFIGS / f"{name}.json").resolve() == packaged
+        if name != "qwen3-8b":  # no recipe uses 8B
+            assert (HF_CONFIGS / name / "config.json").resolve() == packaged
 
 
 # ------------------------------------------------------------------------------------- memory by hand
@@ -134,10 +148,7 @@ def test_activations_of_a_small_moe_by_hand() -> None:
     layout = Layout(tp=2, ep=2, etp=1, dp=1)
     work = Workload(seq_len=128)
     check_layout(SMALL, layout, 2, 128)
-    attention = 4 * 64 * 64 + 6 * 128 * 16 * (4 + 1)  # norm + QKV inputs; fused QKV, q/k normed, O
-    moe = (
-        4 * 64 * 64 + 4 * 64 * 8 + 4 * 2 * 64 * 1 * 64 + 6 * 2 * 64 * 24
-    )  # norm/router in, probs, tokens, SwiGLU
+    attention, moe = _small_layer_by_hand(tp=2)
     assert (attention, moe) == (77_824, 69_632)
     assert layer_activation_bytes(SMALL, layout, work, moe=True) == attention + moe
     # without flash attention the softmax scores 2·a_r·s_r·s stay, unless selective recompute drops them
@@ -155,8 +166,7 @@ def test_activations_of_a_small_moe_by_hand() -> None:
 
 def test_first_pipeline_stage_holds_pp_micro_batches() -> None:
     # tp 1, pp 2: 3 layers per stage; s_r = s_h = 128, a_r = 8, g_r = 2
-    attention = 4 * 128 * 64 + 6 * 128 * 16 * (8 + 2)
-    moe = 4 * 128 * 64 + 4 * 128 * 8 + 4 * 2 * 128 * 1 * 64 + 6 * 2 * 128 * 24
+    attention, moe = _small_layer_by_hand(tp=1)
     layout = Layout(tp=1, pp=2, ep=1, dp=1)
     assert (
         layer_activation_bytes(SMALL, layout, Workload(seq_len=128), moe=True) == attention + moe == 294_912
@@ -168,9 +178,99 @@ def test_first_pipeline_stage_holds_pp_micro_batches() -> None:
     assert one.stage == 1 and one.activations == 3 * (attention + moe) + 4 * 128 * 64  # 1 micro-batch in all
 
 
+# ------------------------------------------------------------------------------------------------ FP8
+def test_fp8_activations_of_a_small_moe_by_hand() -> None:
+    # As test_activations_of_a_small_moe_by_hand (tp 2: s_r 128, s_h 64, a_r 4, g_r 1, h 64, d 16, E 8, k 2,
+    # f_e 24), with TE's FP8 GEMMs: the GEMM inputs saved for backward take q bytes instead of 2.
+    layout = Layout(tp=2, ep=2, etp=1, dp=1)
+    # hybrid and e4m3 scale per tensor: q = 1
+    attention = (
+        2 * 64 * 64  # input-norm input, bf16
+        + 1 * 64 * 64  # QKV-linear input: TE's fused norm writes it in FP8
+        + 6 * 128 * 16 * (4 + 1)  # fused QKV output, normed and rotated q and k, O: bf16 as before
+        + 1 * 128 * 16 * 4  # the output projection's FP8 copy of O (flash attention keeps the bf16 O)
+    )
+    moe = (
+        4 * 64 * 64  # pre-MLP norm input and router input, bf16
+        + 4 * 64 * 8  # fp32 router probs
+        + (1 + 2) * 2 * 64 * 1 * 64  # permuted expert inputs in FP8, expert outputs bf16 (the combine)
+        + (4 + 1) * 2 * 64 * 24  # SwiGLU input bf16 (2·f_e wide), SwiGLU output = fc2 input in FP8
+    )
+    assert (attention, moe) == (81_920, 58_368)
+    for mode in ("hybrid", "e4m3"):
+        work = Workload(seq_len=128, fp8=mode)
+        assert layer_activation_bytes(SMALL, layout, work, moe=True) == attention + moe
+    # blockwise: 1x128 blocks, one fp32 scale per 128 elements: q = 1 + 4/128 = 33/32 B
+    assert gemm_input_bytes("blockwise") == 1 + 4 / 128 and gemm_input_bytes(None) == 2
+    block_attention = 2 * 64 * 64 + 64 * 64 * 33 // 32 + 6 * 128 * 16 * (4 + 1) + 128 * 16 * 4 * 33 // 32
+    block_moe = 4 * 64 * 64 + 4 * 64 * 8 + 2 * 2 * 64 * 64 + 2 * 64 * 64 * 33 // 32
+    block_moe += 4 * 2 * 64 * 24 + 2 * 64 * 24 * 33 // 32
+    assert (block_attention, block_moe) == (82_304, 58_720)
+    blockwise = Workload(seq_len=128, fp8="blockwise")
+    assert layer_activation_bytes(SMALL, layout, blockwise, moe=True) == block_attention + block_moe
+    # full recompute: the 6 layer inputs stay bf16 (2·s_h·h), and the layer being recomputed is an FP8 one
+    full = Workload(seq_len=128, recompute="full", fp8="hybrid")
+    mem = memory(SMALL, layout, full, NO_ROLLOUT, Cluster(gpus=2))
+    assert mem.activations == 6 * 2 * 64 * 64 + (attention + moe) + 4 * 64 * 64  # + final-norm/output inputs
+    assert mem.logits == 128 * 1024 // 2 * 4  # the loss is untouched
+
+
+def test_fp8_weight_copies_of_30b_a3b_by_hand() -> None:
+    # tp 1, pp 1, ep 8 as in test_30b_a3b_ep8_on_8_gpus_weights_grads_optimizer_by_hand. TE quantizes
+    # q/k/v/o and the experts (not the embedding, output layer, router or norms) and keeps each FP8 weight
+    # and its transpose (Hopper's dgrad GEMM): 2 bytes per such parameter, on top of the bf16 weights.
+    attention = 2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 32 * 128 * 2048
+    experts = 16 * 3 * 2048 * 768  # 128 / ep 8 experts per layer
+    quantized = 48 * (attention + experts)
+    assert quantized == 4_529_848_320
+    layout, cluster = Layout(tp=1, pp=1, ep=8, dp=8), Cluster(gpus=8)
+    bf16 = memory(A30, layout, Workload(seq_len=4096), NO_ROLLOUT, cluster)
+    for mode in ("hybrid", "e4m3", "blockwise"):  # all three cache row-wise + column-wise copies
+        fp8 = memory(A30, layout, Workload(seq_len=4096, fp8=mode), NO_ROLLOUT, cluster)
+        assert fp8.weights == 10_329_944_064 + 2 * quantized  # bf16 primary weights + FP8 copies
+        assert fp8.fp8_weight_cache == 2 * quantized and bf16.fp8_weight_cache == 0
+        assert (fp8.grads, fp8.optimizer) == (bf16.grads, bf16.optimizer)  # parameters stay bf16
+
+
+def test_fp8_lowers_activations_and_raises_weights_by_the_documented_amounts() -> None:
+    # 30B-A3B, tp 2, cp 2, ep 4, etp 1, dp 4 on 16 GPUs, 8192-token packs: s_r = 4096, s_h = 2048, a_r = 16;
+    # one stage of 48 MoE layers, one micro-batch in flight.
+    layout, cluster = Layout(tp=2, cp=2, ep=4, etp=1, dp=4), Cluster(gpus=16)
+    bf16 = memory(A30, layout, Workload(seq_len=8192), NO_ROLLOUT, cluster)
+    # weights: + 2 B · P_lin, P_lin = q/k/v/o over tp 2 and 128 / ep 4 = 32 experts a layer
+    p_lin = 48 * (2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 32 * 128 * 2048) // 2 + 48 * 32 * 3 * 2048 * 768
+    # activations, per layer: (2 - q)·(s_h·h QKV input + k·s_h·etp·h expert input + k·s_h·f_e SwiGLU output)
+    # saved, q·s_r·d·a_r added (the FP8 copy of O)
+    gemm_inputs = 2048 * 2048 + 8 * 2048 * 1 * 2048 + 8 * 2048 * 768
+    o_copy = 4096 * 128 * 16
+    for mode, q in (("hybrid", 1), ("e4m3", 1), ("blockwise", 1 + 4 / 128)):
+        fp8 = memory(A30, layout, Workload(seq_len=8192, fp8=mode), NO_ROLLOUT, cluster)
+        assert fp8.weights - bf16.weights == 2 * p_lin == 15_401_484_288
+        assert bf16.activations - fp8.activations == 48 * ((2 - q) * gemm_inputs - q * o_copy)
+        assert fp8.activations < bf16.activations and fp8.weights > bf16.weights
+        assert (fp8.grads, fp8.optimizer, fp8.logits) == (bf16.grads, bf16.optimizer, bf16.logits)
+    hybrid = memory(A30, layout, Workload(seq_len=8192, fp8="hybrid"), NO_ROLLOUT, cluster)
+    assert bf16.activations - hybrid.activations == 48 * 41_943_040  # 1.9 GiB less, for 14.3 GiB more weights
+
+
+def test_fp8_engines_hold_linear_weights_in_one_byte() -> None:
+    # vLLM's quantization="fp8": q/k/v/o and the experts at 1 B, the embedding, lm_head, router gate and norms
+    # (635,123,712 parameters of 30B-A3B) stay bf16; the KV cache is unchanged.
+    linear = 48 * (2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 32 * 128 * 2048 + 128 * 3 * 2048 * 768)
+    assert linear == 29_896_998_912 and 30_532_122_624 - linear == 635_123_712
+    bf16 = Rollout(tp=2, max_seqs=16, seq_len=32768)
+    weights, kv = rollout_bytes(A30, replace(bf16, fp8=True))
+    assert weights == (1 * linear + 2 * 635_123_712) // 2 == 15_583_623_168  # bf16: 2 * 30.5e9 / 2
+    assert weights < rollout_bytes(A30, bf16)[0] and kv == rollout_bytes(A30, bf16)[1]
+    # colocated, the engine term of the rollout phase shrinks by the same amount
+    layout, cluster = Layout(ep=16, etp=1, dp=16), Cluster(gpus=16)
+    fp8 = memory(A30, layout, Workload(seq_len=4096, fp8="hybrid"), replace(bf16, fp8=True), cluster)
+    assert fp8.rollout_weights == weights and fp8.kv_cache == kv
+
+
 def test_distributed_optimizer_gives_megatrons_6_plus_12_over_d_bytes_per_param() -> None:
     # Megatron-Core's distributed-optimizer table: bf16 params + fp32 grads = 6 + 12/d bytes per parameter.
-    dense = load_hf_config(HF_CONFIGS / "qwen3-8b.json")  # 151936-entry vocabulary: no padding
+    dense = PRESETS["qwen3-8b"]  # 151936-entry vocabulary: no padding
     params = param_counts(dense).total
     for dp in (1, 2, 8):
         mem = memory(dense, Layout(dp=dp), Workload(seq_len=4096), NO_ROLLOUT, Cluster(gpus=dp))
@@ -346,14 +446,14 @@ def test_cost_penalises_recompute_bubbles_and_network_all_to_all() -> None:
     ],
 )
 def test_bad_layouts_name_the_field(arch: Qwen3Arch, layout: Layout, gpus: int, field: str) -> None:
-    with pytest.raises(PlanError) as err:
-        check_layout(arch, layout, gpus, 4096)
-    assert err.value.path == field
-    assert str(err.value).startswith(f"{field}: ")
+    err = _plan_error(lambda: check_layout(arch, layout, gpus, 4096))
+    assert err.path == field
+    assert str(err).startswith(f"{field}: ")
 
 
-def test_bad_inputs_name_the_field() -> None:
-    cases = [
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
         (lambda: Cluster(gpus=12, gpus_per_node=8), "gpus"),
         (lambda: Cluster(gpus=0), "gpus"),
         (lambda: Layout(tp=0), "tp"),
@@ -366,11 +466,14 @@ def test_bad_inputs_name_the_field() -> None:
         (lambda: plan_command.parse_layout("tp=2,dp=3", 16), "dp"),
         (lambda: plan_command.parse_layout("tp=two", 16), "tp"),
         (lambda: plan_command.parse_layout("tensor=2", 16), "layout"),
-    ]
-    for make, field in cases:
-        with pytest.raises(PlanError) as err:
-            make()
-        assert err.value.path == field, (field, str(err.value))
+        (lambda: Workload(fp8="fp16"), "fp8"),  # type: ignore[arg-type]
+        # FP8 GEMMs need 16-token shards: 4112 / (cp 4 * tp 2) = 514
+        (lambda: check_layout(A30, Layout(tp=2, cp=4, ep=8, etp=1), 8, 4112, fp8=True), "seq_len"),
+    ],
+)
+def test_bad_inputs_name_the_field(make: Callable[[], object], field: str) -> None:
+    err = _plan_error(make)
+    assert err.path == field, str(err)
 
 
 def test_unknown_model_error_lists_the_presets() -> None:
@@ -423,12 +526,31 @@ def test_cli_one_layout_and_json(capsys: pytest.CaptureFixture[str]) -> None:
         "edp": 1,
     }
     assert only["gib"]["total"] == pytest.approx(68.88, abs=0.01) and only["fits"]
-    with pytest.raises(PlanError) as err:
-        plan_command.run(_parser().parse_args([*argv, "--layout", "tp=3,pp=2"]))
-    assert err.value.path == "gpus"
-    with pytest.raises(PlanError) as err:
-        plan_command.run(_parser().parse_args([*argv, "--layout", "tp=4,ep=3,etp=1"]))
-    assert err.value.path == "ep"
+    for layout, field in (("tp=3,pp=2", "gpus"), ("tp=4,ep=3,etp=1", "ep")):
+        args = _parser().parse_args([*argv, "--layout", layout])
+        assert _plan_error(lambda args=args: plan_command.run(args)).path == field
+
+
+def test_cli_fp8_reaches_the_trainer_and_the_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    # the layout of test_fp8_lowers_activations_and_raises_weights_by_the_documented_amounts, with engines
+    argv = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--seq-len", "8192", "--rollout-tp", "2"]
+    argv += ["--layout", "tp=2,cp=2,ep=4,etp=1", "--recompute", "none"]
+    gib = {}
+    for fp8 in (None, "hybrid"):
+        assert (
+            plan_command.run(_parser().parse_args([*argv, "--json", *(["--fp8", fp8] if fp8 else [])])) == 0
+        )
+        data = json.loads(capsys.readouterr().out)
+        assert (data["workload"]["fp8"], data["rollout"]["fp8"]) == (fp8, fp8 is not None)
+        (only,) = data["fitting"] + data["not_fitting"]
+        gib[fp8] = only["gib"]
+    assert gib["hybrid"]["weights"] - gib[None]["weights"] == pytest.approx(15_401_484_288 / GIB, abs=2e-3)
+    assert gib[None]["activations"] - gib["hybrid"]["activations"] == pytest.approx(1.875, abs=2e-3)
+    engine = (30_532_122_624 * 2 - 15_583_623_168 * 2) / 2 / GIB  # FP8 engines of tp 2: linear layers at 1 B
+    assert gib[None]["rollout_weights"] - gib["hybrid"]["rollout_weights"] == pytest.approx(engine, abs=2e-3)
+    assert plan_command.run(_parser().parse_args([*argv, "--fp8", "e4m3"])) == 0
+    out = capsys.readouterr().out
+    assert "global batch 64, FP8 e4m3 GEMMs" in out and "rollout: colocated FP8 vLLM engines" in out
 
 
 # ----------------------------------------------------------------------------- a config's own layout
@@ -497,6 +619,37 @@ def test_recipe_fit_by_hand() -> None:
     one = memory(A30, Layout(tp=4, ep=8, etp=1, dp=10), work, NO_ROLLOUT, Cluster(40))
     assert per_role.trainer.weights == 6 * one.weights and per_role.trainer.grads == 3 * one.grads
     assert per_role.trainer.optimizer == 3 * one.optimizer and per_role.trainer.activations == one.activations
+
+
+def test_config_fp8_reaches_the_trainer_and_the_engines(
+    in_repo: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe, cluster = REPO / "examples" / "qwen3_30b_a3b.yaml", Cluster(gpus=64)
+    bf16 = check_config(load_config(recipe), cluster, max_seqs=16)
+    fp8 = check_config(load_config(recipe, ["model.fp8=hybrid"]), cluster, max_seqs=16)
+    assert (fp8.workload.fp8, fp8.rollout.fp8, bf16.rollout.fp8) == ("hybrid", True, False)
+    assert fp8.notes == bf16.notes == ("cp spans nodes",)  # no "not modelled" note any more
+    # engines of tp 4: linear layers at 1 B, embedding, lm_head, routers and norms at 2 B
+    assert fp8.engine_weights == (29_896_998_912 + 2 * 635_123_712) // 4
+    # trainer (tp 4, pp 2, cp 4, ep 8: 24 layers a stage): FP8 copies of q/k/v/o over tp and of 16 experts
+    cache = 2 * (
+        24 * (2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 32 * 128 * 2048) // 4 + 24 * 16 * 3 * 2048 * 768
+    )
+    assert fp8.trainer.stage == bf16.trainer.stage == 0
+    assert fp8.trainer.weights == bf16.trainer.weights + cache and fp8.trainer.fp8_weight_cache == cache
+    assert fp8.trainer.activations < bf16.trainer.activations and fp8.trainer.total < bf16.trainer.total
+    # a KL reference: bf16 weights of its own and, forward only without grad, only the row-wise FP8 copies
+    kl = check_config(
+        load_config(recipe, ["model.fp8=hybrid", "algorithm.kl_coef=0.01"]), cluster, max_seqs=16
+    )
+    assert kl.trainer.weights == 2 * bf16.trainer.weights + cache + cache // 2
+    # the CLI takes FP8 from the config (model.fp8), not from --fp8
+    argv = ["--config", "examples/qwen3_30b_a3b.yaml", "--gpus", "64", "--rollout-seqs", "16"]
+    err = _plan_error(lambda: plan_command.run(_parser().parse_args([*argv, "--fp8", "hybrid"])))
+    assert err.path == "--fp8" and "model.fp8" in err.message
+    assert plan_command.run(_parser().parse_args([*argv, "model.fp8=blockwise"])) == 0
+    out = capsys.readouterr().out
+    assert "recompute none, FP8 blockwise" in out and "engine: FP8 vLLM tp 4 on GPUs of its own" in out
 
 
 NO_CP = ["parallel.pp=1", "parallel.cp=1"]  # a recipe layout that fits any trainer world of 8k ranks

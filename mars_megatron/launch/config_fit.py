@@ -12,7 +12,11 @@ Engines: one per ``rollout.tp`` GPUs, with a KV cache for ``max_seqs`` sequences
 pages its cache, so shorter sequences share that space). Colocated engines (tp 1) count in the trainer's
 peak (:class:`~.planner.Memory`); other engines hold GPUs of their own, which must hold weights / tp +
 KV cache + overhead. An engine is one Ray actor, so it lives on one node (tp <= gpus per node).
-``model.fp8`` is not modelled: the figures are bf16.
+
+``model.fp8`` reaches both sides (the planner's module docstring has the terms): the trainer's workload
+gets TE's FP8 weight copies and FP8 GEMM inputs, and the engines vLLM's FP8 weights when
+:func:`~mars_megatron.training.fp8.vllm_quantization` asks for them. A KL reference runs forward only,
+without grad, so TE caches only the row-wise FP8 copy of its weights: half a policy's copies.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from mars_megatron.launch.planner import (
     rollout_bytes,
 )
 from mars_megatron.launch.resources import rollout_engines, trainer_world_size
+from mars_megatron.training.fp8 import vllm_quantization
 from mars_megatron.training.hf_config import Qwen3Arch
 
 # planner field -> config field, for layout errors
@@ -113,6 +118,7 @@ def trainer_memory(
         global_batch=layout.dp * layout.pp,  # pp micro-batches per rank: the first stage's worst case
         recompute=cfg.train.recompute,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        fp8=cfg.model.fp8,
     )
     # memory() takes the trainer's share of the nodes as a cluster; the node size does not enter memory
     share = Cluster(
@@ -127,11 +133,13 @@ def trainer_memory(
         raise ConfigError(err.message, _CONFIG_FIELDS.get(err.path, f"parallel.{err.path}")) from None
     policies = len(policy_names(cfg))
     references = policies if cfg.algorithm.kl_coef > 0 else 0
+    cache = mem.fp8_weight_cache * policies + mem.fp8_weight_cache // 2 * references  # references: row-wise
     mem = replace(
         mem,
-        weights=mem.weights * (policies + references),
+        weights=(mem.weights - mem.fp8_weight_cache) * (policies + references) + cache,
         grads=mem.grads * policies,
         optimizer=mem.optimizer * policies,
+        fp8_weight_cache=cache,
     )
     return layout, work, mem
 
@@ -165,7 +173,8 @@ def check_config(
         raise ConfigError(err.message, "rollout.tp") from None
     seqs = {} if max_seqs is None else {"max_seqs": max_seqs}
     seq_len = cfg.rollout.max_input_tokens + cfg.rollout.max_response_tokens
-    rollout = Rollout(colocated=colocated, tp=rtp, seq_len=seq_len, **seqs)
+    fp8 = vllm_quantization(cfg.model.fp8) == "fp8"
+    rollout = Rollout(colocated=colocated, tp=rtp, seq_len=seq_len, fp8=fp8, **seqs)
     layout, work, trainer = trainer_memory(cfg, arch, world, rollout, cluster)
     weights, kv = rollout_bytes(arch, rollout)
     remarks = list(notes(layout, cluster))
@@ -179,8 +188,6 @@ def check_config(
             f"placement none: Ray places the {engines} engines; on GPUs they need {engines * rtp} GPUs "
             f"beside the {world} trainer ranks, or share the trainer's"
         )
-    if cfg.model.fp8 is not None:
-        remarks.append(f"model.fp8={cfg.model.fp8} is not modelled: bf16 figures")
     return ConfigFit(
         arch,
         cluster,
@@ -236,7 +243,8 @@ def format_fit(fit: ConfigFit, config: str) -> str:
     lines += [
         "",
         f"trainer: {lay.label()} (edp {lay.edp}), packs of {w.seq_len} tokens, micro-batch 1, "
-        f"recompute {w.recompute}",
+        f"recompute {w.recompute}"
+        + ("" if w.fp8 is None else f", FP8 {w.fp8} (weights include TE's FP8 copies)"),
         f"  GiB per GPU{stage}: {parts}  overhead {_gib(mem.overhead)}",
     ]
     if r.colocated:
@@ -246,13 +254,14 @@ def format_fit(fit: ConfigFit, config: str) -> str:
         )
     lines.append(f"  total {_gib(mem.total)} of {mem_gib}: {_verdict(fit.trainer_fits)}")
     kv = f"KV cache {_gib(fit.engine_kv)} ({r.max_seqs} sequences x {r.seq_len} tokens)"
+    vllm = "FP8 vLLM" if r.fp8 else "vLLM"
     if r.colocated:
         lines.append(
-            f"engine: vLLM on the trainer's GPUs (in its total): weights {_gib(fit.engine_weights)}  {kv}"
+            f"engine: {vllm} on the trainer's GPUs (in its total): weights {_gib(fit.engine_weights)}  {kv}"
         )
     else:
         lines += [
-            f"engine: vLLM tp {r.tp} on GPUs of its own",
+            f"engine: {vllm} tp {r.tp} on GPUs of its own",
             f"  GiB per GPU: weights {_gib(fit.engine_weights)}  {kv}  overhead {_gib(mem.overhead)}",
             f"  total {_gib(fit.engine_total)} of {mem_gib}: {_verdict(fit.engine_fits)}",
         ]
@@ -277,7 +286,8 @@ def fit_dict(fit: ConfigFit) -> dict[str, Any]:
         "workload": dataclasses.asdict(fit.workload),
         "rollout": dataclasses.asdict(fit.rollout),
         "trainer_gib": {
-            name: gib(getattr(mem, name)) for name in (*_TRAINER, "overhead", "train", "rollout", "total")
+            name: gib(getattr(mem, name))
+            for name in (*_TRAINER, "fp8_weight_cache", "overhead", "train", "rollout", "total")
         },
         "engine_gib": {
             "weights": gib(fit.engine_weights),

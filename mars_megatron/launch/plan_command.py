@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from mars_megatron.launch.planner import (
+    FP8_MODES,
     GIB,
     PRESETS,
     RECOMPUTE,
@@ -37,6 +38,7 @@ _FIELDS: dict[str, tuple[type, str]] = {
     "global_batch": (Workload, "global_batch"),
     "logits_bytes": (Workload, "logits_bytes"),
     "grad_bytes": (Workload, "grad_bytes"),
+    "fp8": (Workload, "fp8"),
     "rollout_tp": (Rollout, "tp"),
     "rollout_seqs": (Rollout, "max_seqs"),
     "colocated": (Rollout, "colocated"),
@@ -68,6 +70,7 @@ _FROM_CONFIG = {
     "trainer_offload": "the trainer, which keeps its state on the GPU",
     "logits_bytes": "the trainer's loss",
     "grad_bytes": "the trainer's fp32 main grads",
+    "fp8": "model.fp8",
 }
 
 
@@ -108,6 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--grad-bytes", type=int, choices=[2, 4], help=f"main-grad bytes; default {_default('grad_bytes')}"
+    )
+    p.add_argument(
+        "--fp8",
+        choices=FP8_MODES,
+        help="model.fp8: Transformer Engine FP8 GEMMs on bf16 weights (adds FP8 weight copies, saves GEMM "
+        "inputs in FP8) and FP8 vLLM engines; default bf16",
     )
     p.add_argument(
         "--colocated",
@@ -165,6 +174,7 @@ def _build(args: argparse.Namespace) -> tuple[Cluster, Workload, Rollout]:
         given[Workload]["flash_attention"] = False
     work = Workload(**given[Workload])
     given[Rollout].setdefault("seq_len", args.rollout_seq_len or work.seq_len)
+    given[Rollout]["fp8"] = work.fp8 is not None  # the engines follow model.fp8 (training/fp8.py)
     return Cluster(**given[Cluster]), work, Rollout(**given[Rollout])
 
 
@@ -284,13 +294,15 @@ def format_plan(result: Plan, top: int) -> str:
         f"cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node} per node), {cluster.gpu_mem_gib:g} GiB each, "
         f"{cluster.overhead_gib:g} GiB overhead counted per GPU",
         f"step: packed sequences of {w.seq_len} tokens, micro-batch {w.micro_batch}, "
-        f"global batch {w.global_batch}",
+        f"global batch {w.global_batch}"
+        + ("" if w.fp8 is None else f", FP8 {w.fp8} GEMMs (bf16 weights + TE's FP8 copies)"),
     ]
     if rollout.colocated:
         state = "offloaded" if rollout.trainer_offload else "resident"
         lines.append(
-            f"rollout: colocated vLLM engines of rtp GPUs, KV cache for {rollout.max_seqs} sequences x "
-            f"{rollout.seq_len} tokens per engine; trainer state {state} while they run"
+            f"rollout: colocated {'FP8 ' if rollout.fp8 else ''}vLLM engines of rtp GPUs, KV cache for "
+            f"{rollout.max_seqs} sequences x {rollout.seq_len} tokens per engine; trainer state {state} "
+            "while they run"
         )
     else:
         lines.append("rollout: engines on other GPUs (not counted)")
@@ -322,7 +334,7 @@ def _candidate_dict(c: Candidate, result: Plan) -> dict[str, Any]:
         "stage": mem.stage,
         "gib": {
             name: round(getattr(mem, name) / GIB, 3)
-            for name in (*_COMPONENTS, "overhead", "train", "rollout", "total")
+            for name in (*_COMPONENTS, "fp8_weight_cache", "overhead", "train", "rollout", "total")
         },
         "fits": c.fits,
         "step_seconds": round(c.seconds, 3),

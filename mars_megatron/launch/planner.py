@@ -6,6 +6,9 @@ every term below is what a rank of our trainer (Megatron-Core DDP + distributed 
 Engine's flash attention) and a colocated vLLM engine hold. Symbols: ``h`` hidden, ``a``/``g`` query/KV
 heads, ``d`` head dim, ``f`` dense FFN, ``E``/``k``/``f_e`` experts, top-k and expert FFN, ``V`` vocabulary
 padded to a multiple of 128 (as the trainer pads it), ``b`` micro-batch, ``s`` packed sequence length.
+The preset models are the HF config.json files shipped in ``mars_megatron/launch/hf_configs/<name>/``
+(package data; ``examples/hf_configs`` links to them), so a preset and a recipe's ``model.hf_dir`` cannot
+disagree.
 
 Layout (Megatron semantics): world = tp·pp·cp·dp; the tp·cp·dp ranks of a stage are regrouped as
 etp·ep·edp for the experts, so edp = tp·cp·dp / (ep·etp) must be a whole number. Megatron splits query
@@ -23,6 +26,17 @@ routed experts, E·3·h·f_e per MoE layer split over ep·etp):
 * optimizer = 12 B · (P_dense / (dp·cp) + P_exp / edp)                 fp32 master weights + Adam m, v,
   sharded by the distributed optimizer over the data-parallel group (with cp) and, for experts, over the
   expert-data-parallel group. Without it: 12 B · (P_dense + P_exp). (Megatron's table: 6 + 12/d B/param.)
+* FP8 (``fp8``, the trainer's ``model.fp8``: hybrid, e4m3 or blockwise) keeps bf16 parameters — Transformer
+  Engine quantizes them for each GEMM, these are not FP8 primary weights — so weights, grads and optimizer
+  stay as above, plus TE's FP8 copies of the weights it quantizes, ``P_lin``: attention q/k/v/o, dense MLPs
+  and experts (not the embedding, the output layer, routers or norms, which run in bf16). A Hopper FP8 GEMM
+  reads both operands K-major, so the backward's dgrad GEMM needs the weight transposed: TE keeps the
+  row-wise copy (forward) and the column-wise, physically transposed one (dgrad). Megatron passes
+  ``is_first_microbatch`` (``disable_parameter_transpose_cache`` is False), so TE caches both across
+  micro-batches, re-quantized on each step's first: weights += 2 B · P_lin. The same for blockwise: its
+  weights are quantized in 128×128 tiles, and the transposed copy is the same tiles transposed (one fp32
+  scale per tile, 0.02 %, is left out). With a KL reference (:mod:`.config_fit`) the reference only runs
+  forward without grad, so TE caches only its row-wise copy, 1 B · P_lin.
 
 Activations per layer and micro-batch, after Korthikanti et al. 2022 ("Reducing Activation Recomputation
 in Large Transformer Models", 34·s·b·h + 5·a·s²·b per layer, all over t with sequence parallelism),
@@ -47,12 +61,36 @@ region, ``a_r = a/tp``, ``g_r = g/tp``:
 * the last stage adds the final-norm and output-layer inputs, 4·b·s_h·h, and the logits/loss buffer
   b·s_r·V/tp · 4 B (``logits_bytes``: training/logprobs.py keeps the bf16 logits for backward and writes
   their bf16 gradient, working through fp32 temporaries in chunks of 1024 tokens).
+* FP8 changes only the inputs of the GEMMs TE quantizes: TE saves them for the weight-gradient GEMM in FP8,
+  ``q`` bytes an element instead of 2 (q = 1 for hybrid and e4m3, which scale per tensor; for blockwise,
+  1 + 4/128: activations are quantized in 1×128 blocks, one fp32 scale per block). Under sequence
+  parallelism TE keeps the FP8 local shard and gathers it again in the backward. So, with everything else
+  as above:
+
+  - attention: QKV-linear input (TE's fused norm + linear writes the norm output in FP8) 4·b·s_h·h →
+    (2 + q)·b·s_h·h; the attention output O stays in bf16 (flash attention saves it for its own backward)
+    and the output projection saves an FP8 copy of its input: **+** q·b·s_r·d·a_r.
+  - MoE MLP: permuted expert inputs (fc1 input) 4·k·b·s_h·etp·h → (2 + q)·k·b·s_h·etp·h (the expert outputs
+    kept for the combine stay bf16); SwiGLU output (fc2 input) 6·k·b·s_h·f_e → (4 + q)·k·b·s_h·f_e (the
+    SwiGLU input stays bf16: Megatron's ``activation_func_fp8_input_store`` is off).
+  - dense MLP: (2 + q)·b·s_h·h + (4 + q)·b·s_r·f/tp (fc1 input, fused with the pre-MLP norm; fc2 input).
+  - unchanged: norm inputs, the router's input and fp32 probs (Megatron's router GEMM is not TE's), the
+    QKV output, q/k norms, rotated q and k, softmax scores, full recompute's layer inputs, the final-norm
+    and output-layer inputs and the logits (the output layer is Megatron's bf16 ColumnParallelLinear).
+
+  With fp8 the tokens of a micro-batch and rank, s/(cp·tp), must be a multiple of 16 (the FP8 GEMM
+  alignment the trainer checks, ``training/fp8.ALIGNMENT``).
 
 Rollout (colocated engines, one per ``rollout.tp`` GPUs): vLLM weights 2 B · params / rollout_tp, and the
 KV cache 2 (K, V) · layers · max(1, g / rollout_tp) · d · 2 B per token, times ``max_seqs · seq_len`` tokens
-the engine must hold at once. Our engines sleep (level 1: weights to host, KV freed) while the trainer
-steps, and the trainer keeps its weights, grads and optimizer state on the GPU while the engines roll out,
-so the colocated peak is ``max(train, resident trainer state + rollout)``, not the sum of everything; with
+the engine must hold at once. With ``Rollout.fp8`` (vLLM's online ``quantization="fp8"``, which the rollout
+engine uses whenever ``model.fp8`` is set) the linear layers and fused experts hold 1 B per parameter and
+the rest (embedding, lm_head, router gate, norms) stays bf16: (1 B · P_lin + 2 B · (params − P_lin)) /
+rollout_tp over the whole model; the KV cache stays bf16 (no ``kv_cache_dtype`` is set).
+Our colocated engines sleep (level 2: weights and KV cache freed; the trainer pushes fresh weights on
+wake) while the trainer steps, and the trainer keeps its
+weights (FP8 copies included), grads and optimizer state on the GPU while the engines roll out, so the
+colocated peak is ``max(train, resident trainer state + rollout)``, not the sum of everything; with
 ``trainer_offload`` (NeMo-RL offloads the policy during generation) the rollout phase is the engine alone.
 A fixed ``overhead_gib`` (default 4 GiB: CUDA context, NCCL buffers, allocator fragmentation, the vLLM
 engine's own workspace) is added to every GPU.
@@ -64,63 +102,56 @@ packed documents attend only within themselves), plus one more forward with full
 un-overlapped communication at NVLink or network bandwidth depending on whether the group fits in a node:
 sequence-parallel all-gathers/reduce-scatters (8 per layer and micro-batch), MoE all-to-alls (4 per MoE
 layer), context-parallel KV exchange, pipeline sends and the data-parallel grad reduce-scatter and param
-all-gather. :class:`CostModel` holds the constants. Rollout time is not modelled.
+all-gather. :class:`CostModel` holds the constants. Rollout time is not modelled, nor are FP8's faster
+GEMMs: the cost only ranks layouts of one workload.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields, replace
+from fractions import Fraction
+from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from mars_megatron.config import ConfigError
-from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config
+from mars_megatron.training.fp8 import ALIGNMENT as FP8_ALIGNMENT
+from mars_megatron.training.fp8 import Fp8Mode
+from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config, parse_hf_config
 
 GIB = 2**30
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
+FP8_MODES: tuple[Fp8Mode, ...] = get_args(Fp8Mode)
+FP8_WEIGHT_COPIES = 2  # bytes per quantized weight: TE's row-wise FP8 copy and its transpose (Hopper)
 VOCAB_PAD_MULTIPLE = 128  # the trainer's model.vocab_pad_multiple default
+PRESET_PACKAGE = "mars_megatron.launch"  # holds hf_configs/<preset>/config.json as package data
 
 
 class PlanError(ConfigError):
     """A layout or planner input that cannot work; ``path`` names the field (``tp``, ``gpus``, ...)."""
 
 
-def _moe_arch(hidden: int, layers: int, heads: int, ffn: int, moe_ffn: int) -> Qwen3Arch:
-    """The shared shape of the Qwen3-MoE releases, from the HF config.json of Qwen/Qwen3-30B-A3B and
-    Qwen/Qwen3-235B-A22B (the -2507 updates differ only in rope_theta and max_position_embeddings, which
-    memory does not depend on; tests/test_planner.py checks these against examples/hf_configs)."""
-    return Qwen3Arch(
-        architecture="Qwen3MoeForCausalLM",
-        vocab_size=151936,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=4,
-        head_dim=128,
-        ffn_hidden_size=ffn,  # unused: every layer is MoE (decoder_sparse_step 1, no mlp_only_layers)
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        max_position_embeddings=40960,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        initializer_range=0.02,
-        dtype="bfloat16",
-        num_experts=128,
-        moe_topk=8,
-        moe_ffn_hidden_size=moe_ffn,
-        norm_topk_prob=True,
-        moe_layers=(True,) * layers,
-        router_aux_loss_coef=0.001,
-    )
+def _load_presets() -> dict[str, Qwen3Arch]:
+    """Every ``hf_configs/<name>/config.json`` shipped in the package, by name: the one copy of these
+    numbers (examples/hf_configs links to the same files), read through importlib.resources so that an
+    installed package finds them too, provided its build lists them as package data."""
+    presets: dict[str, Qwen3Arch] = {}
+    root = resources.files(PRESET_PACKAGE) / "hf_configs"
+    if not root.is_dir():  # an install without the package data: HF directories still work
+        return presets
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        config = entry / "config.json"
+        if config.is_file():
+            source = f"{PRESET_PACKAGE}/hf_configs/{entry.name}/config.json"
+            presets[entry.name] = parse_hf_config(json.loads(config.read_text()), source)
+    return presets
 
 
-PRESETS: dict[str, Qwen3Arch] = {
-    "qwen3-30b-a3b": _moe_arch(hidden=2048, layers=48, heads=32, ffn=6144, moe_ffn=768),
-    "qwen3-235b-a22b": _moe_arch(hidden=4096, layers=94, heads=64, ffn=12288, moe_ffn=1536),
-}
+PRESETS: dict[str, Qwen3Arch] = _load_presets()
 
 
 def resolve_model(model: str) -> Qwen3Arch:
@@ -129,9 +160,8 @@ def resolve_model(model: str) -> Qwen3Arch:
         return PRESETS[model]
     if Path(model).exists():
         return load_hf_config(model)
-    raise PlanError(
-        f"{model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an HF directory", "model"
-    )
+    names = ", ".join(PRESETS) or f"none installed: {PRESET_PACKAGE} lacks its hf_configs package data"
+    raise PlanError(f"{model!r} is neither a preset ({names}) nor an HF directory", "model")
 
 
 # --------------------------------------------------------------------------------------------- params
@@ -164,6 +194,12 @@ class ParamCounts:
         """Parameters one token touches (embedding row included, as the published "A3B"/"A22B" count)."""
         layers = sum(self._layer(moe, True) for moe in self.moe_layers)
         return layers + self.embedding + self.output + self.final_norm
+
+    @property
+    def linear(self) -> int:
+        """The weights FP8 quantizes (``P_lin``: q/k/v/o, dense MLPs, experts), in Megatron's TE modules and
+        in vLLM alike; the embedding, output layer, routers and norms stay bf16."""
+        return sum(self.attention + (self.experts if moe else self.dense_mlp) for moe in self.moe_layers)
 
     @property
     def matmul_active(self) -> int:
@@ -249,11 +285,14 @@ class Workload:
     logits_bytes: float = 4.0  # bytes per (token, vocab entry) at the loss; see the module docstring
     grad_bytes: int = 4  # main-grad dtype: 4 = fp32 (grad_reduce_in_fp32), 2 = bf16
     distributed_optimizer: bool = True
+    fp8: Fp8Mode | None = None  # the trainer's model.fp8: TE's FP8 GEMMs on bf16 parameters
 
     def __post_init__(self) -> None:
         _check_positive(self, ["seq_len", "micro_batch", "global_batch", "grad_bytes"])
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"must be one of {RECOMPUTE}, got {self.recompute!r}", "recompute")
+        if self.fp8 is not None and self.fp8 not in FP8_MODES:
+            raise PlanError(f"must be one of {FP8_MODES} or None, got {self.fp8!r}", "fp8")
         if not self.logits_bytes >= 0:
             raise PlanError(f"must be >= 0, got {self.logits_bytes!r}", "logits_bytes")
 
@@ -268,6 +307,7 @@ class Rollout:
     seq_len: int = 32768  # tokens per sequence (prompt + response)
     trainer_offload: bool = False  # trainer state leaves the GPU while engines roll out (ours does not)
     max_auto_tp: int = 16  # largest engine tried when tp is None (NeMo-RL's 235B GRPO recipes use 16)
+    fp8: bool = False  # vLLM's quantization="fp8", which the engine uses whenever model.fp8 is set
 
     def __post_init__(self) -> None:
         _check_positive(self, ["tp", "max_seqs", "seq_len", "max_auto_tp"])
@@ -294,8 +334,9 @@ class Cluster:
 
 
 # ----------------------------------------------------------------------------------------- validation
-def check_layout(arch: Qwen3Arch, layout: Layout, gpus: int, seq_len: int) -> None:
-    """Megatron's rules for running ``arch`` with ``layout`` on ``gpus``; the error names the field."""
+def check_layout(arch: Qwen3Arch, layout: Layout, gpus: int, seq_len: int, *, fp8: bool = False) -> None:
+    """Megatron's rules for running ``arch`` with ``layout`` on ``gpus`` (and, with ``fp8``, the FP8 GEMM
+    alignment the trainer checks at config load); the error names the field."""
     tp, pp, cp, ep, etp = layout.tp, layout.pp, layout.cp, layout.ep, layout.expert_tp
     if layout.world != gpus:
         raise PlanError(f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{layout.dp} = {layout.world} != {gpus} GPUs", "gpus")
@@ -331,6 +372,12 @@ def check_layout(arch: Qwen3Arch, layout: Layout, gpus: int, seq_len: int) -> No
         raise PlanError(f"{seq_len} not divisible by 2*cp*tp = {2 * cp * tp} (load-balanced CP)", "seq_len")
     if seq_len % tp:
         raise PlanError(f"{seq_len} not divisible by tp = {tp} (sequence parallelism)", "seq_len")
+    if fp8 and (seq_len // (cp * tp)) % FP8_ALIGNMENT:
+        raise PlanError(
+            f"{seq_len} gives {seq_len // (cp * tp)} tokens per micro-batch and rank (s/(cp*tp)); FP8 "
+            f"needs a multiple of {FP8_ALIGNMENT}",
+            "seq_len",
+        )
     stage_layers(arch, layout)  # raises for first/last stage layers that do not add up
 
 
@@ -391,6 +438,7 @@ class Memory:
     overhead: int
     colocated: bool
     trainer_offload: bool = False
+    fp8_weight_cache: int = 0  # the part of ``weights`` that is TE's FP8 weight copies (0 in bf16)
 
     @property
     def train(self) -> int:
@@ -410,23 +458,35 @@ class Memory:
         return self.overhead + max(self.train, self.rollout)
 
 
+def gemm_input_bytes(fp8: Fp8Mode | None) -> Fraction:
+    """Bytes per element of a GEMM input saved for the backward: bf16, or TE's FP8 copy, which for blockwise
+    carries one fp32 scale per 1×128 block."""
+    if fp8 is None:
+        return Fraction(2)
+    return Fraction(1) + (Fraction(4, 128) if fp8 == "blockwise" else 0)
+
+
 def layer_activation_bytes(arch: Qwen3Arch, layout: Layout, work: Workload, moe: bool) -> int:
-    """Activations one transformer layer keeps for backward, per micro-batch, without recompute (bytes)."""
+    """Activations one transformer layer keeps for backward, per micro-batch, without recompute (bytes).
+    ``q`` is what a quantized GEMM's saved input costs; in bf16 (q = 2) these are the plain formulas."""
     b, s, t, cp = work.micro_batch, work.seq_len, layout.tp, layout.cp
     s_r = s // cp
     s_h = s_r // t
     h, d = arch.hidden_size, arch.head_dim
     a_r, g_r = arch.num_attention_heads // t, arch.num_key_value_heads // t
-    attention = 4 * b * s_h * h + 6 * b * s_r * d * (a_r + g_r)
+    q = gemm_input_bytes(work.fp8)
+    attention = (2 + q) * b * s_h * h + 6 * b * s_r * d * (a_r + g_r)
+    if work.fp8 is not None:  # the output projection's FP8 copy of O, beside flash attention's bf16 O
+        attention += q * b * s_r * d * a_r
     if not work.flash_attention and work.recompute != "selective":
         attention += 2 * b * a_r * s_r * s
     if moe:
         k, etp = arch.moe_topk, layout.expert_tp
         mlp = 4 * b * s_h * h + 4 * b * s_h * arch.num_experts
-        mlp += 4 * k * b * s_h * etp * h + 6 * k * b * s_h * arch.moe_ffn_hidden_size
+        mlp += (2 + q) * k * b * s_h * etp * h + (4 + q) * k * b * s_h * arch.moe_ffn_hidden_size
     else:
-        mlp = 4 * b * s_h * h + 6 * b * s_r * arch.ffn_hidden_size // t
-    return attention + mlp
+        mlp = (2 + q) * b * s_h * h + (4 + q) * b * s_r * Fraction(arch.ffn_hidden_size, t)
+    return math.ceil(attention + mlp)
 
 
 def _stage_params(arch: Qwen3Arch, layout: Layout, layers: range, first: bool, last: bool) -> tuple[int, int]:
@@ -443,6 +503,16 @@ def _stage_params(arch: Qwen3Arch, layout: Layout, layers: range, first: bool, l
         replicated += p.final_norm
     experts = sum(p.experts for i in layers if moe[i]) // (layout.ep * layout.expert_tp)
     return split // t + replicated, experts
+
+
+def _stage_linear_params(arch: Qwen3Arch, layout: Layout, layers: range) -> int:
+    """``P_lin`` of one rank of a stage: the weights TE quantizes under FP8 (attention and dense MLPs split
+    over tp, experts over ep·etp; no embedding, output layer, router or norm)."""
+    p = param_counts(arch)
+    moe = _moe_layers(arch)
+    split = sum(p.attention + (0 if moe[i] else p.dense_mlp) for i in layers)
+    experts = sum(p.experts for i in layers if moe[i]) // (layout.ep * layout.expert_tp)
+    return split // layout.tp + experts
 
 
 def _stage_activations(arch: Qwen3Arch, layout: Layout, work: Workload, layers: range, in_flight: int) -> int:
@@ -464,7 +534,8 @@ def rollout_bytes(arch: Qwen3Arch, rollout: Rollout) -> tuple[int, int]:
     """(engine weights, KV cache) per GPU of a vLLM engine spanning ``rollout.tp`` GPUs."""
     if rollout.tp is None:
         raise PlanError("is None; pick an engine size (plan() tries each)", "rollout_tp")
-    weights = 2 * param_counts(arch).total // rollout.tp
+    p = param_counts(arch)
+    weights = (2 * p.total - (p.linear if rollout.fp8 else 0)) // rollout.tp  # FP8: linear layers at 1 B
     kv_heads = max(1, arch.num_key_value_heads // rollout.tp)
     per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * 2
     return weights, per_token * rollout.max_seqs * rollout.seq_len
@@ -497,7 +568,7 @@ def check_rollout(arch: Qwen3Arch, rtp: int, gpus: int) -> None:
 
 def memory(arch: Qwen3Arch, layout: Layout, work: Workload, rollout: Rollout, cluster: Cluster) -> Memory:
     """Per-GPU memory of the worst pipeline stage (see the module docstring for every term)."""
-    check_layout(arch, layout, cluster.gpus, work.seq_len)
+    check_layout(arch, layout, cluster.gpus, work.seq_len, fp8=work.fp8 is not None)
     sizes = stage_layers(arch, layout)
     micro = micro_batches(layout, work)
     r_weights, kv = rollout_bytes(arch, rollout) if rollout.colocated else (0, 0)
@@ -511,6 +582,7 @@ def memory(arch: Qwen3Arch, layout: Layout, work: Workload, rollout: Rollout, cl
         start += n
         first, last = i == 0, i == layout.pp - 1
         dense, experts = _stage_params(arch, layout, layers, first, last)
+        cache = FP8_WEIGHT_COPIES * _stage_linear_params(arch, layout, layers) if work.fp8 is not None else 0
         acts = _stage_activations(arch, layout, work, layers, min(layout.pp - i, micro))
         logits = 0
         if last:
@@ -519,7 +591,7 @@ def memory(arch: Qwen3Arch, layout: Layout, work: Workload, rollout: Rollout, cl
             logits = math.ceil(work.micro_batch * (work.seq_len // cp) * vocab * work.logits_bytes)
         mem = Memory(
             stage=i,
-            weights=2 * (dense + experts),
+            weights=2 * (dense + experts) + cache,
             grads=work.grad_bytes * (dense + experts),
             optimizer=12 * dense // shards[0] + 12 * experts // shards[1],
             activations=acts,
@@ -529,6 +601,7 @@ def memory(arch: Qwen3Arch, layout: Layout, work: Workload, rollout: Rollout, cl
             overhead=round(cluster.overhead_gib * GIB),
             colocated=rollout.colocated,
             trainer_offload=rollout.trainer_offload,
+            fp8_weight_cache=cache,
         )
         if worst is None or mem.total > worst.total:
             worst = mem
@@ -628,10 +701,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(
-    arch: Qwen3Arch, gpus: int, seq_len: int, min_cp_tokens: int = 4096
+    arch: Qwen3Arch, gpus: int, seq_len: int, min_cp_tokens: int = 4096, *, fp8: bool = False
 ) -> Iterator[Layout]:
     """Every valid layout for ``gpus``: tp dividing the KV heads, pp up to the layer count, cp only while
-    each rank keeps at least ``min_cp_tokens`` of the sequence, ep dividing the experts, etp in {1, tp}."""
+    each rank keeps at least ``min_cp_tokens`` of the sequence, ep dividing the experts, etp in {1, tp}
+    (and with ``fp8``, FP8-aligned token shards)."""
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             for cp in _divisors(gpus // (tp * pp)):
@@ -643,7 +717,7 @@ def enumerate_layouts(
                     for etp in sorted({1, tp}) if ep > 1 else [tp]:
                         layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp)
                         try:
-                            check_layout(arch, layout, gpus, seq_len)
+                            check_layout(arch, layout, gpus, seq_len, fp8=fp8)
                         except PlanError:
                             continue
                         yield layout
@@ -700,7 +774,7 @@ def plan(
     if recomputes is None:
         recomputes = ("none", "full") if work.flash_attention else RECOMPUTE
     if layouts is None:
-        layouts = list(enumerate_layouts(arch, cluster.gpus, work.seq_len))
+        layouts = list(enumerate_layouts(arch, cluster.gpus, work.seq_len, fp8=work.fp8 is not None))
     engines = [rollout]
     if rollout.colocated and rollout.tp is None:
         sizes = [rtp for rtp in rollout_tp_choices(arch, cluster.gpus) if rtp <= rollout.max_auto_tp]
