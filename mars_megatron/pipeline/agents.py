@@ -19,7 +19,7 @@ from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.scheduler import Batch, Scheduler, SegmentJob, Seq
 from mars_megatron.rewards.agent_rewards import Checker, answer_rewards, verifier_reward
 from mars_megatron.rl.rollout import Scored, role_metrics
-from mars_megatron.rollout.engine import GenerationRequest, SamplingParams
+from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
 
 RewardItem = tuple[str, str, str, Any, bool]
 """``(sample_id, role, text, reference, judged_right)``: what a reward worker needs of a finished output."""
@@ -53,6 +53,27 @@ def segment_request(job: SegmentJob, sampling: SamplingParams) -> GenerationRequ
         stop_token_ids=sampling.stop_token_ids,
     )
     return GenerationRequest(job.sample_id, tuple(job.context()), params)
+
+
+def record_outputs(
+    s: Scheduler,
+    jobs: Sequence[SegmentJob],
+    outputs: Sequence[GenerationOutput],
+    decode: Callable[[Sequence[int]], str],
+    version: int | None = None,
+) -> list[str]:
+    """Record one engine call's outputs as the next segments of their sequences (decoded by policy
+    ``version``; default: the version each was issued at). Returns the ids of the sequences this finished,
+    in order, their text decoded: they are ready to be scored. Decoded here, once, because the reward and
+    the next agent's prompt both read the text."""
+    finished: list[str] = []
+    for job, out in zip(jobs, outputs, strict=True):
+        stopped = out.finish_reason == "stop"
+        if s.on_segment(job.sample_id, out.token_ids, out.logprobs, stopped=stopped, version=version):
+            seq = s.seqs[job.sample_id]
+            seq.text = decode(seq.tokens)
+            finished.append(job.sample_id)
+    return finished
 
 
 def reward_item(s: Scheduler, sample_id: str) -> RewardItem:

@@ -11,7 +11,9 @@ sync mode), and every output reaches the training queue the moment its reward is
 Versions: a rollout worker reports the policy version its engine held for each call (an actor runs one
 call at a time, so a call never straddles a weight update), and that is what the segment records.
 Weights are pushed by the trainer's rank 0 into every engine after each update, as in the synchronous
-loop.
+loop. Colocated engines (``pipeline.placement=colocated``) sleep before the update with their weights
+discarded, then wake their weights, take the push, and only then wake their KV cache
+(:class:`~mars_megatron.rollout.engine.Sleepable`).
 
 Failures: a rollout or reward worker that dies is replaced by a new actor (weights re-synced for a
 rollout worker) and the work it held is requeued from its last recorded state; the scheduler's counts
@@ -29,7 +31,14 @@ from typing import Any
 from mars_megatron.agents.roles import Role
 from mars_megatron.algorithm.sample import Sample
 from mars_megatron.evaluation.data import Problem
-from mars_megatron.pipeline.agents import RewardItem, batch_metrics, reward_item, score_items, segment_request
+from mars_megatron.pipeline.agents import (
+    RewardItem,
+    batch_metrics,
+    record_outputs,
+    reward_item,
+    score_items,
+    segment_request,
+)
 from mars_megatron.pipeline.scheduler import Batch, Scheduler, shared_rewards
 from mars_megatron.rollout.engine import SamplingParams
 
@@ -62,7 +71,8 @@ class PipelineDriver:
     ``engines``: rollout workers as ``(policy name, RemoteEngine)``; ``start_reward``/``restart_rollout``
     build a replacement actor after a death. ``train``: submits one update's samples (per policy) to the
     trainer group and returns the handles to wait on; ``finish_train`` turns their results into metrics
-    and pushes the new weights.
+    and pushes the new weights (into every engine: ``colocated`` engines wake their weights before it
+    and their KV cache after it).
     """
 
     def __init__(
@@ -100,11 +110,12 @@ class PipelineDriver:
         self.samples_for = samples_for
         self.max_batch = max_batch
         self.colocated = colocated
+        """Engines share devices with the trainer: they finish their segments, sleep through the update
+        (weights and KV cache freed) and wake around the weight sync: weights, push, KV cache (no
+        overlap)."""
         self.shared_reward = shared_reward
         """Train every output on its trajectory's outcome (the scheduler holds groups until their
         trajectory tree is scored: ``Limits.whole_trajectories``)."""
-        """Engines share devices with the trainer: they finish their segments, sleep through the update
-        and wake for the weight sync (no overlap)."""
         self.flight: dict[Any, _InFlight] = {}
         self.to_score: list[str] = []
         self.judged_right: dict[str, bool] = {}
@@ -151,14 +162,7 @@ class PipelineDriver:
     def _on_rollout(self, item: _InFlight, result: tuple[list[Any], int]) -> None:
         outputs, version = result
         self.busy_rollout.discard(item.worker)
-        for job, out in zip(item.payload, outputs, strict=True):
-            seq = self.s.seqs[job.sample_id]
-            stopped = out.finish_reason == "stop"
-            if self.s.on_segment(
-                job.sample_id, out.token_ids, out.logprobs, stopped=stopped, version=version
-            ):
-                seq.text = self.decode(seq.tokens)
-                self.to_score.append(job.sample_id)
+        self.to_score.extend(record_outputs(self.s, item.payload, outputs, self.decode, version))
 
     def _on_reward(self, item: _InFlight, results: list[tuple[str, float, bool | None]]) -> None:
         self.busy_reward.discard(item.worker)
@@ -243,9 +247,14 @@ class PipelineDriver:
                     self.flight.pop(h, None)
                 results = [ray.get(ref), *ray.get(rest)]
                 train_s = time.perf_counter() - self._train_started
+                # Colocated engines slept with their weights discarded: give the weights their memory
+                # back, push the new ones (finish_train), and only then allocate the KV cache, so the
+                # device never holds the cache before the weights are in.
+                if self.colocated:
+                    self._each_engine("wake_weights")
+                metrics = self.finish_train(results)
                 if self.colocated:
                     self._each_engine("wake")
-                metrics = self.finish_train(results)
                 done = item.payload
                 self.s.on_trained()
                 self.s.release(done)

@@ -20,6 +20,7 @@ from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import (
     batch_metrics,
     prompt_builder,
+    record_outputs,
     reward_item,
     score_items,
     segment_request,
@@ -89,13 +90,7 @@ def run_round(
             if not jobs:
                 continue
             outputs = engine.generate([segment_request(j, sampling) for j in jobs])
-            for job, out in zip(jobs, outputs, strict=True):
-                done = s.on_segment(
-                    job.sample_id, out.token_ids, out.logprobs, stopped=out.finish_reason == "stop"
-                )
-                if done:
-                    s.seqs[job.sample_id].text = codec.decode(s.seqs[job.sample_id].tokens)
-                    finished.append(job.sample_id)
+            finished += record_outputs(s, jobs, outputs, codec.decode)
         if not issued:  # every sequence waits on a score, and none is being scored: a scheduler bug
             raise RuntimeError(f"run_round stalled: {s.stats()}")
         if finished:

@@ -178,19 +178,10 @@ class MarsRLTrainer:
     def _start_engine(self, index: int) -> Any:
         """Rollout engine ``index`` as a Ray actor, on its placement bundle or (placement 'none') where Ray
         puts it, with :meth:`_unplaced_engine_gpus` GPUs."""
-        from mars_megatron.rollout.factory import engine_recipe
+        from mars_megatron.rollout.factory import run_engine_recipe
         from mars_megatron.rollout.ray_engine import start_rollout_actor
 
-        cfg = self.cfg
-        recipe = engine_recipe(
-            cfg.rollout.engine,
-            self.plan.engine_dir,
-            dtype=cfg.model.dtype,
-            seed=cfg.train.seed,
-            max_batch=cfg.rollout.max_batch,
-            fp8=cfg.model.fp8,
-            tensor_parallel_size=cfg.rollout.tp,
-        )
+        recipe = run_engine_recipe(self.cfg, self.plan.engine_dir)
         if self.placement is None:
             gpus = self._unplaced_engine_gpus()
             return start_rollout_actor(recipe, num_cpus=1, num_gpus=gpus, threads=self._threads)

