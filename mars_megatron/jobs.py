@@ -54,9 +54,11 @@ def load_engine(
     optimizer: Any = None,
     fp8: str | None = None,
     recompute: str = "none",
+    routing_replay: bool = False,
 ) -> Any:
     """A :class:`MegatronEngine` with weights from an HF directory or a mars Megatron checkpoint
-    (``fp8``, ``recompute``: ``model.fp8``, ``train.recompute``)."""
+    (``fp8``, ``recompute``, ``routing_replay``: ``model.fp8``, ``train.recompute``, whether
+    ``moe.routing_replay`` is on)."""
     from checkpoints_conversion.convert import is_mcore_checkpoint, load_mcore, read_meta
     from checkpoints_conversion.hf_io import HFReader
     from checkpoints_conversion.model_io import load_weights, validate_hf_checkpoint
@@ -74,6 +76,7 @@ def load_engine(
             optimizer=optimizer,
             fp8=fp8,
             recompute=recompute,
+            routing_replay=routing_replay,
         )
         load_mcore(engine.model, model_dir)
         return engine
@@ -81,7 +84,14 @@ def load_engine(
     reader = HFReader(model_dir)
     validate_hf_checkpoint(reader, arch)
     engine = MegatronEngine(
-        arch, parallel, dtype=dtype, transformer_impl=impl, optimizer=optimizer, fp8=fp8, recompute=recompute
+        arch,
+        parallel,
+        dtype=dtype,
+        transformer_impl=impl,
+        optimizer=optimizer,
+        fp8=fp8,
+        recompute=recompute,
+        routing_replay=routing_replay,
     )
     load_weights(engine.model, reader, arch, engine.padded_vocab)
     return engine

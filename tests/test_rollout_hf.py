@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -154,3 +155,45 @@ def test_sampling_params_validation(kwargs: dict, message: str) -> None:
 def test_empty_prompt_is_refused() -> None:
     with pytest.raises(ValueError, match="request x: prompt_ids is empty"):
         GenerationRequest("x", (), GREEDY)
+
+
+def _full_sequence_routing(engine: HFEngine, tokens: list[int]) -> torch.Tensor:
+    """The routing transformers picks when it reads ``tokens`` in one forward: ``[positions, layers, k]``."""
+    picked: list[torch.Tensor] = []
+    gates = [layer.mlp.gate for layer in engine.model.model.layers]
+    hooks = [g.register_forward_hook(lambda m, a, out: picked.append(out[2])) for g in gates]
+    try:
+        with torch.no_grad():
+            engine.model(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(picked, dim=1)
+
+
+def test_captured_routing_is_what_the_model_routes_for_every_consumed_position(
+    models: dict[str, Path],
+) -> None:
+    """Left-padded batches, prefill and decode: each output carries one row per position the model read
+    (prompt + generated - 1), and the rows are the experts one full forward of those tokens picks."""
+    engine = HFEngine(models["moe"], capture_routing=True)
+    cfg = engine.model.config
+    sampling = SamplingParams(max_tokens=10, temperature=1.0, seed=3)
+    outs = engine.generate(requests(sampling, lengths=(3, 9, 5)))
+    for r, o in zip(requests(sampling, lengths=(3, 9, 5)), outs, strict=True):
+        routed = o.routed_experts
+        assert routed is not None and routed.dtype == np.uint8
+        assert routed.shape == (
+            len(r.prompt_ids) + len(o.token_ids) - 1,
+            cfg.num_hidden_layers,
+            cfg.num_experts_per_tok,
+        )
+        full = _full_sequence_routing(engine, [*r.prompt_ids, *o.token_ids[:-1]])
+        # the same experts per position (the order within the top-k may differ only on exact ties)
+        assert torch.equal(torch.from_numpy(routed.astype(np.int64)).sort(-1).values, full.sort(-1).values)
+    assert HFEngine(models["moe"]).generate(requests(sampling))[0].routed_experts is None
+
+
+def test_capture_routing_on_a_dense_model_is_refused(models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="no MoE layers"):
+        HFEngine(models["dense"], capture_routing=True)

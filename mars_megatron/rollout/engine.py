@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 FinishReason = Literal["stop", "length"]
@@ -61,6 +62,18 @@ class GenerationOutput:
     logprobs: list[float]  # one per generated token, raw distribution
     finish_reason: FinishReason
     extra: dict[str, object] = field(default_factory=dict)
+    routed_experts: np.ndarray | None = None
+    """MoE engines asked to (``capture_routing``): the experts this call routed each position to,
+    ``[len(prompt_ids) + len(token_ids) - 1, moe_layers, top_k]`` (:func:`routing_dtype`): every position
+    the model consumed as input, the prompt's included (the last generated token is never fed back).
+    Rows follow the MoE layers in model order (dense layers have none), each row's top-k in the router's
+    order. The trainer replays them (``moe.routing_replay=R3``)."""
+
+
+def routing_dtype(num_experts: int) -> np.dtype:
+    """The smallest integer type for expert ids: Qwen3's 128 experts fit one byte, so a 32k-token sample
+    of Qwen3-30B-A3B (48 layers, top-8) carries 12 MiB of routing."""
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.int16)
 
 
 @runtime_checkable

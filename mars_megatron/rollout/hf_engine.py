@@ -58,8 +58,16 @@ class HFEngine:
     """A :class:`~mars_megatron.rollout.engine.RolloutEngine` on a transformers causal LM."""
 
     def __init__(
-        self, model_dir: str | Path, *, dtype: str = "float32", max_batch: int = 16, seed: int = 0
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "float32",
+        max_batch: int = 16,
+        seed: int = 0,
+        capture_routing: bool = False,
     ) -> None:
+        """``capture_routing``: return each output's routed experts (``GenerationOutput.routed_experts``)
+        read from the routers of a MoE model; a dense model refuses it."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if has_weights(model_dir):
@@ -76,6 +84,7 @@ class HFEngine:
         self.pad_id = int(pad if pad is not None else 0)
         self.max_batch = max_batch
         self._seeds = torch.Generator().manual_seed(seed)
+        self.routing = _RoutingCapture(self.model) if capture_routing else None
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         out: list[GenerationOutput] = []
@@ -109,6 +118,12 @@ class HFEngine:
         ).logits[:, -1]
         results = [GenerationOutput(r.request_id, [], [], "length") for r in requests]
         active = [True] * batch
+        # routed experts per request, one [positions, layers, k] block per model call
+        routed: list[list[torch.Tensor]] = [[] for _ in requests]
+        if self.routing is not None:
+            prefill = self.routing.take(batch, longest)
+            for i, r in enumerate(requests):
+                routed[i].append(prefill[i, longest - len(r.prompt_ids) :])
         for _ in range(max(r.sampling.max_tokens for r in requests)):
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             step = torch.full((batch, 1), self.pad_id, dtype=torch.long)
@@ -134,6 +149,14 @@ class HFEngine:
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
+            if self.routing is not None:  # only rows still decoding fed a token that is not their last
+                fed = self.routing.take(batch, 1)
+                for i in range(batch):
+                    if active[i]:
+                        routed[i].append(fed[i])
+        if self.routing is not None:
+            for i, out in enumerate(results):
+                out.routed_experts = torch.cat(routed[i]).numpy().astype(self.routing.dtype)
         return results
 
     @torch.no_grad()
@@ -163,3 +186,39 @@ class HFEngine:
             target.copy_(tensor)
             loaded += 1
         return loaded
+
+
+class _RoutingCapture:
+    """Reads the expert ids every MoE router of a transformers Qwen3-MoE model picks (forward hooks on
+    each layer's ``mlp.gate``, whose output is ``(logits, weights, indices)``): the routing this engine
+    really used, for the trainer to replay."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from mars_megatron.rollout.engine import routing_dtype
+
+        layers = getattr(getattr(model, "model", None), "layers", None) or []
+        gates = [layer.mlp.gate for layer in layers if hasattr(getattr(layer, "mlp", None), "experts")]
+        if not gates:
+            raise ValueError(
+                f"capture_routing: {type(model).__name__} has no MoE layers (no router to read); "
+                "routing replay is for MoE models"
+            )
+        self.num_experts = int(model.config.num_experts)
+        self.dtype = routing_dtype(self.num_experts)
+        self._last: list[torch.Tensor | None] = [None] * len(gates)
+        for k, gate in enumerate(gates):
+            gate.register_forward_hook(self._hook(k))
+
+    def _hook(self, k: int):
+        def hook(module: torch.nn.Module, args: object, output: tuple[torch.Tensor, ...]) -> None:
+            self._last[k] = output[2]
+
+        return hook
+
+    def take(self, batch: int, length: int) -> torch.Tensor:
+        """The last model call's routing as ``[batch, length, layers, k]``."""
+        if any(t is None for t in self._last):
+            raise RuntimeError("capture_routing: a MoE layer's router did not run in the last model call")
+        out = torch.stack([t.view(batch, length, -1) for t in self._last], dim=2)  # type: ignore[union-attr]
+        self._last = [None] * len(self._last)
+        return out

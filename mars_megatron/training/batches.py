@@ -31,6 +31,9 @@ class MicroBatch:
     cp_index: torch.Tensor | None = None
     """Set on a context-parallel rank's share (:meth:`select`): the positions of the full micro-batch its
     columns are. ``lengths`` and ``pack`` still describe the full micro-batch."""
+    routing: torch.Tensor | None = None
+    """Experts to replay per position, ``[b, s, moe_layers, k]`` (``moe.routing_replay=R3``; see
+    ``training/routing_replay.py``); None: the router chooses."""
 
     def select(self, index: torch.Tensor) -> MicroBatch:
         """This CP rank's columns of the micro-batch (see ``training/context_parallel.py``)."""
@@ -44,6 +47,7 @@ class MicroBatch:
             self.lengths,
             self.pack,
             index,
+            None if self.routing is None else self.routing[:, index],
         )
 
     @classmethod

@@ -9,6 +9,8 @@ so any TP/PP/EP/DP layout computes the same update as one process.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -47,7 +49,10 @@ class MegatronEngine:
         optimizer: OptimizerConfig | None = None,
         fp8: str | None = None,
         recompute: str = "none",
+        routing_replay: bool = False,
     ) -> None:
+        """``routing_replay``: put a replay hook on every MoE router (``training/routing_replay.py``), so
+        :meth:`forward_logprobs` and :meth:`step` can record or replay routing."""
         from megatron.core import parallel_state as ps
 
         self.arch = arch
@@ -67,6 +72,16 @@ class MegatronEngine:
         )
         self.config = self.model.config
         self.config.calculate_per_token_loss = True
+        self.recompute = recompute
+        self.replay = None
+        if routing_replay:
+            from mars_megatron.training.routing_replay import ReplayControl, RoutingError, install
+
+            if not arch.is_moe:
+                raise RoutingError(f"moe.routing_replay needs a MoE model; {arch.architecture} has no router")
+            self.replay = ReplayControl(install(self.model, arch.moe_layers))
+        self._routing_record: Any = None  # RoutingStore being recorded by forward_logprobs
+        self._routing_source: Any = None  # RoutingStore replayed by forward_logprobs / step
         self.dp = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.cp = ps.get_context_parallel_world_size()
@@ -167,6 +182,30 @@ class MegatronEngine:
         group = ps.get_context_parallel_group()
         return [gather_positions(lp, self._cp_indices(mb), mb.tokens.shape[1], group) for lp, mb in sink]
 
+    def _route(self, mb: MicroBatch, local: MicroBatch) -> None:
+        """What the routers do for this micro-batch: replay a recorded store (R2) or the micro-batch's own
+        routing (R3), or choose freely; what they used is recorded when a store is being recorded."""
+        if self.replay is None:
+            return
+        if self._routing_source is not None:
+            if id(mb.pack) not in self._routing_source:
+                raise RuntimeError("routing replay: pack not recorded (record it with forward_logprobs)")
+            self.replay.replay(self._routing_source[id(mb.pack)])
+        elif local.routing is not None:
+            from megatron.core import parallel_state as ps
+
+            from mars_megatron.training.routing_replay import local_routing
+
+            flat = local_routing(
+                local.routing,
+                ps.get_tensor_model_parallel_rank(),
+                self.parallel.tp,
+                bool(self.config.sequence_parallel),
+            )
+            self.replay.replay({m: flat[:, m] for m in range(flat.shape[1])})
+        else:
+            self.replay.free()
+
     def _token_logprobs(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         from megatron.core import parallel_state as ps
 
@@ -189,7 +228,10 @@ class MegatronEngine:
     ):
         mb = _on_device(next(data))
         local, kwargs = self._model_inputs(mb)
+        self._route(mb, local)
         output = model(local.tokens, local.position_ids, **kwargs)
+        if self._routing_record is not None:
+            self._routing_record[id(mb.pack)] = self.replay.used()  # type: ignore[union-attr]
 
         def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             logprobs = self._token_logprobs(output_tensor, local)
@@ -272,24 +314,65 @@ class MegatronEngine:
         seqs: Sequence[Sequence[int]],
         plan: PackPlan,
         target_masks: Sequence[Sequence[float]] | None = None,
+        routing: Sequence[Any] | None = None,
     ) -> list[MicroBatch]:
         """This DP rank's packs of ``plan`` as micro-batches, each padded to exactly the pack length
-        (pipeline stages exchange activations of one fixed shape)."""
-        return [
-            MicroBatch.from_pack(
+        (pipeline stages exchange activations of one fixed shape). ``routing[i]``: sample i's experts to
+        replay (``[len(seqs[i]) - 1, moe_layers, k]``, or None), mapped through the packing."""
+        out = []
+        for k in plan.rank_packs[self.dp_rank]:
+            mb = MicroBatch.from_pack(
                 build_plan_pack(plan, seqs, k, multiple=plan.capacity, target_masks=target_masks)
             )
-            for k in plan.rank_packs[self.dp_rank]
-        ]
+            if routing is not None:
+                from mars_megatron.training.routing_replay import pack_routing
+
+                assert mb.pack is not None
+                rows = pack_routing(
+                    [routing[i] for i in mb.pack.sample_ids],
+                    mb.pack.sample_spans,
+                    mb.pack.length,
+                    sum(self.arch.moe_layers),
+                    self.arch.moe_topk,
+                )
+                mb = dataclasses.replace(mb, routing=rows)
+            out.append(mb)
+        return out
 
     @torch.no_grad()
-    def forward_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor] | None:
+    def forward_logprobs(
+        self,
+        micro_batches: list[MicroBatch],
+        *,
+        record_routing: dict | None = None,
+        replay_routing: dict | None = None,
+    ) -> list[torch.Tensor] | None:
         """Per-token log-probs ``[1, T]`` of each micro-batch under the current weights (e.g. the old
-        policy before an update); on the last pipeline stage, ``None`` elsewhere."""
+        policy before an update); on the last pipeline stage, ``None`` elsewhere.
+
+        Routing (MoE, engine built with ``routing_replay``): ``replay_routing`` replays a store recorded
+        earlier (R2); otherwise a micro-batch's ``routing`` is replayed (R3), or the routers choose.
+        ``record_routing`` collects the routing this rank used, per pack, into the given store."""
         self.model.eval()
         sink: list[tuple[torch.Tensor, MicroBatch]] = []
-        self._run(micro_batches, lm_loss, forward_only=True, sink=sink)
+        with self._routing(record_routing, replay_routing, recompute=False):
+            self._run(micro_batches, lm_loss, forward_only=True, sink=sink)
         return self._full_logprobs(sink) if self._on_last_stage() else None
+
+    @contextlib.contextmanager
+    def _routing(self, record: dict | None, source: dict | None, *, recompute: bool) -> Iterator[None]:
+        if (record is not None or source is not None) and self.replay is None:
+            raise RuntimeError("routing record/replay needs an engine built with routing_replay=True")
+        self._routing_record, self._routing_source = record, source
+        if self.replay is not None:
+            self.replay.set_recompute(recompute)
+        try:
+            yield
+        finally:
+            self._routing_record = self._routing_source = None
+            if self.replay is not None:
+                self.replay.free()
+                self.replay.set_recompute(False)
 
     def train_step(
         self,
@@ -309,14 +392,23 @@ class MegatronEngine:
         plan = self.plan([len(s) for s in seqs], pack_length)
         return self.step(self.rank_packs(seqs, plan, target_masks), loss_fn)
 
-    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn = lm_loss) -> dict[str, float]:
-        """Forward/backward over this rank's micro-batches and one optimizer step (collective)."""
+    def step(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn = lm_loss,
+        *,
+        replay_routing: dict | None = None,
+    ) -> dict[str, float]:
+        """Forward/backward over this rank's micro-batches and one optimizer step (collective).
+        ``replay_routing``: a store recorded by :meth:`forward_logprobs` (R2); micro-batches that carry
+        ``routing`` replay it (R3)."""
         if self.optimizer is None:
             raise RuntimeError("engine was built without an optimizer config")
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reduced = self._run(micro_batches, loss_fn, forward_only=False)
+        with self._routing(None, replay_routing, recompute=self.recompute == "full"):
+            reduced = self._run(micro_batches, loss_fn, forward_only=False)
         loss_sum = sum(float(r["loss_sum"]) for r in reduced) if reduced else 0.0
         tokens = sum(float(r["tokens"]) for r in reduced) if reduced else 0.0
         # one all-reduce: the global loss and token sums for the log, and how many ranks saw a NaN/inf
@@ -363,6 +455,7 @@ def _on_device(mb: MicroBatch) -> MicroBatch:
         mb.lengths,
         mb.pack,
         None if mb.cp_index is None else mb.cp_index.to(device),
+        None if mb.routing is None else mb.routing.to(device),
     )
 
 
