@@ -346,6 +346,22 @@ class AlgorithmConfig(Section):
     role_weights: dict[str, float] = _field(  # noqa: RUF009 — _field gives mutable defaults a factory
         {}, "Loss weight per role (solver, verifier, corrector); missing roles weigh 1."
     )
+    mismatch_metrics: bool = _field(
+        True,
+        "Log the trainer-vs-engine log-prob mismatch per role (mismatch/<role>/...): the trainer scores each "
+        "batch before its first update, an extra forward under importance 'pois'.",
+    )
+    mismatch_threshold: float = _field(
+        2.0,
+        "Outlier bound t on p_trainer/p_engine: a token is an outlier outside [1/t, t], a sequence when the "
+        "geometric mean of its tokens' ratios is.",
+        gt=1,
+    )
+    mis: bool = _field(
+        False,
+        "Masked importance sampling: leave outlier sequences (mismatch_threshold) out of the loss; beside "
+        "importance 'tis', which caps token weights.",
+    )
 
     def validate(self) -> None:
         for role, weight in self.role_weights.items():
@@ -418,6 +434,16 @@ class CheckpointConfig(Section):
 
 
 @dataclass
+class MoeConfig(Section):
+    routing_replay: Literal["off", "R2", "R3"] = _field(
+        "off",
+        "MoE routing replay. 'R3': every trainer forward uses the experts the rollout engine routed each "
+        "token to (the engines capture them); 'R2': the trainer records its own routing in the first forward "
+        "of a batch (old log-probs) and replays it in the reference's and every update's forward.",
+    )
+
+
+@dataclass
 class LoggingConfig(Section):
     run_dir: str = _field("runs/default", "Directory for logs, metrics and the resolved config of this run.")
     tensorboard: bool = _field(False, "Also write TensorBoard event files under run_dir.")
@@ -449,6 +475,9 @@ class MarsConfig(Section):
     )
     pipeline: PipelineConfig = field(
         default_factory=PipelineConfig, metadata={"help": "Synchronous loop or the agentic pipeline."}
+    )
+    moe: MoeConfig = field(
+        default_factory=MoeConfig, metadata={"help": "MoE train-rollout consistency (routing replay)."}
     )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
     logging: LoggingConfig = field(

@@ -227,6 +227,8 @@ def test_wrong_types_name_the_field(tmp_path: Path, text: str, expected: str) ->
         ("optimizer.adam_beta2=1", "optimizer.adam_beta2: expected float < 1, got 1.0"),
         ("optimizer.weight_decay=-0.1", "optimizer.weight_decay: expected float >= 0, got -0.1"),
         ("optimizer.lr=.nan", "optimizer.lr: expected float > 0, got nan"),
+        ("algorithm.mismatch_threshold=1", "algorithm.mismatch_threshold: expected float > 1, got 1.0"),
+        ("moe.routing_replay=R1", "moe.routing_replay: expected one of 'off', 'R2', 'R3', got 'R1' (str)"),
     ],
 )
 def test_bounds(override: str, expected: str) -> None:
@@ -416,7 +418,7 @@ def test_config_to_dict_is_plain() -> None:
     data = config_to_dict(load_config(None, ["parallel.tp=2"]))
     assert list(data) == [
         "model", "parallel", "optimizer", "train", "data", "agents", "rollout", "algorithm", "pipeline",
-        "checkpoint", "logging",
+        "moe", "checkpoint", "logging",
     ]  # fmt: skip
     assert data["parallel"]["tp"] == 2 and data["optimizer"]["lr"] == 1e-6
     assert yaml.safe_load(yaml.safe_dump(data)) == data

@@ -248,3 +248,31 @@ def test_a_saved_schedule_continues_like_the_original(whole: bool) -> None:
     ids = [q.sample_id for b in before + after[1] for q in b.seqs]
     assert len(ids) == len(set(ids))
     assert restored.idle()
+
+
+def test_routing_of_each_segments_call_replaces_the_sequences_and_is_saved() -> None:
+    """An engine call's routing covers every position it fed (its prefill re-routed the earlier ones
+    under the newest weights), so it replaces what the sequence held; wrong row counts name the sample;
+    the routing survives a save."""
+    import numpy as np
+
+    from mars_megatron.pipeline.agents import to_sample
+    from mars_megatron.pipeline.scheduler import restore_scheduler, scheduler_state
+
+    s = scheduler(1, segment=4)
+    job = s.take_segments(1)[0]
+    p = len(job.prompt_ids)
+    first = np.zeros((p + 4 - 1, 2, 2), dtype=np.uint8)
+    assert not s.on_segment(job.sample_id, [5] * 4, [-0.5] * 4, stopped=False, routed_experts=first)
+    assert s.seqs[job.sample_id].routing is first
+    job = next(j for j in s.take_segments() if j.sample_id == job.sample_id)
+    with pytest.raises(ValueError, match=rf"{job.sample_id}: routed_experts has shape \(3, 2, 2\), expected"):
+        s.on_segment(job.sample_id, [6, 7], [-0.5] * 2, stopped=True, routed_experts=np.zeros((3, 2, 2)))
+    second = np.ones((p + 6 - 1, 2, 2), dtype=np.uint8)
+    assert s.on_segment(job.sample_id, [6, 7], [-0.5] * 2, stopped=True, routed_experts=second)
+    assert s.seqs[job.sample_id].routing is second
+    s.on_scored(job.sample_id, "x", 1.0)
+    assert to_sample(s.seqs[job.sample_id]).routed_experts is second
+    restored = Scheduler(s.agents, s.limits, s.prompt_fn, seed=s.seed)
+    restore_scheduler(restored, scheduler_state(s))
+    assert np.array_equal(restored.seqs[job.sample_id].routing, second)

@@ -16,7 +16,7 @@ leave the denominator too; role weights do not change it). Megatron divides by t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -244,10 +244,12 @@ def packed_loss_inputs(
     *,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    excluded: Collection[int] = (),
 ) -> LossInputs:
     """Tensors ``[1, T]`` for one pack: sample ``pack.sample_ids[j]`` (an index into ``samples``) sits at
     ``pack.sample_spans[j]``; its response token i is predicted at ``start + len(prompt) − 1 + i``.
-    Tokens cut off by truncation are left out. ``old_logprobs``/``ref_logprobs`` are the trainer's and the
+    Tokens cut off by truncation are left out, and so are the samples ``excluded`` (indices into
+    ``samples``: masked importance sampling). ``old_logprobs``/``ref_logprobs`` are the trainer's and the
     reference's log-probs of this very pack (already laid out like the pack)."""
     length = pack.length
     advantages = torch.zeros(1, length)
@@ -260,8 +262,8 @@ def packed_loss_inputs(
             raise ValueError(f"packed_loss_inputs: sample {sample.sample_id!r} has no advantage")
         first = start + len(sample.prompt_ids) - 1
         count = min(sample.response_len, end - 1 - first)  # the last token of a span predicts nothing
-        if count <= 0:
-            continue  # truncated inside the prompt: nothing of the response is trained on
+        if count <= 0 or index in excluded:
+            continue  # truncated inside the prompt, or masked: nothing of the response is trained on
         span = slice(first, first + count)
         advantages[0, span] = float(sample.advantage)
         mask[0, span] = torch.as_tensor(sample.loss_mask[:count], dtype=torch.float32)  # type: ignore[index]

@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.trajectory import Position, RolloutRecord
 
@@ -58,6 +60,9 @@ class Sample:
     """Policy version per response segment; contiguous spans covering the response, in order.
     Empty means unknown (then :meth:`staleness` cannot be asked)."""
     sample_id: str = ""
+    routed_experts: np.ndarray | None = None
+    """MoE: the experts the engine routed each position of :attr:`tokens` to, except the last
+    (``[len(tokens) - 1, moe_layers, top_k]``; ``GenerationOutput.routed_experts``), for R3 replay."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.position, Position):
@@ -84,6 +89,13 @@ class Sample:
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"Sample.{name} must be finite, got {value}")
         self._check_segments(n)
+        if self.routed_experts is not None:
+            positions = len(self.prompt_ids) + n - 1
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != positions:
+                raise ValueError(
+                    f"Sample {self.sample_id!r}: routed_experts has shape {self.routed_experts.shape}, "
+                    f"expected ({positions}, moe_layers, top_k): one row per token but the last"
+                )
 
     def _check_segments(self, n: int) -> None:
         if not self.segment_versions:

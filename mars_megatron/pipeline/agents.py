@@ -69,7 +69,14 @@ def record_outputs(
     finished: list[str] = []
     for job, out in zip(jobs, outputs, strict=True):
         stopped = out.finish_reason == "stop"
-        if s.on_segment(job.sample_id, out.token_ids, out.logprobs, stopped=stopped, version=version):
+        if s.on_segment(
+            job.sample_id,
+            out.token_ids,
+            out.logprobs,
+            stopped=stopped,
+            version=version,
+            routed_experts=out.routed_experts,
+        ):
             seq = s.seqs[job.sample_id]
             seq.text = decode(seq.tokens)
             finished.append(job.sample_id)
@@ -113,6 +120,7 @@ def to_sample(seq: Seq, reward: float | None = None) -> Sample:
         behaviour_logprobs=[min(lp, 0.0) for lp in seq.logprobs],
         segment_versions=list(seq.segments),
         sample_id=seq.sample_id,
+        routed_experts=seq.routing,
     )
 
 

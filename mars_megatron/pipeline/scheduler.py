@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
+
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.trajectory import Position, RolloutRecord, TrainingConfig, group_id, select_inputs
 from mars_megatron.algorithm.sample import Segment
@@ -86,6 +88,10 @@ class Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
+    routing: np.ndarray | None = None
+    """MoE engines that capture routing: the experts of every position fed so far, from the latest
+    segment's call (its prefill routed all earlier positions again, under the weights that decoded its
+    tokens, so it is the routing of the newest policy version for every position)."""
     state: SeqState = SeqState.READY
     first_version: int | None = None
     """The policy version its first segment was issued at (None until then)."""
@@ -317,16 +323,26 @@ class Scheduler:
         *,
         stopped: bool,
         version: int | None = None,
+        routed_experts: np.ndarray | None = None,
     ) -> bool:
         """Record a decoded segment; True when the sequence is finished (then score it).
 
         ``stopped``: the engine ended the sequence (end-of-turn or stop token) rather than the segment's
         token budget. ``version``: the policy version that decoded it, as the engine reports it (default:
-        the version it was issued at).
+        the version it was issued at). ``routed_experts``: the call's routing of every position it fed
+        (``GenerationOutput.routed_experts``); it replaces the sequence's.
         """
         seq = self._expect(sample_id, SeqState.DECODING)
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{sample_id}: {len(token_ids)} tokens but {len(logprobs)} log-probs")
+        if routed_experts is not None and token_ids:
+            fed = len(seq.prompt_ids) + len(seq.tokens) + len(token_ids) - 1
+            if routed_experts.ndim != 3 or routed_experts.shape[0] != fed:
+                raise ValueError(
+                    f"{sample_id}: routed_experts has shape {routed_experts.shape}, expected ({fed}, "
+                    "moe_layers, top_k) for the positions this segment's call fed"
+                )
+            seq.routing = routed_experts
         assert seq.issued_version is not None
         if token_ids:
             start = len(seq.tokens)
@@ -607,6 +623,7 @@ def scheduler_state(s: Scheduler) -> dict[str, Any]:
                 "tokens": np.asarray(q.tokens, dtype=np.int64),
                 "logprobs": np.asarray(q.logprobs, dtype=np.float32),
                 "segments": [(g.start, g.end, g.version) for g in q.segments],
+                "routing": q.routing,
                 "state": (SeqState.READY if q.state is SeqState.DECODING else q.state).value,
                 "first_version": q.first_version if q.segments or q.state is SeqState.DONE else None,
                 "finish_reason": q.finish_reason,
@@ -646,6 +663,7 @@ def restore_scheduler(s: Scheduler, state: Mapping[str, Any]) -> None:
             tokens=[int(x) for x in d["tokens"]],
             logprobs=[float(x) for x in d["logprobs"]],
             segments=[Segment(*g) for g in d["segments"]],
+            routing=d.get("routing"),  # absent in checkpoints from before routing capture
             state=SeqState(d["state"]),
             first_version=d["first_version"],
             finish_reason=d["finish_reason"],

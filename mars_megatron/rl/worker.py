@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mars_megatron.agents.roles import Role
+from mars_megatron.algorithm.mismatch import SUM_KEYS, add_sums, mismatch_metrics, sequence_mismatch
 from mars_megatron.algorithm.objective import LossConfig, make_loss_fn, packed_loss_inputs
 from mars_megatron.algorithm.sample import Sample
 from mars_megatron.config import MarsConfig
@@ -54,6 +55,28 @@ def split_groups(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
     return [mb for mb in out if mb]
 
 
+def check_sample_routing(samples: Sequence[Sample], arch: Any) -> None:
+    """R3 needs every sample's engine routing, shaped for this model; the error names the samples."""
+    from mars_megatron.training.routing_replay import RoutingError, check_routing
+
+    missing = [s.sample_id for s in samples if s.routed_experts is None]
+    if missing:
+        raise RoutingError(
+            f"moe.routing_replay=R3 needs the engine's routing of every sample; missing for {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''} (the rollout engine must capture it: capture_routing)"
+        )
+    for s in samples:
+        assert s.routed_experts is not None
+        check_routing(
+            s.sample_id,
+            s.routed_experts,
+            len(s.tokens),
+            sum(arch.moe_layers),
+            arch.moe_topk,
+            arch.num_experts,
+        )
+
+
 @dataclass
 class _Policy:
     engine: Any  # MegatronEngine
@@ -81,6 +104,7 @@ class PolicyWorker:
                 optimizer=cfg.optimizer,
                 fp8=cfg.model.fp8,
                 recompute=cfg.train.recompute,
+                routing_replay=cfg.moe.routing_replay != "off",
             )
             reference = None
             if cfg.algorithm.kl_coef > 0:  # forward only: no recompute
@@ -90,6 +114,7 @@ class PolicyWorker:
                     dtype=cfg.model.dtype,
                     impl=cfg.model.transformer_impl,
                     fp8=cfg.model.fp8,
+                    routing_replay=cfg.moe.routing_replay != "off",
                 )
             self.policies[name] = _Policy(engine, reference, None)
 
@@ -135,43 +160,108 @@ class PolicyWorker:
     def _train_policy(self, policy: _Policy, samples: Sequence[Sample]) -> dict[str, float]:
         engine = policy.engine
         pack_length = self.cfg.train.pack_length
+        replay = self.cfg.moe.routing_replay
+        if replay == "R3":
+            check_sample_routing(samples, engine.arch)
         minis = split_groups(samples, self.cfg.train.updates_per_batch)
         packed = []
         for mini in minis:
             plan = engine.plan([len(s.tokens) for s in mini], pack_length)
-            packed.append((mini, plan, engine.rank_packs([s.tokens for s in mini], plan)))
-        # The "old" policy is the one before this batch's first update: score every mini-batch now.
-        need_old = self.loss.importance != "pois"
-        old = [engine.forward_logprobs(mbs) if need_old else None for _, _, mbs in packed]
-        ref = [
-            policy.reference.forward_logprobs(mbs) if policy.reference is not None else None
-            for _, _, mbs in packed
+            routing = [s.routed_experts for s in mini] if replay == "R3" else None
+            packed.append((mini, plan, engine.rank_packs([s.tokens for s in mini], plan, routing=routing)))
+        # The "old" policy is the one before this batch's first update: score every mini-batch now. R2
+        # records its routing there, for the reference and every update to replay.
+        a = self.cfg.algorithm
+        stores: list[dict | None] = [{} if replay == "R2" else None for _ in packed]
+        # mismatch needs the engine's log-probs (samples built without an engine have none)
+        watch = (a.mismatch_metrics or a.mis) and any(s.behaviour_logprobs is not None for s in samples)
+        need_old = self.loss.importance != "pois" or replay == "R2" or watch
+        old = [
+            engine.forward_logprobs(mbs, record_routing=store) if need_old else None
+            for (_, _, mbs), store in zip(packed, stores, strict=True)
         ]
+        ref = [
+            policy.reference.forward_logprobs(mbs, replay_routing=store)
+            if policy.reference is not None
+            else None
+            for (_, _, mbs), store in zip(packed, stores, strict=True)
+        ]
+        sums, outliers = self._mismatch(engine, packed, old) if watch else ({}, [set() for _ in packed])
         metrics: dict[str, float] = {}
         stats: list[dict[str, torch.Tensor]] = []
         truncated = 0
-        for (mini, plan, mbs), old_lp, ref_lp in zip(packed, old, ref, strict=True):
+        pass_old = self.loss.importance != "pois"
+        for (mini, plan, mbs), old_lp, ref_lp, store, out in zip(
+            packed, old, ref, stores, outliers, strict=True
+        ):
+            excluded = out if a.mis else set()
             truncated += len(plan.truncated)
             # keyed by pack: a context-parallel rank's share of a micro-batch is a new MicroBatch
             index = {id(mb.pack): k for k, mb in enumerate(mbs)}
 
-            def inputs_for(mb: MicroBatch, mini=mini, index=index, old_lp=old_lp, ref_lp=ref_lp):
+            def inputs_for(
+                mb: MicroBatch, mini=mini, index=index, old_lp=old_lp, ref_lp=ref_lp, excluded=excluded
+            ):
                 k = index[id(mb.pack)]
                 assert mb.pack is not None
                 return packed_loss_inputs(
                     mini,
                     mb.pack,
                     self.loss,
-                    old_logprobs=old_lp[k] if old_lp is not None else None,
+                    old_logprobs=old_lp[k] if old_lp is not None and pass_old else None,
                     ref_logprobs=ref_lp[k] if ref_lp is not None else None,
+                    excluded=excluded,
                 )
 
-            metrics = engine.step(mbs, make_loss_fn(self.loss, inputs_for, stats))
+            metrics = engine.step(mbs, make_loss_fn(self.loss, inputs_for, stats), replay_routing=store)
         for key in stats[0] if stats else ():
             metrics[key] = float(torch.stack([s[key].detach().float() for s in stats]).mean())
         metrics["packs"] = float(sum(len(mbs) for _, _, mbs in packed))
         metrics["truncated_samples"] = float(truncated)
+        metrics.update(mismatch_metrics(sums))
+        if a.mis and sums:
+            metrics["mis_masked_samples"] = sums["all"][SUM_KEYS.index("seqs_over")]
         return metrics
+
+    def _mismatch(
+        self, engine: Any, packed: Sequence[tuple[Any, Any, list[MicroBatch]]], old: Sequence[Any]
+    ) -> tuple[dict[str, list[float]], list[set[int]]]:
+        """Trainer-vs-engine mismatch sums per role (and ``all``) over the whole batch (all DP ranks),
+        and per mini-batch the indices of this rank's outlier sequences. Old log-probs exist on the last
+        pipeline stage; every rank joins the one all-reduce."""
+        a = self.cfg.algorithm
+        groups = ["all", *(r.value for r in Role)]
+        sums = {g: [0.0] * len(SUM_KEYS) for g in groups}
+        outliers: list[set[int]] = [set() for _ in packed]
+        for (mini, _, mbs), old_lp, out in zip(packed, old, outliers, strict=True):
+            if old_lp is None:
+                continue  # not the last pipeline stage
+            for mb, lp in zip(mbs, old_lp, strict=True):
+                assert mb.pack is not None
+                for i, (start, end) in zip(mb.pack.sample_ids, mb.pack.sample_spans, strict=True):
+                    sample = mini[i]
+                    if sample.behaviour_logprobs is None:
+                        continue
+                    first = start + len(sample.prompt_ids) - 1
+                    count = min(sample.response_len, end - 1 - first)
+                    if count <= 0:
+                        continue
+                    seq = sequence_mismatch(
+                        lp[0, first : first + count].cpu(),
+                        torch.tensor(sample.behaviour_logprobs[:count]),
+                        a.mismatch_threshold,
+                    )
+                    add_sums(sums["all"], seq)
+                    add_sums(sums[sample.role.value], seq)
+                    if seq.outlier:
+                        out.add(i)
+        from megatron.core import parallel_state as ps
+
+        flat = engine._global_sum(
+            [v for g in groups for v in sums[g]], contribute=ps.get_context_parallel_rank() == 0
+        )
+        n = len(SUM_KEYS)
+        return {g: flat[k * n : (k + 1) * n] for k, g in enumerate(groups)}, outliers
 
     # ---------------------------------------------------------------------------------------- checkpoint
     def save(self, directory: str) -> None:

