@@ -50,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help='JSONL, one {"tokens": [ids...]} per line')
     p.add_argument("--output", required=True, help='JSONL, one {"logprobs": [...]} per line')
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument(
+        "--routing",
+        default=None,
+        help="MoE: score under these experts instead of the router's choice: an .npz of one "
+        "[len(tokens) - 1, moe_layers, top_k] array per input line (numpy.savez(path, *arrays))",
+    )
     _add_layout(p)
 
     p = sub.add_parser("sft", help="supervised warm start on the tiny task's role demonstrations")
@@ -152,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
             print(f"wrote {args.dst}")
         elif args.command == "score":
-            seqs = jobs.read_token_lines(args.input, jobs.model_arch(args.model_dir).vocab_size)
+            arch = jobs.model_arch(args.model_dir)
+            seqs = jobs.read_token_lines(args.input, arch.vocab_size)
+            routing = jobs.read_routing(args.routing, seqs, arch) if args.routing else None
             if not Path(args.output).parent.exists():
                 raise FileNotFoundError(f"{Path(args.output).parent}: output directory does not exist")
             layout = _layout(args)
@@ -165,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
                 layout,
                 args.micro_batch,
                 args.impl,
+                routing,
                 nproc=args.nproc,
             )
-            print(f"scored {len(seqs)} sequences -> {args.output}")
+            routed = f" under the routing of {args.routing}" if args.routing else ""
+            print(f"scored {len(seqs)} sequences{routed} -> {args.output}")
         elif args.command == "sft":
             from checkpoints_conversion.convert import check_output_dir
             from mars_megatron.tasks.sft import SFTConfig, sft_job

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,12 +162,51 @@ def read_token_lines(path: str | Path, vocab_size: int | None = None) -> list[li
     return seqs
 
 
+def read_routing(path: str | Path, seqs: Sequence[Sequence[int]], arch: Any) -> list[Any]:
+    """``mars score --routing``: an ``.npz`` with one array per sequence of ``--input``, in order, as
+    ``numpy.savez(path, *arrays)`` writes them (``arr_0``, ``arr_1``, ...), each ``[len(tokens) - 1,
+    moe_layers, top_k]`` expert ids (``GenerationOutput.routed_experts``). Checked before any rank
+    starts; errors name the file and the sequence."""
+    import numpy as np
+
+    from mars_megatron.training.routing_replay import RoutingError, check_routing
+
+    if not arch.is_moe:
+        raise RoutingError(f"--routing: {arch.architecture} has no MoE layers to route")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise RoutingError(f"{path}: not a numpy .npz file ({e})") from e
+    names = [f"arr_{i}" for i in range(len(seqs))]
+    extra = sorted(set(data.files) - set(names))
+    missing = [n for n in names if n not in data.files]
+    if missing or extra:
+        raise RoutingError(
+            f"{path}: expected arrays arr_0..arr_{len(seqs) - 1}, one per sequence of the input; "
+            f"missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+    out = []
+    for i, (name, seq) in enumerate(zip(names, seqs, strict=True)):
+        rows = data[name]
+        if rows.dtype.kind not in "iu":
+            raise RoutingError(f"{path}: sequence {i} ({name}) has dtype {rows.dtype}, expected integers")
+        check_routing(f"{path}:{name}", rows, len(seq), sum(arch.moe_layers), arch.moe_topk, arch.num_experts)
+        out.append(rows)
+    return out
+
+
 def score_job(
-    model_dir: str, seqs: list[list[int]], output: str, parallel: ParallelConfig, micro_batch: int, impl: str
+    model_dir: str,
+    seqs: list[list[int]],
+    output: str,
+    parallel: ParallelConfig,
+    micro_batch: int,
+    impl: str,
+    routing: list[Any] | None = None,
 ) -> int:
     par.init_model_parallel(parallel, seed=0)
-    engine = load_engine(model_dir, parallel, dtype=None, impl=impl)
-    logprobs = engine.logprobs(seqs, micro_batch)
+    engine = load_engine(model_dir, parallel, dtype=None, impl=impl, routing_replay=routing is not None)
+    logprobs = engine.logprobs(seqs, micro_batch, routing=routing)
     if logprobs is not None and _is_writer():
         tmp = Path(output).with_name(f".{Path(output).name}.partial")
         with open(tmp, "w") as f:

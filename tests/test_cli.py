@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -266,3 +267,90 @@ def test_train_refuses_to_overwrite_a_run_without_resume(tmp_path: Path, work: P
     result = mars("train", EXAMPLE, *args, cwd=work)
     assert_failed(result, 2, "already holds a run", "--resume")
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+# --------------------------------------------------------------------------------------- routed scoring
+def _forced_routing(seqs: list[list[int]]) -> list[np.ndarray]:
+    """Experts no router would pick so regularly: position p, layer l -> (p + l) % 4 and (p + l + 1) % 4."""
+    out = []
+    for s in seqs:
+        p = np.arange(len(s) - 1)[:, None, None]
+        layer = np.arange(2)[None, :, None]
+        out.append(((p + layer + np.arange(2)[None, None, :]) % 4).astype(np.uint8))
+    return out
+
+
+def hf_forced_logprobs(
+    model_dir: Path, seqs: list[list[int]], routing: list[np.ndarray]
+) -> list[torch.Tensor]:
+    """transformers with every router's top-k replaced by ``routing`` (gate weights: the router's softmax
+    over the given experts, renormalised, as Megatron's post-softmax router computes them)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    forced: list[torch.Tensor | None] = [None]
+
+    def wrap(layer: int, gate: torch.nn.Module):
+        original = gate.forward
+
+        def forward(hidden: torch.Tensor):
+            logits, _, _ = original(hidden)
+            idx = forced[0][:, layer].long()  # type: ignore[index]
+            return logits, torch.softmax(logits.gather(1, idx).float(), -1).to(logits.dtype), idx
+
+        return forward
+
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.gate.forward = wrap(i, layer.mlp.gate)
+    out = []
+    with torch.no_grad():
+        for s, r in zip(seqs, routing, strict=True):
+            # the last token's row is free in mars; feed the model only the positions that have one
+            forced[0] = torch.from_numpy(r.astype(np.int64))
+            logp = (
+                torch.log_softmax(model(torch.tensor([s[:-1]])).logits[0].float(), -1) if len(s) > 1 else None
+            )
+            out.append(
+                torch.empty(0) if logp is None else logp[torch.arange(len(s) - 1), torch.tensor(s[1:])]
+            )
+    return out
+
+
+def test_score_under_given_routing_matches_transformers_forced_to_it(
+    work: Path, moe: Path, tokens: Path, reference: list[torch.Tensor]
+) -> None:
+    routing = _forced_routing(TOKENS)
+    path = work / "routing.npz"
+    np.savez(path, *routing)
+    out = work / "scores-routed.jsonl"
+    result = ok(
+        mars("score", "--model-dir", moe, "--input", tokens, "--output", out, "--routing", path, cwd=work)
+    )
+    assert f"scored 5 sequences under the routing of {path} -> {out}" in result.stdout
+    got = read_logprobs(out)
+    assert_close_to(got, hf_forced_logprobs(moe, TOKENS, routing))
+    assert max(float((g - r).abs().max()) for g, r in zip(got, reference, strict=True) if len(g)) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [("short", r"sample '.*routing.npz:arr_3': routed_experts has shape \(10, 2, 2\), expected \(11, 2, 2\)"),
+     ("out-of-range", r"sample '.*routing.npz:arr_0'.*expert ids in \[1, 7\], the model has experts 0..3"),
+     ("missing", r"routing.npz: expected arrays arr_0..arr_4, one per sequence .*; missing \['arr_4'\]")],
+)  # fmt: skip
+def test_score_rejects_bad_routing_naming_the_sequence(
+    tmp_path: Path, work: Path, moe: Path, tokens: Path, arrays: str, message: str
+) -> None:
+    routing = _forced_routing(TOKENS)
+    if arrays == "short":
+        routing[3] = routing[3][:-1]
+    elif arrays == "out-of-range":
+        routing[0] = routing[0] * 2 + 1
+    else:
+        routing = routing[:-1]
+    path = tmp_path / "routing.npz"
+    np.savez(path, *routing)
+    out = tmp_path / "out.jsonl"
+    result = mars(
+        "score", "--model-dir", moe, "--input", tokens, "--output", out, "--routing", path, cwd=work
+    )
+    assert result.returncode == 2 and re.search(message, result.stderr), result.stderr
+    assert not out.exists()

@@ -280,16 +280,34 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------------------------------- public
     @torch.no_grad()
-    def logprobs(self, seqs: Sequence[Sequence[int]], micro_batch: int = 1) -> list[list[float]] | None:
+    def logprobs(
+        self, seqs: Sequence[Sequence[int]], micro_batch: int = 1, *, routing: Sequence[Any] | None = None
+    ) -> list[list[float]] | None:
         """Log-prob of every token given its prefix (the first token has none). Every rank scores every
-        sequence; ranks on the last pipeline stage return the values, the others ``None``."""
+        sequence; ranks on the last pipeline stage return the values, the others ``None``.
+        ``routing[i]``: the experts to route sequence i's positions to (``[len - 1, moe_layers, k]``;
+        engine built with ``routing_replay``), e.g. an engine's, to score its tokens deterministically."""
         self.model.eval()
         # Pipeline stages exchange activations of one shape, so the last micro-batch is padded with
         # one-token dummy sequences (no targets) and their outputs are dropped.
         dummies = -len(seqs) % micro_batch
         mbs = make_micro_batches([*seqs, *([[0]] * dummies)], micro_batch, multiple=self._seq_multiple())
+        if routing is not None:
+            from mars_megatron.training.routing_replay import batch_routing
+
+            rows = [*routing, *([None] * dummies)]
+            layers, k = sum(self.arch.moe_layers), self.arch.moe_topk
+            size = micro_batch
+            mbs = [
+                dataclasses.replace(
+                    mb,
+                    routing=batch_routing(rows[i * size : (i + 1) * size], mb.tokens.shape[1], layers, k),
+                )
+                for i, mb in enumerate(mbs)
+            ]
         sink: list[tuple[torch.Tensor, MicroBatch]] = []
-        self._run(mbs, lm_loss, forward_only=True, sink=sink)
+        with self._routing(None, None, recompute=False):
+            self._run(mbs, lm_loss, forward_only=True, sink=sink)
         if not self._on_last_stage():
             return None
         out = []

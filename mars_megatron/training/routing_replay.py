@@ -91,6 +91,15 @@ def pack_routing(
     return out
 
 
+def batch_routing(
+    routing: Sequence[np.ndarray | None], length: int, moe_layers: int, topk: int
+) -> torch.Tensor:
+    """Routing of a padded micro-batch (one sequence per row, from position 0): ``[b, length, L, k]``."""
+    return torch.cat(
+        [pack_routing([rows], [(0, length)], length, moe_layers, topk) for rows in routing], dim=0
+    )
+
+
 def local_routing(routing: torch.Tensor, tp_rank: int, tp: int, sequence_parallel: bool) -> torch.Tensor:
     """This rank's rows of a micro-batch's routing ``[b, s, L, k]`` (its CP columns already selected),
     flattened in the router's token order: ``[s_local * b, L, k]``."""
