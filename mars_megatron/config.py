@@ -287,6 +287,11 @@ class RolloutConfig(Section):
         "More than 1 needs engine 'vllm' and pipeline.placement 'disaggregated' or 'none'.",
         min=1,
     )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = _field(
+        None,
+        "Precision of the rollout engines' weights and activations; null = model.dtype. A bf16 engine "
+        "beside an fp32 trainer is the train-rollout mismatch of GPU runs, reproduced on CPU.",
+    )
     gpu_memory_utilization: float | None = _field(
         None,
         "Fraction of each of its GPUs one vLLM engine may take (weights, activations, KV cache), in (0, 1]. "
@@ -577,6 +582,9 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
     elif origin is Literal:
         if any(type(value) is type(choice) and value == choice for choice in args):
             return value
+        # YAML 1.1 reads a bare off/on as a bool: `moe.routing_replay: off` means the choice 'off'
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            return "on" if value else "off"
     elif origin is list:
         if isinstance(value, list | tuple):
             return [_convert(item, args[0], f"{path}[{i}]") for i, item in enumerate(value)]

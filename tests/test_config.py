@@ -237,6 +237,9 @@ def test_bounds(override: str, expected: str) -> None:
 
 def test_literal_choices() -> None:
     assert load_config(None, ["model.dtype=bfloat16"]).model.dtype == "bfloat16"
+    # YAML reads a bare `off` as false: where 'off' is a choice, it means 'off'
+    assert load_config(None, ["moe.routing_replay=off"]).moe.routing_replay == "off"
+    assert "got True (bool)" in error_of(None, ("moe.routing_replay=on",))
     message = error_of(None, ("model.dtype=bf16",))
     assert message.endswith("model.dtype: expected one of 'float32', 'bfloat16', 'float16', got 'bf16' (str)")
     message = error_of(None, ("model.fp8=e5m2",))

@@ -75,3 +75,31 @@ def test_a_colocated_hf_recipe_builds_a_working_engine(tmp_path: Path) -> None:
 def test_vllm_engine_refuses_a_share_outside_zero_one_before_starting_vllm() -> None:
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         build_engine("vllm", "unused", dtype="float32", seed=0, max_batch=1, gpu_memory_utilization=1.5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dtype", "capture"),
+    [
+        ([], "float32", False),  # model.dtype's default
+        (["model.dtype=bfloat16"], "bfloat16", False),
+        (["rollout.dtype=bfloat16"], "bfloat16", False),
+        (["moe.routing_replay=R3"], "float32", True),
+        (["moe.routing_replay=R2"], "float32", False),  # R2 replays the trainer's own routing
+    ],
+)
+def test_the_recipe_carries_the_rollout_dtype_and_routing_capture(
+    overrides: list[str], dtype: str, capture: bool
+) -> None:
+    recipe = run_engine_recipe(load_config(None, overrides), "engine-dir")
+    assert recipe.keywords["dtype"] == dtype
+    assert recipe.keywords["capture_routing"] is capture
+
+
+def test_a_bf16_rollout_engine_beside_fp32_weights_samples_in_bf16(tmp_path: Path) -> None:
+    model = init_model("tiny-moe", tmp_path / "moe")
+    cfg = load_config(None, ["model.dtype=float32", "rollout.dtype=bfloat16", "moe.routing_replay=R3"])
+    engine = run_engine_recipe(cfg, str(model))()
+    assert isinstance(engine, HFEngine) and next(engine.model.parameters()).dtype.is_floating_point
+    assert str(next(engine.model.parameters()).dtype) == "torch.bfloat16"
+    (out,) = engine.generate([GenerationRequest("r", (5, 6, 7), SamplingParams(4, 1.0, seed=0))])
+    assert out.routed_experts is not None and out.routed_experts.shape[0] == 3 + len(out.token_ids) - 1

@@ -85,7 +85,7 @@ def run_engine_recipe(cfg: MarsConfig, engine_dir: str) -> partial[RolloutEngine
     return engine_recipe(
         cfg.rollout.engine,
         engine_dir,
-        dtype=cfg.model.dtype,
+        dtype=cfg.rollout.dtype or cfg.model.dtype,
         seed=cfg.train.seed,
         max_batch=cfg.rollout.max_batch,
         fp8=cfg.model.fp8,
