@@ -237,6 +237,14 @@ def loss_inputs(
     )
 
 
+def response_span(sample: Sample, start: int, end: int) -> tuple[int, int]:
+    """``(first, count)``: where in a pack the log-probs of ``sample``'s response tokens sit, the sample
+    occupying ``[start, end)``; ``count`` is cut by truncation (the last token of a span predicts
+    nothing) and is <= 0 when the response was cut off entirely."""
+    first = start + len(sample.prompt_ids) - 1
+    return first, min(sample.response_len, end - 1 - first)
+
+
 def packed_loss_inputs(
     samples: Sequence[Sample],
     pack: PackedSequence,
@@ -260,8 +268,7 @@ def packed_loss_inputs(
         sample = samples[index]
         if sample.advantage is None:
             raise ValueError(f"packed_loss_inputs: sample {sample.sample_id!r} has no advantage")
-        first = start + len(sample.prompt_ids) - 1
-        count = min(sample.response_len, end - 1 - first)  # the last token of a span predicts nothing
+        first, count = response_span(sample, start, end)
         if count <= 0 or index in excluded:
             continue  # truncated inside the prompt, or masked: nothing of the response is trained on
         span = slice(first, first + count)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mars_megatron.agents.roles import Role
 from mars_megatron.algorithm.mismatch import SUM_KEYS, add_sums, mismatch_metrics, sequence_mismatch
-from mars_megatron.algorithm.objective import LossConfig, make_loss_fn, packed_loss_inputs
+from mars_megatron.algorithm.objective import LossConfig, make_loss_fn, packed_loss_inputs, response_span
 from mars_megatron.algorithm.sample import Sample
 from mars_megatron.config import MarsConfig
 from mars_megatron.rollout.engine import WeightUpdatable
@@ -242,8 +242,7 @@ class PolicyWorker:
                     sample = mini[i]
                     if sample.behaviour_logprobs is None:
                         continue
-                    first = start + len(sample.prompt_ids) - 1
-                    count = min(sample.response_len, end - 1 - first)
+                    first, count = response_span(sample, start, end)
                     if count <= 0:
                         continue
                     seq = sequence_mismatch(
