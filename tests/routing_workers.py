@@ -79,6 +79,7 @@ def _run(case: RoutingCase, seed: int) -> dict:
     result: dict = {"packs": len(free), "free": None, "r3": None}
     lp_free = engine.forward_logprobs(free)
     lp_r3 = engine.forward_logprobs(r3)
+    result["changes"] = engine.routing_changes()  # (replayed, would have differed) in the R3 forward
     if lp_free is not None:
         result["free"], result["r3"] = _per_sample(free, lp_free), _per_sample(r3, lp_r3)
     if case.lr:

@@ -120,6 +120,7 @@ def runs(models: dict[str, Path]) -> dict:
         "stale": (stale, []),
         "stale-mis": (stale, ["algorithm.mis=true", "algorithm.mismatch_threshold=1.05"]),
         "agree-r3": (agree, ["moe.routing_replay=R3"]),
+        "stale-r3": (stale, ["moe.routing_replay=R3"]),
     }
     out: dict = {"response_tokens": sum(s.response_len for s in agree)}
     for name, (samples, extra) in settings.items():
@@ -157,6 +158,9 @@ def test_r3_through_the_worker_replays_the_engines_routing(runs: dict) -> None:
     them agreeing, and the update is the one free routing takes."""
     assert runs["agree-r3"]["train/mismatch/all/abs_mean"] < 1e-5
     assert runs["agree-r3"]["train/grad_norm"] == pytest.approx(runs["agree"]["train/grad_norm"], rel=1e-5)
+    assert runs["agree-r3"]["train/routing_changed"] == 0.0
+    # another engine's routing: R3 overrides the trainer's own choice at many positions
+    assert 0.1 < runs["stale-r3"]["train/routing_changed"] < 1.0
 
 
 @pytest.mark.parametrize(

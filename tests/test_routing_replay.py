@@ -121,6 +121,8 @@ def test_replaying_the_engines_own_routing_into_the_same_weights_changes_nothing
 ) -> None:
     assert _gap(rollout, single["same-1"]["free"]) < 1e-4
     assert _gap(rollout, single["same-1"]["r3"]) < 1e-4
+    replayed, changed = single["same-1"]["changes"]
+    assert replayed > 0 and changed == 0  # the trainer's routers agree with every replayed decision
 
 
 def test_r3_brings_a_perturbed_router_back_to_the_engines_logprobs(rollout: dict, single: dict) -> None:
@@ -128,6 +130,8 @@ def test_r3_brings_a_perturbed_router_back_to_the_engines_logprobs(rollout: dict
     free, r3 = _gap(rollout, single["1"]["free"]), _gap(rollout, single["1"]["r3"])
     assert free > FREE_MIN, free
     assert r3 < R3_TOL, r3
+    replayed, changed = single["1"]["changes"]
+    assert 0 < changed < replayed  # replay overrode the perturbed routers' choice, where it differs
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

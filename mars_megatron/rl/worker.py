@@ -187,6 +187,11 @@ class PolicyWorker:
             for (_, _, mbs), store in zip(packed, stores, strict=True)
         ]
         sums, outliers = self._mismatch(engine, packed, old) if watch else ({}, [set() for _ in packed])
+        routing_changed = None
+        if replay == "R3" and need_old:
+            # how often the trainer's routers, left free, would have chosen other experts than the engine
+            replayed, changed = engine._global_sum([], False, extra=engine.routing_changes())
+            routing_changed = changed / max(replayed, 1.0)
         metrics: dict[str, float] = {}
         stats: list[dict[str, torch.Tensor]] = []
         truncated = 0
@@ -216,6 +221,10 @@ class PolicyWorker:
             metrics = engine.step(mbs, make_loss_fn(self.loss, inputs_for, stats), replay_routing=store)
         for key in stats[0] if stats else ():
             metrics[key] = float(torch.stack([s[key].detach().float() for s in stats]).mean())
+        if policy.reference is not None:
+            policy.reference.routing_changes()  # its scoring forwards replay too: not what is reported
+        if routing_changed is not None:
+            metrics["routing_changed"] = routing_changed
         metrics["packs"] = float(sum(len(mbs) for _, _, mbs in packed))
         metrics["truncated_samples"] = float(truncated)
         metrics.update(mismatch_metrics(sums))

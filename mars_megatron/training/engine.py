@@ -306,7 +306,7 @@ class MegatronEngine:
                 for i, mb in enumerate(mbs)
             ]
         sink: list[tuple[torch.Tensor, MicroBatch]] = []
-        with self._routing(None, None, recompute=False):
+        with self._routing(None, None, recompute=False, measure=True):
             self._run(mbs, lm_loss, forward_only=True, sink=sink)
         if not self._on_last_stage():
             return None
@@ -373,17 +373,20 @@ class MegatronEngine:
         ``record_routing`` collects the routing this rank used, per pack, into the given store."""
         self.model.eval()
         sink: list[tuple[torch.Tensor, MicroBatch]] = []
-        with self._routing(record_routing, replay_routing, recompute=False):
+        with self._routing(record_routing, replay_routing, recompute=False, measure=True):
             self._run(micro_batches, lm_loss, forward_only=True, sink=sink)
         return self._full_logprobs(sink) if self._on_last_stage() else None
 
     @contextlib.contextmanager
-    def _routing(self, record: dict | None, source: dict | None, *, recompute: bool) -> Iterator[None]:
+    def _routing(
+        self, record: dict | None, source: dict | None, *, recompute: bool, measure: bool = False
+    ) -> Iterator[None]:
         if (record is not None or source is not None) and self.replay is None:
             raise RuntimeError("routing record/replay needs an engine built with routing_replay=True")
         self._routing_record, self._routing_source = record, source
         if self.replay is not None:
             self.replay.set_recompute(recompute)
+            self.replay.set_measure(measure)
         try:
             yield
         finally:
@@ -391,6 +394,13 @@ class MegatronEngine:
             if self.replay is not None:
                 self.replay.free()
                 self.replay.set_recompute(False)
+                self.replay.set_measure(False)
+
+    def routing_changes(self) -> tuple[int, int]:
+        """Replayed routing decisions in this rank's scoring forwards (``logprobs``,
+        ``forward_logprobs``) since the last call, and how many of them the routers, left free, would have
+        sent to other experts; (0, 0) without routing replay."""
+        return self.replay.changes() if self.replay is not None else (0, 0)
 
     def train_step(
         self,

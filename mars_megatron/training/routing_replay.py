@@ -119,6 +119,10 @@ class RouterReplay:
         self.used: torch.Tensor | None = None  # the experts of the last forward (R2 records these)
         self.recompute = False  # full recompute in a training step: queue targets for the backward
         self.pending: deque[torch.Tensor | None] = deque()
+        # Scoring forwards also count how often the router's own top-k differs from the replayed one:
+        # the routing mismatch that replay removes (replayed rows, rows whose expert set differs).
+        self.measure = False
+        self.counts = [0, 0]
 
     def get_replay_topk(
         self,
@@ -154,8 +158,12 @@ class RouterReplay:
                 f"router sees {scores.shape[0]} tokens with top-{topk}"
             )
         free = target[:, 0] == ROUTE_FREE
-        if bool(free.any()):
+        if bool(free.any()) or self.measure:
             _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            if self.measure:
+                differs = (own.sort(dim=1).values != target.sort(dim=1).values).any(dim=1) & ~free
+                self.counts[0] += int((~free).sum())
+                self.counts[1] += int(differs.sum())
             target = torch.where(free[:, None], own, target)
         return scores.gather(1, target), target
 
@@ -191,6 +199,19 @@ class ReplayControl:
     def free(self) -> None:
         for r in self.replays:
             r.mode, r.target = "free", None
+
+    def set_measure(self, on: bool) -> None:
+        for r in self.replays:
+            r.measure = on
+
+    def changes(self) -> tuple[int, int]:
+        """(replayed routing decisions, those where the router's own top-k chose other experts) in the
+        scoring forwards since the last call, over this rank's routers; resets the counts."""
+        replayed = changed = 0
+        for r in self.replays:
+            replayed, changed = replayed + r.counts[0], changed + r.counts[1]
+            r.counts = [0, 0]
+        return replayed, changed
 
     def used(self) -> dict[int, torch.Tensor]:
         """The experts each router used in the forward that just ran (what R2 records)."""

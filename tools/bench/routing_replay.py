@@ -4,8 +4,9 @@ The trainer runs in float32 and the rollout engine in bfloat16 (``rollout.dtype`
 mismatch of GPU runs (other kernels and precision in vLLM than in Megatron), reproduced on CPU. Both runs
 start from one `mars sft` checkpoint with one seed. Prints, per run and role, the mean trainer-vs-engine
 mismatch (mean |log p_trainer - log p_engine|, k3 KL, fraction of tokens beyond the ratio bound) over
-all steps and the reward over the first and last ``--window`` steps, then draws the reward and the
-mismatch curves of the runs side by side.
+all steps, the reward over the first and last ``--window`` steps and, for R3, the share of routing
+decisions where the trainer's routers would have chosen other experts than the engine; then draws
+the reward and the mismatch curves of the runs side by side.
 
 Anything here starts Ray: run it inside a loopback-only network namespace, e.g.
     unshare -n sh -c 'ip link set lo up && python tools/bench/routing_replay.py'
@@ -100,7 +101,9 @@ def main() -> None:
             print(f"{mode:<5}{role:<11}{mismatch(records, role, 'abs_mean'):9.5f}"
                   f"{mismatch(records, role, 'kl'):10.2e}{mismatch(records, role, 'token_outliers'):8.4f}"
                   f"{r.start:7.2f}{r.end:7.2f}{100 * r.rise:+7.1f}pt")  # fmt: skip
-        print(f"{mode:<5}training {training_seconds(records):.0f} s")
+        changed = [r["train/routing_changed"] for r in records if "train/routing_changed" in r]
+        overrode = f", replay overrode {100 * fmean(changed):.2f}% of routing decisions" if changed else ""
+        print(f"{mode:<5}training {training_seconds(records):.0f} s{overrode}")
     png = Path(args.plot) if args.plot else out / "routing_replay.png"
     draw(runs, png, args.window)
     print(f"plot: {png}")
