@@ -111,3 +111,18 @@ def perturb_routers(model_dir: str, out_dir: str, scale: float, seed: int = 0) -
             if name.endswith("mlp.gate.weight"):
                 tensors[name] = t + scale * t.std() * torch.randn(t.shape, generator=g, dtype=t.dtype)
         save_file(tensors, path, metadata={"format": "pt"})
+
+
+def hf_routed_forward(model: torch.nn.Module, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One transformers forward over ``tokens``: the logits ``[len, vocab]`` and the experts its routers
+    picked for every position, ``[len, moe_layers, k]`` (the reference the engines' captures are held to)."""
+    picked: list[torch.Tensor] = []
+    gates = [layer.mlp.gate for layer in model.model.layers]
+    hooks = [g.register_forward_hook(lambda m, a, out: picked.append(out[2])) for g in gates]
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, torch.stack(picked, dim=1)

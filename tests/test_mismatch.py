@@ -25,6 +25,7 @@ from mars_megatron.algorithm.sample import Sample
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 from tests.rl_workers import train_samples
+from tests.routing_workers import hf_routed_forward
 
 BASE = ["train.pack_length=64", "rollout.max_response_tokens=32", "optimizer.lr=1e-3", "train.seed=0"]
 ROLES = {Position.SOLVER: "solver", Position.VERIFIER_1: "verifier", Position.CORRECTOR_1: "corrector"}
@@ -80,18 +81,14 @@ def _samples(engine_dir: Path, n: int = SAMPLES, seed: int = 0) -> list[Sample]:
     """Samples whose behaviour log-probs and routing are ``engine_dir``'s (transformers, one forward)."""
     rng = random.Random(seed)
     model = AutoModelForCausalLM.from_pretrained(engine_dir, dtype=torch.float32).eval()
-    picked: list[torch.Tensor] = []
-    for layer in model.model.layers:
-        layer.mlp.gate.register_forward_hook(lambda m, a, out: picked.append(out[2]))
     out = []
     for i in range(n):
         prompt = [rng.randrange(1, 1000) for _ in range(rng.randint(3, 10))]
         response = [rng.randrange(1, 1000) for _ in range(rng.randint(4, 14))]
-        picked.clear()
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([[*prompt, *response]])).logits[0], -1)
+        logits, picked = hf_routed_forward(model, [*prompt, *response])
+        lp = torch.log_softmax(logits, -1)
         behaviour = [float(lp[len(prompt) - 1 + j, t]) for j, t in enumerate(response)]
-        routing = torch.stack(picked, dim=1)[:-1].numpy().astype(np.uint8)
+        routing = picked[:-1].numpy().astype(np.uint8)
         position = list(ROLES)[i % 3]
         out.append(
             Sample(

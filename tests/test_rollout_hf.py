@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from mars_megatron.models.presets import init_model
 from mars_megatron.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams, WeightUpdatable
 from mars_megatron.rollout.hf_engine import HFEngine, sample_token
+from tests.routing_workers import hf_routed_forward
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
@@ -157,20 +158,6 @@ def test_empty_prompt_is_refused() -> None:
         GenerationRequest("x", (), GREEDY)
 
 
-def _full_sequence_routing(engine: HFEngine, tokens: list[int]) -> torch.Tensor:
-    """The routing transformers picks when it reads ``tokens`` in one forward: ``[positions, layers, k]``."""
-    picked: list[torch.Tensor] = []
-    gates = [layer.mlp.gate for layer in engine.model.model.layers]
-    hooks = [g.register_forward_hook(lambda m, a, out: picked.append(out[2])) for g in gates]
-    try:
-        with torch.no_grad():
-            engine.model(torch.tensor([tokens]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack(picked, dim=1)
-
-
 def test_captured_routing_is_what_the_model_routes_for_every_consumed_position(
     models: dict[str, Path],
 ) -> None:
@@ -188,7 +175,7 @@ def test_captured_routing_is_what_the_model_routes_for_every_consumed_position(
             cfg.num_hidden_layers,
             cfg.num_experts_per_tok,
         )
-        full = _full_sequence_routing(engine, [*r.prompt_ids, *o.token_ids[:-1]])
+        _, full = hf_routed_forward(engine.model, [*r.prompt_ids, *o.token_ids[:-1]])
         # the same experts per position (the order within the top-k may differ only on exact ties)
         assert torch.equal(torch.from_numpy(routed.astype(np.int64)).sort(-1).values, full.sort(-1).values)
     assert HFEngine(models["moe"]).generate(requests(sampling))[0].routed_experts is None
