@@ -378,7 +378,7 @@ class MarsRLTrainer:
 
             pipeline_state = torch.load(self.plan.resume_from / saved_pipeline, weights_only=False)
             saved_mode = pipeline_state.get("mode", "agentic")
-            if saved_mode != self.cfg.pipeline.mode and _in_flight(pipeline_state["scheduler"]):
+            if saved_mode != self.cfg.pipeline.mode and in_flight(pipeline_state["scheduler"]):
                 raise ConfigError(
                     f"{self.plan.resume_from} holds outputs of the {saved_mode} schedule still in flight; "
                     f"resume it with pipeline.mode={saved_mode}",
@@ -461,7 +461,8 @@ def write_rollouts(folder: Path, step: int, batch: Any, raw: list[Any], trained:
     return path
 
 
-def _in_flight(scheduler_state: Mapping[str, Any]) -> bool:
+def in_flight(scheduler_state: Mapping[str, Any]) -> bool:
+    """Whether a saved schedule holds outputs not yet trained (decoding, scoring, or queued)."""
     return bool(scheduler_state["queue"]) or any(q["state"] != "done" for q in scheduler_state["seqs"])
 
 

@@ -24,10 +24,10 @@ Anything here starts Ray: run it inside a loopback-only network namespace, e.g.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from common import REPO, mars
 
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.trajectory import TrainingConfig
@@ -36,8 +36,6 @@ from mars_megatron.metrics import read_metrics
 from mars_megatron.metrics.summary import reward_rise
 from mars_megatron.pipeline.scheduler import Limits, Scheduler
 from mars_megatron.pipeline.simulate import Costs, Lengths, SimResult, Simulation, simple_prompts
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def real_runs(sft: Path, out: Path, extra: list[str]) -> dict[str, list[dict]]:
@@ -51,7 +49,7 @@ def real_runs(sft: Path, out: Path, extra: list[str]) -> dict[str, list[dict]]:
             f"pipeline.mode={mode}",
             *extra,
         ]
-        subprocess.run([sys.executable, "-m", "mars_megatron.cli", *args], cwd=REPO, check=True)
+        mars(*args)
         runs[mode] = read_metrics(out / mode / "metrics.jsonl")
     return runs
 

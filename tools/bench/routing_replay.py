@@ -16,21 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 from pathlib import Path
 from statistics import fmean
+
+from common import mars, warm_start
 
 from mars_megatron.metrics import read_metrics
 from mars_megatron.metrics.plot import moving_average
 from mars_megatron.metrics.summary import reward_rise, training_seconds
 
-REPO = Path(__file__).resolve().parents[2]
 ROLES = ("solver", "verifier", "corrector")
-
-
-def mars(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "mars_megatron.cli", *args], cwd=REPO, check=True)
 
 
 def mismatch(records: list[dict], role: str, key: str) -> float:
@@ -79,12 +74,7 @@ def main() -> None:
     parser.add_argument("--rollout-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--plot", default=None, help="figure path (default: OUT/routing_replay.png)")
     args = parser.parse_args()
-    out = (REPO / args.out).resolve()
-    if out.exists():
-        raise SystemExit(f"{out} exists; remove it or pass another --out")
-    out.mkdir(parents=True)
-    mars("init-model", "--preset", "tiny-moe", "--out", str(out / "hf"))
-    mars("sft", "examples/tiny_sft.yaml", "--model-dir", str(out / "hf"), "--out", str(out / "sft"))
+    out, _ = warm_start(args.out)
     runs = {}
     for mode in args.modes:
         mars("train", "examples/tiny_cpu.yaml", f"model.mcore_dir={out / 'sft'}",

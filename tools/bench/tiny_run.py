@@ -16,21 +16,11 @@ Anything here starts Ray: run it inside a loopback-only network namespace, e.g.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-import time
-from pathlib import Path
+
+from common import mars, warm_start
 
 from mars_megatron.metrics import read_metrics
 from mars_megatron.metrics.summary import reward_rise, training_seconds
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def mars(*args: str) -> float:
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "mars_megatron.cli", *args], cwd=REPO, check=True)
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -42,12 +32,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--modes", nargs="+", default=["agent", "shared"], choices=["agent", "shared"])
     args = parser.parse_args()
-    out = (REPO / args.out).resolve()
-    if out.exists():
-        raise SystemExit(f"{out} exists; remove it or pass another --out")
-    out.mkdir(parents=True)
-    mars("init-model", "--preset", "tiny-moe", "--out", str(out / "hf"))
-    sft_s = mars("sft", "examples/tiny_sft.yaml", "--model-dir", str(out / "hf"), "--out", str(out / "sft"))
+    out, sft_s = warm_start(args.out)
     runs = {}
     for mode in args.modes:
         extra = [f"train.steps={args.steps}"] if args.steps else []
