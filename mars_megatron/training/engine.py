@@ -274,7 +274,11 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         own = contribute and self._on_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-        t = torch.tensor([*(values if own else [0.0] * len(values)), *extra], dtype=torch.float64)
+        # NCCL reduces only GPU tensors ("No backend type associated with device type cpu" otherwise)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        t = torch.tensor(
+            [*(values if own else [0.0] * len(values)), *extra], dtype=torch.float64, device=device
+        )
         dist.all_reduce(t)
         return t.tolist()
 
