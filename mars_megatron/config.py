@@ -353,8 +353,10 @@ class AlgorithmConfig(Section):
     )
     mismatch_metrics: bool = _field(
         True,
-        "Log the trainer-vs-engine log-prob mismatch per role (mismatch/<role>/...): the trainer scores each "
-        "batch before its first update, an extra forward under importance 'pois'.",
+        "Log the trainer-vs-engine log-prob mismatch per role (mismatch/<role>/...), on the weights before "
+        "the batch's update: free in the update's own forward with one update per batch under 'pois' "
+        "(without R2 or MIS); otherwise in the forward that scores the old log-probs (under 'pois' an extra "
+        "forward, taken only for this).",
     )
     mismatch_threshold: float = _field(
         2.0,

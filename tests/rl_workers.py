@@ -1,4 +1,5 @@
-"""Module-level workers for tests/test_rl_train.py: a PolicyWorker trains on fixed samples (spawned ranks)."""
+"""Module-level workers for tests/test_rl_train.py and test_mismatch.py: a PolicyWorker trains on fixed
+samples (spawned ranks)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,23 @@ def train_samples(hf: str, overrides: list[str], samples: list[Sample], steps: i
     cfg = load_config(None, [f"model.hf_dir={hf}", "model.transformer_impl=local", *overrides])
     worker = PolicyWorker(cfg, hf, ["shared"])
     return [worker.train({"shared": samples}) for _ in range(steps)]
+
+
+def train_once_counting(hf: str, overrides: list[str], samples: list[Sample]) -> dict[str, Any]:
+    """One PolicyWorker.train on every rank; its metrics and ``scoring_forwards``: how many times the
+    policy scored the batch (``forward_logprobs``) before updating on it."""
+    from mars_megatron.rl.worker import PolicyWorker
+
+    cfg = load_config(None, [f"model.hf_dir={hf}", "model.transformer_impl=local", *overrides])
+    worker = PolicyWorker(cfg, hf, ["shared"])
+    engine = worker.policies["shared"].engine
+    scoring = engine.forward_logprobs
+    calls = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return scoring(*args, **kwargs)
+
+    engine.forward_logprobs = counted
+    metrics = worker.train({"shared": samples})
+    return {**metrics, "scoring_forwards": len(calls)}

@@ -48,7 +48,8 @@ def _check_figures(out: str, shapes: list[str]) -> None:
         assert 0.0 <= float(row["dgrad"]) <= 1e-5, out  # the same packs, the same gradient
         assert float(row["minratio"]) > 0 and float(row["cpuratio"]) > 0, out
         assert int(row["packs"]) >= 2 and int(row["tokens"]) > 0, out
-        assert re.search(rf"^\s+{name}: plan [\d.]+, rank_packs [\d.]+, loss_inputs [\d.]+, masks", out, re.M)
+        parts = r"plan [\d.]+, rank_packs [\d.]+, loss_inputs [\d.]+, masks [\d.]+, mismatch [\d.]+;"
+        assert re.search(rf"^\s+{name}: {parts}", out, re.M)
         assert re.search(rf"^target (MET|NOT MET): {name}: ours <= 1\.10x bare \({ratio:.3f}x\)$", out, re.M)
 
 
@@ -80,5 +81,7 @@ def test_shapes_are_validated_and_samples_grouped(monkeypatch: pytest.MonkeyPatc
     assert samples == bench.make_samples(shape, vocab=1000)  # seeded
     assert all(3 <= len(s.prompt_ids) <= 5 and 2 <= s.response_len <= 4 for s in samples)
     assert all(s.advantage is not None and s.advantage != 0 for s in samples)
+    # engine log-probs, so the timed step measures the mismatch as a run does
+    assert all(len(s.behaviour_logprobs or []) == s.response_len for s in samples)
     for a, b in itertools.pairwise(samples):  # GRPO groups share one prompt
         assert (a.group_id == b.group_id) == (a.prompt_ids == b.prompt_ids)

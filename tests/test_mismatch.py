@@ -20,11 +20,22 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mars_megatron.agents.trajectory import Position
-from mars_megatron.algorithm.mismatch import SUM_KEYS, mismatch_metrics, sequence_mismatch
+from mars_megatron.algorithm.mismatch import (
+    SEQUENCE_KEYS,
+    SUM_KEYS,
+    MismatchTally,
+    engine_layout,
+    mismatch_metrics,
+    role_sums,
+    token_sums,
+)
 from mars_megatron.algorithm.sample import Sample
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
-from tests.rl_workers import train_samples
+from mars_megatron.training.batches import MicroBatch
+from mars_megatron.training.context_parallel import rank_indices
+from mars_megatron.training.packing import build_pack
+from tests.rl_workers import train_once_counting, train_samples
 from tests.routing_workers import hf_routed_forward
 
 BASE = ["train.pack_length=64", "rollout.max_response_tokens=32", "optimizer.lr=1e-3", "train.seed=0"]
@@ -33,38 +44,102 @@ SAMPLES = 12
 
 
 # ---------------------------------------------------------------------------------------------- pure
-def test_sequence_mismatch_sums_by_hand() -> None:
-    trainer = torch.tensor([-1.0, -2.0, -0.5, -3.0])
-    engine = torch.tensor([-1.0, -2.5, -0.5, -1.0])  # d = 0, 0.5, 0, -2
-    m = sequence_mismatch(trainer, engine, threshold=2.0)
-    assert m.tokens == 4
-    assert m.abs_sum == pytest.approx(2.5)
-    assert m.k3_sum == pytest.approx((math.exp(0.5) - 1 - 0.5) + (math.exp(-2) - 1 + 2))
-    assert m.tokens_over == 1  # |d| > log 2 only for -2
-    assert m.outlier is False  # mean d = -0.375: geometric-mean ratio 0.69 is inside [1/2, 2]
-    assert sequence_mismatch(trainer, engine, threshold=1.3).outlier is True  # 0.69 < 1/1.3
-    same = sequence_mismatch(trainer, trainer, threshold=2.0)
-    assert (same.abs_sum, same.k3_sum, same.tokens_over, same.outlier) == (0.0, 0.0, 0, False)
+def test_token_sums_by_hand() -> None:
+    d = torch.tensor([0.0, 0.5, 5.0, 0.0, -2.0, 1.0])
+    owner = torch.tensor([0, 0, -1, 0, 0, 2])  # token 2 is not compared; sequence 1 has no token
+    sums = token_sums(d, owner, 3, threshold=2.0)
+    assert sums.dtype == torch.float64 and sums.shape == (3, len(SEQUENCE_KEYS))
+    k3 = (math.exp(0.5) - 1 - 0.5) + (math.exp(-2) - 1 + 2)
+    torch.testing.assert_close(sums[0], torch.tensor([4, 2.5, k3, 1, -1.5], dtype=torch.float64))
+    assert sums[1].tolist() == [0.0] * 5
+    torch.testing.assert_close(sums[2], torch.tensor([1, 1, math.e - 2, 1, 1], dtype=torch.float64))
+
+
+def test_role_sums_decide_outliers_on_whole_sequences() -> None:
+    """A sequence split in two (context-parallel columns) adds up to the whole; its outlier verdict is the
+    whole sequence's, not a part's."""
+    d = torch.tensor([0.0, 0.5, 0.0, -2.0])  # mean -0.375: ratio 0.69, inside [1/2, 2], outside [1/1.3, 1.3]
+    owner = torch.zeros(4, dtype=torch.long)
+    whole = token_sums(d, owner, 1, 2.0)
+    parts = token_sums(d[:2], owner[:2], 1, 2.0) + token_sums(d[2:], owner[2:], 1, 2.0)
+    torch.testing.assert_close(parts, whole)
+    assert token_sums(d[2:], owner[2:], 1, 2.0)[0, 4] / 2 < -math.log(2)  # that half alone is beyond 2x
+    sums, outliers = role_sums(whole, ["solver"], 2.0)
+    assert outliers == set() and sums["solver"] == sums["all"]
+    assert sums["all"][SUM_KEYS.index("seqs")] == 1 and sums["all"][SUM_KEYS.index("tokens_over")] == 1
+    assert role_sums(whole, ["solver"], 1.3)[1] == {0}
 
 
 def test_mismatch_metrics_are_means_of_summed_groups() -> None:
-    a = sequence_mismatch(torch.tensor([-1.0, -1.0]), torch.tensor([-2.0, -2.0]), 2.0)  # d = 1, 1
-    b = sequence_mismatch(torch.tensor([-1.0]), torch.tensor([-1.0]), 2.0)
-    sums = {"solver": [x + y for x, y in zip(a.sums(), b.sums(), strict=True)], "verifier": [0.0] * 6}
+    d = torch.tensor([1.0, 1.0, 0.0, 0.3])
+    owner = torch.tensor([0, 0, 1, 2])  # solver a: d = 1, 1 (ratio e > 2); solver b: 0; verifier: 0.3
+    roles = ["solver", "solver", "verifier", "corrector"]
+    sums, outliers = role_sums(token_sums(d, owner, 4, 2.0), roles, 2.0)
+    assert outliers == {0}
+    assert "corrector" not in sums  # no tokens compared, no sums
     m = mismatch_metrics(sums)
     assert m["mismatch/solver/abs_mean"] == pytest.approx(2 / 3)
     assert m["mismatch/solver/kl"] == pytest.approx(2 * (math.e - 2) / 3)
     assert m["mismatch/solver/token_outliers"] == pytest.approx(2 / 3)
-    assert m["mismatch/solver/seq_outliers"] == pytest.approx(0.5)  # a: ratio e > 2; b: 1
-    assert "mismatch/verifier/abs_mean" not in m  # no tokens, no metrics
-    assert len(SUM_KEYS) == 6
+    assert m["mismatch/solver/seq_outliers"] == pytest.approx(0.5)
+    assert m["mismatch/verifier/abs_mean"] == pytest.approx(0.3)
+    assert m["mismatch/all/tokens"] == 4 and m["mismatch/all/seq_outliers"] == pytest.approx(1 / 3)
+    assert "mismatch/corrector/abs_mean" not in m
+
+
+def _pack_samples() -> tuple[list[Sample], MicroBatch]:
+    """Three samples of 5 tokens each in one pack: the first and the third cut to 5, the second without
+    engine log-probs."""
+
+    def sample(i: int, prompt: int, response: int, behaviour: bool) -> Sample:
+        return Sample(
+            list(range(1, prompt + 1)),
+            list(range(1, response + 1)),
+            list(ROLES)[i],
+            "p",
+            f"g{i}",
+            advantage=1.0,
+            behaviour_logprobs=[-0.1 * (j + 1) for j in range(response)] if behaviour else None,
+            sample_id=f"s{i}",
+        )
+
+    samples = [sample(0, 3, 4, True), sample(1, 2, 3, False), sample(2, 2, 5, True)]
+    pack = build_pack([s.tokens for s in samples], max_len=5, multiple=16)
+    return samples, MicroBatch.from_pack(pack)
+
+
+def test_tally_reads_a_pack_and_any_context_parallel_split_of_it() -> None:
+    samples, mb = _pack_samples()
+    assert mb.pack is not None and mb.pack.sample_spans == ((0, 5), (5, 10), (10, 15))  # truncated to 5
+    engine, owner = engine_layout(samples, mb.pack)
+    # sample 0 (prompt 3): response tokens 0, 1 predicted at 2, 3 (the rest cut off); sample 1: none
+    # compared; sample 2 (prompt 2): response tokens 0..2 predicted at 11..13
+    assert owner[0].tolist() == [-1, -1, 0, 0, -1, -1, -1, -1, -1, -1, -1, 2, 2, 2, -1, -1]
+    assert engine[0, [2, 3, 11, 12, 13]].tolist() == pytest.approx([-0.1, -0.2, -0.1, -0.2, -0.3])
+    trainer = torch.full((1, 16), -50.0)  # what is not compared would swamp every sum
+    trainer[0, [2, 3]] = engine[0, [2, 3]].float() - 1.0  # sample 0: d = -1, an outlier at t = 2
+    trainer[0, [11, 12, 13]] = engine[0, [11, 12, 13]].float() + 0.1  # sample 2: d = 0.1
+    whole = MismatchTally(2.0)
+    whole.add_batch(samples, [mb.pack])
+    whole.add(trainer, mb)
+    split = MismatchTally(2.0)
+    split.add_batch(samples, [mb.pack])
+    for index in rank_indices(16, 2):  # each CP rank scores its own columns
+        split.add(trainer[:, index], dataclasses.replace(mb, cp_index=index))
+    assert split.flat() == pytest.approx(whole.flat(), abs=1e-12)
+    sums, outliers = whole.finish(whole.flat())
+    assert outliers == [{0}] and set(sums) == {"all", "solver", "corrector"}
+    assert sums["solver"] == pytest.approx([2, 2.0, 2 * math.expm1(-1) + 2, 2, 1, 1])
+    assert sums["corrector"] == pytest.approx([3, 0.3, 3 * (math.expm1(0.1) - 0.1), 0, 1, 0], rel=1e-6)
 
 
 def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="threshold must be > 1"):
-        sequence_mismatch(torch.zeros(2), torch.zeros(2), 1.0)
-    with pytest.raises(ValueError, match=r"trainer log-probs \(2,\) vs engine \(3,\)"):
-        sequence_mismatch(torch.zeros(2), torch.zeros(3), 2.0)
+        token_sums(torch.zeros(2), torch.zeros(2, dtype=torch.long), 1, 1.0)
+    with pytest.raises(ValueError, match=r"d \(2,\) vs owner \(3,\)"):
+        token_sums(torch.zeros(2), torch.zeros(3, dtype=torch.long), 1, 2.0)
+    with pytest.raises(ValueError, match=r"per-sequence sums \(2, 5\), expected \(1, 5\)"):
+        role_sums(torch.zeros(2, 5), ["solver"], 2.0)
 
 
 # --------------------------------------------------------------------------------------------- worker
@@ -107,22 +182,32 @@ def _samples(engine_dir: Path, n: int = SAMPLES, seed: int = 0) -> list[Sample]:
     return out
 
 
+LAYOUTS = {"cp2": "parallel.cp=2", "pp2": "parallel.pp=2", "tp2": "parallel.tp=2", "dp2": "parallel.ep=2"}
+"""Two ranks each; ``parallel.ep=2`` makes the dense part two data-parallel replicas."""
+
+
 @pytest.fixture(scope="module")
 def runs(models: dict[str, Path]) -> dict:
-    """One update per setting, one process each launch."""
+    """One update per setting, one launch each. Under POIS with one update per batch the update's own
+    forward measures the mismatch; ``importance=none`` needs the old log-probs, so its scoring forward
+    measures it instead (MIS too: it needs the outliers before the loss)."""
     trainer = str(models["trainer"])
     agree, stale = _samples(models["trainer"]), _samples(models["stale"])
     settings = {
-        "agree": (agree, []),
-        "stale": (stale, []),
-        "stale-mis": (stale, ["algorithm.mis=true", "algorithm.mismatch_threshold=1.05"]),
-        "agree-r3": (agree, ["moe.routing_replay=R3"]),
-        "stale-r3": (stale, ["moe.routing_replay=R3"]),
+        "agree": (agree, [], 1),
+        "stale": (stale, [], 1),
+        "stale-scored": (stale, ["algorithm.importance=none"], 1),
+        "stale-mis": (stale, ["algorithm.mis=true", "algorithm.mismatch_threshold=1.05"], 1),
+        "agree-r3": (agree, ["moe.routing_replay=R3"], 1),
+        "stale-r3": (stale, ["moe.routing_replay=R3"], 1),
+        "stale-r3-scored": (stale, ["moe.routing_replay=R3", "algorithm.importance=none"], 1),
+        "stale-r3-cp2": (stale, ["moe.routing_replay=R3", LAYOUTS["cp2"]], 2),
+        **{f"stale-{name}": (stale, [layout], 2) for name, layout in LAYOUTS.items()},
     }
     out: dict = {"response_tokens": sum(s.response_len for s in agree)}
-    for name, (samples, extra) in settings.items():
-        (steps,) = parallel.launch(train_samples, 1, trainer, [*BASE, *extra], samples, 1, timeout_s=300)
-        out[name] = steps[0]
+    for name, (samples, extra, world) in settings.items():
+        ranks = parallel.launch(train_once_counting, world, trainer, [*BASE, *extra], samples, timeout_s=300)
+        out[name] = ranks[0]
     return out
 
 
@@ -158,6 +243,43 @@ def test_r3_through_the_worker_replays_the_engines_routing(runs: dict) -> None:
     assert runs["agree-r3"]["train/routing_changed"] == 0.0
     # another engine's routing: R3 overrides the trainer's own choice at many positions
     assert 0.1 < runs["stale-r3"]["train/routing_changed"] < 1.0
+
+
+def _role_metrics(m: dict) -> dict[str, float]:
+    return {k: v for k, v in m.items() if k.startswith("train/mismatch/")}
+
+
+def test_the_update_measures_what_a_scoring_forward_does(runs: dict) -> None:
+    """The update's own forward (no scoring forward taken) reports the metrics a scoring forward of the
+    same weights does, per role; R3's routing count as well."""
+    assert runs["stale"]["scoring_forwards"] == 0 and runs["stale-r3"]["scoring_forwards"] == 0
+    assert runs["stale-scored"]["scoring_forwards"] == 1 and runs["stale-mis"]["scoring_forwards"] == 1
+    for fused, scored in (("stale", "stale-scored"), ("stale-r3", "stale-r3-scored")):
+        ours, theirs = _role_metrics(runs[fused]), _role_metrics(runs[scored])
+        assert len(ours) == 4 * 5 and ours.keys() == theirs.keys()  # all + 3 roles, 5 metrics each
+        for key, value in theirs.items():
+            assert ours[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert runs["stale-r3"]["train/routing_changed"] == runs["stale-r3-scored"]["train/routing_changed"]
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "r3-cp2"])
+def test_the_update_measures_the_same_in_every_layout(runs: dict, layout: str) -> None:
+    """Split over context-parallel columns, pipeline stages, tensor-parallel ranks or data-parallel
+    replicas, the update's forward counts every response token once and measures what one process does
+    (within the layouts' rounding: a token or sequence at the bound may tip over)."""
+    single = runs["stale-r3" if layout.startswith("r3") else "stale"]
+    split = runs[f"stale-{layout}"]
+    assert split["scoring_forwards"] == 0
+    assert split["train/mismatch/all/tokens"] == runs["response_tokens"]
+    for key, value in _role_metrics(single).items():
+        if key.endswith(("abs_mean", "kl")):
+            assert split[key] == pytest.approx(value, rel=1e-4), key
+        elif key.endswith("outliers"):
+            assert split[key] == pytest.approx(value, abs=1 / SAMPLES), key
+        else:
+            assert split[key] == value, key
+    if layout.startswith("r3"):
+        assert split["train/routing_changed"] == pytest.approx(single["train/routing_changed"], abs=0.01)
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from mars_megatron.agents.roles import Role
-from mars_megatron.algorithm.mismatch import SUM_KEYS, add_sums, mismatch_metrics, sequence_mismatch
-from mars_megatron.algorithm.objective import LossConfig, make_loss_fn, packed_loss_inputs, response_span
+from mars_megatron.algorithm.mismatch import SUM_KEYS, MismatchTally, mismatch_metrics
+from mars_megatron.algorithm.objective import LossConfig, make_loss_fn, packed_loss_inputs
 from mars_megatron.algorithm.sample import Sample
 from mars_megatron.config import MarsConfig
 from mars_megatron.rollout.engine import WeightUpdatable
@@ -169,13 +169,23 @@ class PolicyWorker:
             plan = engine.plan([len(s.tokens) for s in mini], pack_length)
             routing = [s.routed_experts for s in mini] if replay == "R3" else None
             packed.append((mini, plan, engine.rank_packs([s.tokens for s in mini], plan, routing=routing)))
-        # The "old" policy is the one before this batch's first update: score every mini-batch now. R2
-        # records its routing there, for the reference and every update to replay.
+        # The "old" policy is the one before this batch's first update: score every mini-batch now when
+        # the loss needs it (importance other than POIS; R2, which records its routing there for the
+        # reference and every update to replay), or when the mismatch is watched and the update cannot
+        # measure it: MIS must know the outliers before the loss, and of several updates per batch only
+        # the first runs on the old weights. Otherwise the single update's own forward measures the
+        # mismatch (and, under R3, the routing the trainer would have changed) on the way, for free.
         a = self.cfg.algorithm
         stores: list[dict | None] = [{} if replay == "R2" else None for _ in packed]
         # mismatch needs the engine's log-probs (samples built without an engine have none)
         watch = (a.mismatch_metrics or a.mis) and any(s.behaviour_logprobs is not None for s in samples)
-        need_old = self.loss.importance != "pois" or replay == "R2" or watch
+        loss_needs_old = self.loss.importance != "pois" or replay == "R2"
+        in_update = not loss_needs_old and len(packed) == 1 and not a.mis
+        need_old = loss_needs_old or (watch and not in_update)
+        tally = MismatchTally(a.mismatch_threshold) if watch else None
+        if tally is not None:
+            for mini, _, mbs in packed:
+                tally.add_batch(mini, [mb.pack for mb in mbs])  # type: ignore[misc]
         old = [
             engine.forward_logprobs(mbs, record_routing=store) if need_old else None
             for (_, _, mbs), store in zip(packed, stores, strict=True)
@@ -186,12 +196,22 @@ class PolicyWorker:
             else None
             for (_, _, mbs), store in zip(packed, stores, strict=True)
         ]
-        sums, outliers = self._mismatch(engine, packed, old) if watch else ({}, [set() for _ in packed])
+        measure = tally is not None or replay == "R3"
+        sums: dict[str, list[float]] = {}
+        outliers: list[set[int]] = [set() for _ in packed]
         routing_changed = None
-        if replay == "R3" and need_old:
-            # how often the trainer's routers, left free, would have chosen other experts than the engine
-            replayed, changed = engine._global_sum([], False, extra=engine.routing_changes())
-            routing_changed = changed / max(replayed, 1.0)
+        if need_old and measure:
+            if tally is not None:
+                for (_, _, mbs), old_lp in zip(packed, old, strict=True):
+                    if old_lp is None:
+                        continue  # not the last pipeline stage
+                    for mb, lp in zip(mbs, old_lp, strict=True):
+                        tally.add(lp, mb)
+            # the old log-probs are whole packs on every CP rank: count them once
+            sums, found, routing_changed = self._first_forward_sums(
+                engine, tally, replay == "R3", whole_packs=True
+            )
+            outliers = found if tally is not None else outliers
         metrics: dict[str, float] = {}
         stats: list[dict[str, torch.Tensor]] = []
         truncated = 0
@@ -218,7 +238,17 @@ class PolicyWorker:
                     excluded=excluded,
                 )
 
-            metrics = engine.step(mbs, make_loss_fn(self.loss, inputs_for, stats), replay_routing=store)
+            loss_fn = make_loss_fn(self.loss, inputs_for, stats)
+            if tally is not None and in_update:
+                loss_fn = tally.watching(loss_fn)
+            metrics = engine.step(
+                mbs, loss_fn, replay_routing=store, measure_routing=replay == "R3" and in_update
+            )
+        if in_update and measure:
+            # each rank scored its own columns of the packs in the update
+            sums, _, routing_changed = self._first_forward_sums(
+                engine, tally, replay == "R3", whole_packs=False
+            )
         for key in stats[0] if stats else ():
             metrics[key] = float(torch.stack([s[key].detach().float() for s in stats]).mean())
         if policy.reference is not None:
@@ -232,44 +262,26 @@ class PolicyWorker:
             metrics["mis_masked_samples"] = sums["all"][SUM_KEYS.index("seqs_over")]
         return metrics
 
-    def _mismatch(
-        self, engine: Any, packed: Sequence[tuple[Any, Any, list[MicroBatch]]], old: Sequence[Any]
-    ) -> tuple[dict[str, list[float]], list[set[int]]]:
-        """Trainer-vs-engine mismatch sums per role (and ``all``) over the whole batch (all DP ranks),
-        and per mini-batch the indices of this rank's outlier sequences. Old log-probs exist on the last
-        pipeline stage; every rank joins the one all-reduce."""
-        a = self.cfg.algorithm
-        groups = ["all", *(r.value for r in Role)]
-        sums = {g: [0.0] * len(SUM_KEYS) for g in groups}
-        outliers: list[set[int]] = [set() for _ in packed]
-        for (mini, _, mbs), old_lp, out in zip(packed, old, outliers, strict=True):
-            if old_lp is None:
-                continue  # not the last pipeline stage
-            for mb, lp in zip(mbs, old_lp, strict=True):
-                assert mb.pack is not None
-                for i, (start, end) in zip(mb.pack.sample_ids, mb.pack.sample_spans, strict=True):
-                    sample = mini[i]
-                    if sample.behaviour_logprobs is None:
-                        continue
-                    first, count = response_span(sample, start, end)
-                    if count <= 0:
-                        continue
-                    seq = sequence_mismatch(
-                        lp[0, first : first + count].cpu(),
-                        torch.tensor(sample.behaviour_logprobs[:count]),
-                        a.mismatch_threshold,
-                    )
-                    add_sums(sums["all"], seq)
-                    add_sums(sums[sample.role.value], seq)
-                    if seq.outlier:
-                        out.add(i)
+    def _first_forward_sums(
+        self, engine: Any, tally: MismatchTally | None, routing: bool, *, whole_packs: bool
+    ) -> tuple[dict[str, list[float]], list[set[int]], float | None]:
+        """What the batch's first forward under the pre-update weights measured, over all ranks in one
+        all-reduce: with a ``tally``, the trainer-vs-engine mismatch sums per role and each mini-batch's
+        outlier sequences; with ``routing`` (R3), the share of replayed routing decisions the routers
+        would have changed (counted on every rank: each routes its own tokens).
+        ``whole_packs``: every context-parallel rank holds whole packs' log-probs (count rank 0's only)."""
         from megatron.core import parallel_state as ps
 
-        flat = engine._global_sum(
-            [v for g in groups for v in sums[g]], contribute=ps.get_context_parallel_rank() == 0
-        )
-        n = len(SUM_KEYS)
-        return {g: flat[k * n : (k + 1) * n] for k, g in enumerate(groups)}, outliers
+        flat = tally.flat() if tally is not None else []
+        counts = engine.routing_changes() if routing else ()
+        contribute = not whole_packs or ps.get_context_parallel_rank() == 0
+        reduced = engine._global_sum(flat, contribute, extra=counts)
+        sums, outliers = tally.finish(reduced[: len(flat)]) if tally is not None else ({}, [])
+        routing_changed = None
+        if routing:
+            replayed, changed = reduced[len(flat) :]
+            routing_changed = changed / max(replayed, 1.0)
+        return sums, outliers, routing_changed
 
     # ---------------------------------------------------------------------------------------- checkpoint
     def save(self, directory: str) -> None:

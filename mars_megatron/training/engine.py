@@ -402,8 +402,8 @@ class MegatronEngine:
 
     def routing_changes(self) -> tuple[int, int]:
         """Replayed routing decisions in this rank's scoring forwards (``logprobs``,
-        ``forward_logprobs``) since the last call, and how many of them the routers, left free, would have
-        sent to other experts; (0, 0) without routing replay."""
+        ``forward_logprobs``, and ``step`` when asked to measure) since the last call, and how many of
+        them the routers, left free, would have sent to other experts; (0, 0) without routing replay."""
         return self.replay.changes() if self.replay is not None else (0, 0)
 
     def train_step(
@@ -430,16 +430,18 @@ class MegatronEngine:
         loss_fn: LossFn = lm_loss,
         *,
         replay_routing: dict | None = None,
+        measure_routing: bool = False,
     ) -> dict[str, float]:
         """Forward/backward over this rank's micro-batches and one optimizer step (collective).
         ``replay_routing``: a store recorded by :meth:`forward_logprobs` (R2); micro-batches that carry
-        ``routing`` replay it (R3)."""
+        ``routing`` replay it (R3). ``measure_routing``: count replayed decisions the routers would have
+        changed in this forward (:meth:`routing_changes`), as the scoring forwards do."""
         if self.optimizer is None:
             raise RuntimeError("engine was built without an optimizer config")
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        with self._routing(None, replay_routing, recompute=self.recompute == "full"):
+        with self._routing(None, replay_routing, recompute=self.recompute == "full", measure=measure_routing):
             reduced = self._run(micro_batches, loss_fn, forward_only=False)
         loss_sum = sum(float(r["loss_sum"]) for r in reduced) if reduced else 0.0
         tokens = sum(float(r["tokens"]) for r in reduced) if reduced else 0.0

@@ -119,8 +119,9 @@ class RouterReplay:
         self.used: torch.Tensor | None = None  # the experts of the last forward (R2 records these)
         self.recompute = False  # full recompute in a training step: queue targets for the backward
         self.pending: deque[torch.Tensor | None] = deque()
-        # Scoring forwards also count how often the router's own top-k differs from the replayed one:
-        # the routing mismatch that replay removes (replayed rows, rows whose expert set differs).
+        # A batch's first forward under the pre-update weights (a scoring forward, or the update's own)
+        # also counts how often the router's own top-k differs from the replayed one: the routing
+        # mismatch that replay removes (replayed rows, rows whose expert set differs).
         self.measure = False
         self.counts = [0, 0]
 
@@ -143,10 +144,10 @@ class RouterReplay:
         default_compute_topk = default
         if self.mode == "free":
             return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        target = self.target
+        target, measure = self.target, self.measure
         if self.recompute:
             if torch.is_grad_enabled():  # the recompute in the backward: this micro-batch's target
-                target = self.pending.popleft()
+                target, measure = self.pending.popleft(), False  # (counted in its first pass)
             else:
                 self.pending.append(target)
         if target is None:
@@ -158,9 +159,9 @@ class RouterReplay:
                 f"router sees {scores.shape[0]} tokens with top-{topk}"
             )
         free = target[:, 0] == ROUTE_FREE
-        if bool(free.any()) or self.measure:
+        if bool(free.any()) or measure:
             _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-            if self.measure:
+            if measure:
                 differs = (own.sort(dim=1).values != target.sort(dim=1).values).any(dim=1) & ~free
                 self.counts[0] += int((~free).sum())
                 self.counts[1] += int(differs.sum())

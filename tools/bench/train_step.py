@@ -6,7 +6,9 @@ Timed, alternately (ours, bare, bare, ours, ...) on the same engine, model and o
   this rank's packed micro-batches, lay out the loss inputs of every pack (``packed_loss_inputs``), the
   MarsRL objective (``make_loss_fn``, POIS, clip-higher, per-micro-batch stats), ``MegatronEngine.step``
   (zero grads, megatron's forward/backward schedule with the block-diagonal mask built per pack, a
-  finite-check all-reduce, ``optimizer.step``, a global loss/token sum) and the metric averaging;
+  finite-check all-reduce, ``optimizer.step``, a global loss/token sum) and the metric averaging; the
+  samples carry engine log-probs, so it also measures the trainer-vs-engine mismatch as a run does (in
+  the update's own forward: per-sequence sums, then their all-reduce);
 - ``bare``: the limit — the same packs as pre-built tensors (tokens, positions, targets, the block-diagonal
   mask, advantage × response mask, token count), ``zero_grad_buffer``, ``zero_grad``,
   ``get_forward_backward_func()`` with a minimal forward step (``model(tokens, positions,
@@ -79,7 +81,8 @@ class Shape:
 
 
 def make_samples(shape: Shape, vocab: int, seed: int = 0) -> list[Sample]:
-    """Seeded random samples with advantages, in GRPO groups of :data:`GROUP_SIZE` sharing a prompt."""
+    """Seeded random samples with advantages and engine log-probs, in GRPO groups of :data:`GROUP_SIZE`
+    sharing a prompt."""
     rng = random.Random(seed)
     positions = list(Position)
     out: list[Sample] = []
@@ -98,6 +101,7 @@ def make_samples(shape: Shape, vocab: int, seed: int = 0) -> list[Sample]:
                 group_id=f"g{group}",
                 reward=float(rng.random() < 0.5),
                 advantage=rng.choice([-1.0, 1.0]) * rng.uniform(0.2, 1.5),
+                behaviour_logprobs=[-rng.uniform(0.05, 4.0) for _ in response],
                 sample_id=f"s{i}",
             )
         )
@@ -234,7 +238,9 @@ def _check_same_gradient(
 
 def _breakdown(worker: Any, engine: Any, samples: list[Sample], repeats: int) -> dict[str, float]:
     """Median seconds of the per-step work the bare loop does not do: planning, building packs, the loss
-    inputs of every pack and the attention masks (each timed on its own, outside the timed steps)."""
+    inputs of every pack, the attention masks and the mismatch tally of every pack (each timed on its own,
+    outside the timed steps)."""
+    from mars_megatron.algorithm.mismatch import MismatchTally
     from mars_megatron.algorithm.objective import packed_loss_inputs
 
     pack_length = worker.cfg.train.pack_length
@@ -242,7 +248,21 @@ def _breakdown(worker: Any, engine: Any, samples: list[Sample], repeats: int) ->
     seqs = [s.tokens for s in samples]
     plan = engine.plan(lengths, pack_length)
     mbs = engine.rank_packs(seqs, plan)
-    parts: dict[str, list[float]] = {"plan": [], "rank_packs": [], "loss_inputs": [], "masks": []}
+    parts: dict[str, list[float]] = {
+        "plan": [],
+        "rank_packs": [],
+        "loss_inputs": [],
+        "masks": [],
+        "mismatch": [],
+    }
+
+    def tally() -> None:
+        t = MismatchTally(worker.cfg.algorithm.mismatch_threshold)
+        t.add_batch(samples, [mb.pack for mb in mbs])
+        for mb in mbs:
+            t.add(torch.zeros(mb.tokens.shape), mb)
+        t.finish(t.flat())
+
     for _ in range(repeats):
         parts["plan"].append(_timed(lambda: engine.plan(lengths, pack_length)))
         parts["rank_packs"].append(_timed(lambda: engine.rank_packs(seqs, plan)))
@@ -250,6 +270,7 @@ def _breakdown(worker: Any, engine: Any, samples: list[Sample], repeats: int) ->
             _timed(lambda: [packed_loss_inputs(samples, mb.pack, worker.loss) for mb in mbs])
         )
         parts["masks"].append(_timed(lambda: [mb.pack.attention_mask() for mb in mbs]))
+        parts["mismatch"].append(_timed(tally))
     return {k: statistics.median(v) for k, v in parts.items()}
 
 
