@@ -207,7 +207,8 @@ class ReplayControl:
 
     def changes(self) -> tuple[int, int]:
         """(replayed routing decisions, those where the router's own top-k chose other experts) in the
-        scoring forwards since the last call, over this rank's routers; resets the counts."""
+        forwards that measured (:meth:`set_measure`) since the last call, over this rank's routers;
+        resets the counts."""
         replayed = changed = 0
         for r in self.replays:
             replayed, changed = replayed + r.counts[0], changed + r.counts[1]
