@@ -120,10 +120,10 @@ def test_tally_reads_a_pack_and_any_context_parallel_split_of_it() -> None:
     trainer[0, [2, 3]] = engine[0, [2, 3]].float() - 1.0  # sample 0: d = -1, an outlier at t = 2
     trainer[0, [11, 12, 13]] = engine[0, [11, 12, 13]].float() + 0.1  # sample 2: d = 0.1
     whole = MismatchTally(2.0)
-    whole.add_batch(samples, [mb.pack])
+    whole.add_batch(samples, [mb])
     whole.add(trainer, mb)
     split = MismatchTally(2.0)
-    split.add_batch(samples, [mb.pack])
+    split.add_batch(samples, [mb])
     for index in rank_indices(16, 2):  # each CP rank scores its own columns
         split.add(trainer[:, index], dataclasses.replace(mb, cp_index=index))
     assert split.flat() == pytest.approx(whole.flat(), abs=1e-12)

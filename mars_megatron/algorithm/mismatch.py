@@ -141,12 +141,15 @@ class MismatchTally:
         self._sums: list[torch.Tensor] = []
         self._packs: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
 
-    def add_batch(self, samples: Sequence[Sample], packs: Sequence[PackedSequence]) -> None:
+    def add_batch(self, samples: Sequence[Sample], micro_batches: Sequence[MicroBatch]) -> None:
+        """A mini-batch: its samples and this rank's packs of them."""
         k = len(self._sums)
         self._roles.append([s.role.value for s in samples])
         self._sums.append(torch.zeros(len(samples), len(SEQUENCE_KEYS), dtype=torch.float64))
-        for pack in packs:
-            self._packs[id(pack)] = (k, *engine_layout(samples, pack))
+        for mb in micro_batches:
+            if mb.pack is None:
+                raise ValueError("MismatchTally reads packed micro-batches (MicroBatch.pack is None)")
+            self._packs[id(mb.pack)] = (k, *engine_layout(samples, mb.pack))
 
     def add(self, logprobs: torch.Tensor, mb: MicroBatch) -> None:
         """``logprobs``: the trainer's log-probs of ``mb`` (``[1, T]``, or this CP rank's columns)."""

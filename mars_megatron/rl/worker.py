@@ -185,7 +185,7 @@ class PolicyWorker:
         tally = MismatchTally(a.mismatch_threshold) if watch else None
         if tally is not None:
             for mini, _, mbs in packed:
-                tally.add_batch(mini, [mb.pack for mb in mbs])  # type: ignore[misc]
+                tally.add_batch(mini, mbs)
         old = [
             engine.forward_logprobs(mbs, record_routing=store) if need_old else None
             for (_, _, mbs), store in zip(packed, stores, strict=True)

@@ -258,7 +258,7 @@ def _breakdown(worker: Any, engine: Any, samples: list[Sample], repeats: int) ->
 
     def tally() -> None:
         t = MismatchTally(worker.cfg.algorithm.mismatch_threshold)
-        t.add_batch(samples, [mb.pack for mb in mbs])
+        t.add_batch(samples, mbs)
         for mb in mbs:
             t.add(torch.zeros(mb.tokens.shape), mb)
         t.finish(t.flat())
