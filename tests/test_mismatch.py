@@ -131,6 +131,15 @@ def test_tally_reads_a_pack_and_any_context_parallel_split_of_it() -> None:
     assert outliers == [{0}] and set(sums) == {"all", "solver", "corrector"}
     assert sums["solver"] == pytest.approx([2, 2.0, 2 * math.expm1(-1) + 2, 2, 1, 1])
     assert sums["corrector"] == pytest.approx([3, 0.3, 3 * (math.expm1(0.1) - 0.1), 0, 1, 0], rel=1e-6)
+    # two mini-batches (several updates per batch): sums add up, outliers index each one's own samples
+    _, other = _pack_samples()
+    two = MismatchTally(2.0)
+    two.add_batch(samples[1:], [])  # verifier and corrector only: sample 0 of this one is not an outlier
+    two.add_batch(samples, [other])
+    two.add(trainer, other)
+    sums2, outliers2 = two.finish(two.flat())
+    assert outliers2 == [set(), {0}] and sums2.keys() == sums.keys()
+    assert all(sums2[g] == pytest.approx(sums[g]) for g in sums)
 
 
 def test_bad_inputs_are_refused() -> None:

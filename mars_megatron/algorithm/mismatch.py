@@ -178,19 +178,14 @@ class MismatchTally:
     def finish(self, flat: Sequence[float]) -> tuple[dict[str, list[float]], list[set[int]]]:
         """From the all-reduced :meth:`flat`: the role sums of the whole batch, and each mini-batch's
         outlier sequences (indices into its samples)."""
-        total: dict[str, list[float]] = {}
-        outliers: list[set[int]] = []
-        offset = 0
-        for roles in self._roles:
-            size = len(roles) * len(SEQUENCE_KEYS)
-            whole = torch.tensor(flat[offset : offset + size], dtype=torch.float64).view(len(roles), -1)
-            offset += size
-            sums, out = role_sums(whole, roles, self.threshold)
-            outliers.append(out)
-            for group, values in sums.items():
-                into = total.setdefault(group, [0.0] * len(SUM_KEYS))
-                for i, v in enumerate(values):
-                    into[i] += v
-        if offset != len(flat):
-            raise ValueError(f"{len(flat)} sums for {offset} per-sequence values")
-        return total, outliers
+        roles = [role for mini in self._roles for role in mini]
+        if len(flat) != len(roles) * len(SEQUENCE_KEYS):
+            raise ValueError(f"{len(flat)} sums for {len(roles) * len(SEQUENCE_KEYS)} per-sequence values")
+        whole = torch.tensor(list(flat), dtype=torch.float64).view(len(roles), len(SEQUENCE_KEYS))
+        sums, outliers = role_sums(whole, roles, self.threshold)
+        per_mini: list[set[int]] = []
+        start = 0
+        for mini in self._roles:
+            per_mini.append({i - start for i in outliers if start <= i < start + len(mini)})
+            start += len(mini)
+        return sums, per_mini
