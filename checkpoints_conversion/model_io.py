@@ -27,6 +27,7 @@ from checkpoints_conversion.qwen3_mapping import (
     unshard,
 )
 from mars_megatron.dtypes import SAFETENSORS_TAGS, torch_dtype
+from mars_megatron.training import collectives
 from mars_megatron.training.hf_config import Qwen3Arch
 
 
@@ -270,30 +271,27 @@ def export_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for the whole model on global rank 0; other ranks yield nothing
     but must iterate too (they take part in the gathers and sends). ``steps`` from :func:`plan_export`
-    may be reused across calls on the same model."""
+    may be reused across calls on the same model.
+
+    The tensors are on the device of the collectives (:mod:`~mars_megatron.training.collectives`: the
+    GPU under NCCL, the host under gloo); consumers that need host memory copy them there."""
     steps = plan_export(model, arch) if steps is None else steps
     me = dist.get_rank()
     dtype = next(_local_params(model))[1].dtype  # every parameter has the model's dtype
     for step in steps:
         full: list[torch.Tensor] | None = None
         if step.param is not None:
-            piece = step.param.detach().cpu()
-            pieces = [piece]
+            pieces = [step.param.detach()]
             if step.group_size > 1:
-                pieces = [torch.empty_like(piece) for _ in range(step.group_size)]
-                dist.all_gather(pieces, piece.contiguous(), group=step.group)
+                pieces = collectives.all_gather(pieces[0], group=step.group)
             full = unshard(step.plan, pieces, arch) if me == step.sender else None
         if step.sender != 0:
             if me == step.sender:
                 assert full is not None
                 for t in full:
-                    dist.send(t.contiguous(), dst=0)
+                    collectives.send(t, dst=0)
             elif me == 0:
-                full = []
-                for shape in step.shapes:
-                    t = torch.empty(shape, dtype=dtype)
-                    dist.recv(t, src=step.sender)
-                    full.append(t)
+                full = [collectives.recv(shape, dtype, src=step.sender) for shape in step.shapes]
         if me == 0:
             assert full is not None
             yield from zip(step.plan.hf_names, full, strict=True)

@@ -82,3 +82,35 @@ def run_expecting_errors(ops: list[Op], seed: int = 1234) -> list[tuple[str, str
         else:
             results.append(("", ""))
     return results
+
+
+def collective_round() -> dict[str, object]:
+    """Every wrapper of :mod:`mars_megatron.training.collectives` once, on a world of 2 (gloo)."""
+    import torch
+
+    from mars_megatron.training import collectives
+
+    rank = dist.get_rank()
+    device = collectives.comm_device()
+    gathered = collectives.all_gather(torch.full((2,), float(rank + 1)))
+    mine = torch.tensor([rank + 1.0, 10.0])
+    reduced = collectives.all_reduce(mine)
+    maxed = collectives.all_reduce(torch.tensor([float(rank)]), op=dist.ReduceOp.MAX)
+    strided = torch.arange(6.0).reshape(2, 3).t()  # not contiguous: reduced as a copy
+    strided_sum = collectives.all_reduce(strided)
+    if rank == 1:
+        collectives.send(torch.arange(6, dtype=torch.int64).reshape(2, 3) * 7, dst=0)
+        received = None
+    else:
+        received = collectives.recv((2, 3), torch.int64, src=1).tolist()
+    return {
+        "device": str(device),
+        "gathered": [t.tolist() for t in gathered],
+        "reduced_in_place": reduced is mine,
+        "reduced": mine.tolist(),
+        "max": maxed.tolist(),
+        "strided_sum": strided_sum.tolist(),
+        "strided_untouched": strided.tolist() == torch.arange(6.0).reshape(2, 3).t().tolist(),
+        "values": collectives.all_reduce_values([rank + 0.5, 2.0]),
+        "received": received,
+    }

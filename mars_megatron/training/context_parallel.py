@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mars_megatron.training import collectives
+
 
 def zigzag_index(length: int, cp: int, rank: int) -> torch.Tensor:
     """Positions ``[L/cp]`` of a row of ``length`` tokens that CP ``rank`` holds: chunks ``rank`` and
@@ -83,8 +85,7 @@ def gather_positions(
 ) -> torch.Tensor:
     """Per-token outputs ``[b, L/cp]`` of every CP rank put back in sequence order ``[b, L]`` (no grad:
     for log-probs that are only read, such as the old policy's)."""
-    parts = [torch.empty_like(local) for _ in indices]
-    dist.all_gather(parts, local.contiguous(), group=group)
+    parts = collectives.all_gather(local, group)
     full = local.new_zeros(local.shape[0], length, *local.shape[2:])
     for idx, part in zip(indices, parts, strict=True):
         full[:, idx.to(local.device)] = part
@@ -100,14 +101,11 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group = group
         ctx.rank = dist.get_rank(group)
         ctx.n = x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=0)
+        return torch.cat(collectives.all_gather(x, group), dim=0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        grad = collectives.all_reduce(grad.contiguous(), group=ctx.group)
         return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n], None
 
 

@@ -17,9 +17,9 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mars_megatron.config import OptimizerConfig, ParallelConfig
+from mars_megatron.training import collectives
 from mars_megatron.training.batches import MicroBatch, make_micro_batches
 from mars_megatron.training.hf_config import Qwen3Arch
 from mars_megatron.training.logprobs import vocab_parallel_logprobs
@@ -274,13 +274,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         own = contribute and self._on_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-        # NCCL reduces only GPU tensors ("No backend type associated with device type cpu" otherwise)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        t = torch.tensor(
-            [*(values if own else [0.0] * len(values)), *extra], dtype=torch.float64, device=device
-        )
-        dist.all_reduce(t)
-        return t.tolist()
+        return collectives.all_reduce_values([*(values if own else [0.0] * len(values)), *extra])
 
     # ------------------------------------------------------------------------------------------- public
     @torch.no_grad()

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mars_megatron.training import collectives
+
 CHUNK_TOKENS = 1024
 """Tokens whose fp32 logits are materialised at once: bounds the temporaries to a few
 ``CHUNK_TOKENS x V_local x 4`` bytes whatever the pack length (under 1 GiB for Qwen3's vocabulary at tp 2)."""
@@ -46,7 +48,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         for i in range(0, n, CHUNK_TOKENS):
             lmax[i : i + CHUNK_TOKENS] = _masked(flat[i : i + CHUNK_TOKENS], pad_from).max(dim=-1).values
         if tp > 1:
-            dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+            lmax = collectives.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
         sum_exp = torch.empty_like(lmax)
         picked = torch.empty_like(lmax)
         for i in range(0, n, CHUNK_TOKENS):
@@ -55,8 +57,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
             picked[i : i + CHUNK_TOKENS] = z.gather(-1, tgt[i : i + CHUNK_TOKENS, None])[:, 0]
         picked = torch.where(in_range, picked, torch.zeros_like(picked))
         if tp > 1:
-            dist.all_reduce(sum_exp, group=group)
-            dist.all_reduce(picked, group=group)
+            sum_exp = collectives.all_reduce(sum_exp, group=group)
+            picked = collectives.all_reduce(picked, group=group)
         log_sum = sum_exp.log()
         ctx.save_for_backward(logits, tgt, in_range, lmax, log_sum)
         ctx.pad_from = pad_from
