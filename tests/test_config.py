@@ -313,11 +313,6 @@ def test_file_error_names_file_even_with_overrides(tmp_path: Path) -> None:
         ),
         (["checkpoint.save_interval=10"], "checkpoint.save_interval: is 10 but save_dir is null"),
         (["rollout.tp=2"], "rollout.tp: 2 needs engine 'vllm'"),
-        (
-            ["rollout.engine=vllm", "rollout.tp=4", "pipeline.placement=colocated"],
-            "rollout.tp: 4 with pipeline.placement 'colocated', where each engine shares one device with one "
-            "trainer rank; use pipeline.placement=disaggregated",
-        ),
     ],
 )
 def test_cross_field_checks(overrides: list[str], expected: str) -> None:
@@ -330,11 +325,10 @@ def test_cross_field_checks_pass_when_consistent() -> None:
     # SP off (allowed with ep 1): the pack length need not split over tp
     cfg = load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=false", "train.pack_length=98305"])
     assert cfg.parallel.effective_sequence_parallel is False and cfg.train.pack_length == 98305
-    # multi-GPU engines: vLLM, on devices of their own (disaggregated) or where Ray puts them (none)
-    for placement in ("disaggregated", "none"):
+    # multi-GPU engines: vLLM, one worker per GPU bundle, shared with trainer ranks or not
+    for placement in ("disaggregated", "none", "colocated"):
         cfg = load_config(None, ["rollout.engine=vllm", "rollout.tp=4", f"pipeline.placement={placement}"])
         assert cfg.rollout.tp == 4
-    assert load_config(None, ["rollout.engine=vllm", "pipeline.placement=colocated"]).rollout.tp == 1
 
 
 # --- world size -----------------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ from mars_megatron.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 Q30B = "examples/qwen3_30b_a3b.yaml"  # tp 4, pp 2, cp 4, ep 8: trainer ranks must be a multiple of 32
 # The recipe's engines take 32 GPUs of their own (disaggregated); on fewer nodes every GPU is a trainer rank,
-# in a layout without pipeline and context parallelism (tp 4, ep 8: any multiple of 8 ranks)
-ALL_TRAINER = ("pipeline.placement=none", "parallel.pp=1", "parallel.cp=1")
+# shared with 2 colocated engines of 4 GPUs, in a layout without pipeline and context parallelism (tp 4,
+# ep 8: any multiple of 8 ranks)
+ALL_TRAINER = ("pipeline.placement=colocated", "pipeline.rollout_workers=2", "parallel.pp=1", "parallel.cp=1")
 TINY = REPO / "examples" / "tiny_cpu.yaml"
 DATA = REPO / "examples" / "data" / "arith_train.jsonl"
 IMAGE = "nvcr.io/acme/mars:26.08"

@@ -110,43 +110,155 @@ def test_a_placement_the_cluster_cannot_grant_names_what_is_missing(cluster: Non
         place("disaggregated", 4, 2, timeout_s=2)
 
 
-def test_disaggregated_engines_of_two_gpus(cluster: None) -> None:
-    """rollout.tp = 2: each engine's bundle holds 2 of the 4 logical GPUs, trainer ranks keep 1 each."""
+def test_every_bundle_is_one_device_and_multi_gpu_engines_span_several() -> None:
+    """vLLM's Ray executor refuses bundles of more than one GPU, so an engine of rollout.tp GPUs spans
+    rollout.tp one-device bundles: after the trainer's (disaggregated) or over them (colocated)."""
+    from mars_megatron.pipeline.placement import layout
+
+    assert layout("disaggregated", 2, 2, 2) == (6, [0, 1], [(2, 3), (4, 5)])
+    assert layout("disaggregated", 2, 3, 1) == (5, [0, 1], [(2,), (3,), (4,)])
+    assert layout("colocated", 4, 2, 2) == (4, [0, 1, 2, 3], [(0, 1), (2, 3)])
+    assert layout("colocated", 2, 2, 1) == (2, [0, 1], [(0,), (1,)])
+    assert layout("colocated", 1, 1, 4) == (4, [0], [(0, 1, 2, 3)])  # engine GPUs beyond the trainer's
+    with pytest.raises(ValueError, match="engines take >= 1 device each"):
+        layout("colocated", 2, 2, 0)
+    with pytest.raises(ValueError, match=r"pipeline\.placement must be 'colocated' or 'disaggregated'"):
+        layout("spread", 2, 2, 1)  # type: ignore[arg-type]
+
+
+def test_placement_none_gives_vllm_engines_gpus_of_their_own_or_refuses() -> None:
+    """An actor asking Ray for no GPU sees every device of its node (Ray leaves CUDA_VISIBLE_DEVICES
+    unset: measured on this machine's Ray), so a vLLM engine without GPUs of its own would start on GPU 0
+    beside trainer rank 0."""
+    from mars_megatron.config import ConfigError
+    from mars_megatron.pipeline.placement import unplaced_gpus, unplaced_launch
+
+    assert unplaced_gpus(4, 2, 2, 1, vllm=True) == 1
+    assert unplaced_gpus(8, 2, 3, 2, vllm=True) == 2
+    assert unplaced_gpus(0, 2, 2, 1, vllm=True) == 0  # a CPU cluster
+    assert unplaced_gpus(1, 2, 2, 1, vllm=False) == 0  # transformers engines run on the host
+    refusal = (
+        r"pipeline.placement: 'none' on a Ray cluster of 4 GPUs: 2 trainer ranks and 2 vLLM engines of "
+        r"rollout.tp=2 need 6 GPUs .* pipeline.placement=colocated"
+    )
+    with pytest.raises(ConfigError, match=refusal):
+        unplaced_gpus(4, 2, 2, 2, vllm=True)
+    assert unplaced_launch(1, 1).num_gpus == 1.0
+    assert unplaced_launch(2, 2).num_gpus == 0.0  # vLLM's Ray executor reserves the 2 GPUs itself
+    assert unplaced_launch(1, 0).num_gpus == 0.0
+
+
+def _start(cluster_cfg: list[str], sft_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Start `mars train`'s actors for ``cluster_cfg`` (no step), and report where each landed: Ray's
+    resources, GPU ids and CUDA_VISIBLE_DEVICES of every trainer rank and engine, each engine's vLLM
+    variables, and for multi-GPU engines the bundles vLLM's own executor code accepts and picks."""
     import ray
 
-    from mars_megatron.pipeline.placement import place
+    from mars_megatron.rl.trainer import MarsRLTrainer, prepare
 
-    placement = place("disaggregated", 2, 1, engine_gpus=2, timeout_s=30)
+    _recording_engines(monkeypatch, tmp_path / "engines")
+    cfg = load_config(
+        REPO / "examples" / "tiny_cpu.yaml",
+        [f"model.mcore_dir={sft_model}", f"data.train_file={REPO / 'examples/data/arith_train.jsonl'}",
+         f"logging.run_dir={tmp_path / 'run'}", "rollout.engine=vllm", *cluster_cfg],
+    )  # fmt: skip
+    with MarsRLTrainer(cfg, prepare(cfg, nproc=None, resume=None), log=print) as trainer:
+        ranks = trainer.group.resources()
+        engines = [ray.get(e.actor.resources.remote()) for _, e in trainer.workers]
+        free = ray.available_resources().get("GPU", 0.0)
+        probes = []
+        if cfg.rollout.tp > 1:
+            from tests.pipeline_workers import VllmBundleProbe
+
+            for i, engine in enumerate(engines):  # a probe placed and set up like engine i
+                options: dict = {"num_cpus": 0, "runtime_env": {"env_vars": engine["vllm_env"]}}
+                if trainer.placement is not None:
+                    bundle = trainer.placement.engine_bundles[i][0]
+                    options["scheduling_strategy"] = trainer.placement.strategy(bundle)
+                probe = ray.remote(VllmBundleProbe).options(**options).remote()
+                probes.append(ray.get(probe.bundles.remote(cfg.rollout.tp), timeout=120))
+                ray.kill(probe)
+        worker_gpus = []
+        if trainer.placement is not None and cfg.rollout.tp > 1:  # vLLM's workers, placed as vLLM does
+            gpu_ids = ray.remote(lambda: ray.get_gpu_ids())
+            for engine in engines:
+                share = float(engine["vllm_env"]["VLLM_RAY_PER_WORKER_GPUS"])
+                bundles = [int(b) for b in engine["vllm_env"]["VLLM_RAY_BUNDLE_INDICES"].split(",")]
+                worker_gpus.append([ray.get(gpu_ids.options(num_cpus=0, num_gpus=share,
+                                                            scheduling_strategy=trainer.placement.strategy(b))
+                                            .remote())[0] for b in bundles])  # fmt: skip
+    return {"ranks": ranks, "engines": engines, "free": free, "probes": probes, "worker_gpus": worker_gpus}
+
+
+def _visible(actors: list[dict]) -> list[str | None]:
+    return [a["cuda_visible_devices"] for a in actors]
+
+
+@pytest.mark.parametrize("mode", ["none", "colocated", "disaggregated"])
+def test_one_gpu_engines_see_their_own_device(
+    cluster: None, sft_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """rollout.tp = 1 on 4 logical GPUs, 2 trainer ranks and 2 vLLM engines: every actor sees exactly the
+    device Ray gave it; colocated engine i shares rank i's, otherwise no two actors share one."""
+    got = _start(
+        [f"pipeline.placement={mode}", "pipeline.rollout_workers=2"], sft_model, tmp_path, monkeypatch
+    )
+    ranks, engines = got["ranks"], got["engines"]
+    assert all(len(a["gpu_ids"]) == 1 for a in ranks + engines)
+    assert _visible(ranks + engines) == [str(a["gpu_ids"][0]) for a in ranks + engines]
+    share = 0.5 if mode == "colocated" else 1.0
+    assert all(a["GPU"] == share for a in ranks + engines)
+    if mode == "colocated":
+        assert _visible(engines) == _visible(ranks) and len(set(_visible(ranks))) == 2
+    else:
+        assert len(set(_visible(ranks + engines))) == 4
+    assert all(a["vllm_env"] == {} for a in engines)
+
+
+@pytest.mark.parametrize("mode", ["none", "colocated", "disaggregated"])
+def test_two_gpu_engines_take_one_bundle_per_vllm_worker(
+    cluster: None, sft_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """rollout.tp = 2: the engine actor holds no GPU, and vLLM's own executor code accepts the placement
+    and puts its 2 workers on the engine's bundles: the trainer ranks' devices when colocated, 2 others
+    when disaggregated; without a placement group vLLM reserves 2 free GPUs itself (the 2 ranks hold 2)."""
+    got = _start([f"pipeline.placement={mode}", "pipeline.rollout_workers=1", "rollout.tp=2"],
+                 sft_model, tmp_path, monkeypatch)  # fmt: skip
+    ranks, (engine,) = got["ranks"], got["engines"]
+    assert engine.get("GPU", 0.0) == 0.0 and engine["gpu_ids"] == []
+    rank_gpus = sorted(r["gpu_ids"][0] for r in ranks)
+    if mode == "none":
+        assert engine["vllm_env"] == {} and got["free"] == 2.0
+        assert len(got["probes"][0]) == 2  # vLLM's own placement group of 2 one-GPU bundles
+        return
+    bundles = {"colocated": [0, 1], "disaggregated": [2, 3]}[mode]
+    share = {"colocated": "0.5", "disaggregated": "1.0"}[mode]
+    assert engine["vllm_env"] == {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundles)),
+                                  "VLLM_RAY_PER_WORKER_GPUS": share}  # fmt: skip
+    assert got["probes"] == [bundles]
+    workers = sorted(got["worker_gpus"][0])
+    assert workers == rank_gpus if mode == "colocated" else not set(workers) & set(rank_gpus)
+
+
+def test_vllm_refuses_the_old_multi_gpu_bundle(cluster: None) -> None:
+    """What the executor code of the probe says of one bundle holding both of an engine's GPUs (the
+    layout before engines had one bundle per worker): the refusal `mars train` met on GPUs."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from tests.pipeline_workers import VllmBundleProbe
+
+    group = placement_group([{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 2.0}])
+    ray.get(group.ready(), timeout=60)
     try:
-        assert placement.group.bundle_specs == [{"CPU": 1.0, "GPU": 1.0}] * 2 + [{"CPU": 1.0, "GPU": 2.0}]
-        assert placement.resources() == {"num_cpus": 1.0, "num_gpus": 1.0}
-        assert placement.engine_resources() == {"num_cpus": 1.0, "num_gpus": 2.0}
-        gpu_ids = ray.remote(lambda: ray.get_gpu_ids())
-        res = placement.engine_resources()
-        ids = gpu_ids.options(**res, scheduling_strategy=placement.strategy(placement.engine_bundles[0]))
-        assert len(ray.get(ids.remote())) == 2
-    finally:
-        placement.remove()
-    with pytest.raises(ValueError, match="colocated engines take 1 device each"):
-        place("colocated", 2, 2, engine_gpus=2)
-
-
-def test_unplaced_engines_take_rollout_tp_gpus_when_the_cluster_has_room(cluster: None) -> None:
-    """pipeline.placement=none: rollout.tp GPUs per engine beside the trainer ranks' (none here: this
-    process has no CUDA), else 0 (the engines share the devices they see)."""
-    from types import SimpleNamespace
-
-    from mars_megatron.rl.trainer import MarsRLTrainer
-
-    def gpus(tp: int, workers: int) -> int:
-        cfg = load_config(
-            None, ["rollout.engine=vllm", f"rollout.tp={tp}", f"pipeline.rollout_workers={workers}"]
+        strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=1)
+        probe = ray.remote(VllmBundleProbe).options(num_cpus=0, scheduling_strategy=strategy).remote()
+        assert ray.get(probe.bundles.remote(2), timeout=120) == (
+            "refused: Placement group bundle cannot have more than 1 GPU."
         )
-        trainer = SimpleNamespace(cfg=cfg, plan=SimpleNamespace(world_size=2), names=["shared"])
-        return MarsRLTrainer._unplaced_engine_gpus(trainer)  # type: ignore[arg-type]
-
-    assert (gpus(1, 1), gpus(2, 2), gpus(4, 1)) == (1, 2, 4)  # the cluster has 4 logical GPUs
-    assert gpus(2, 3) == 0  # 6 > 4
+    finally:
+        remove_placement_group(group)
 
 
 def test_rollout_tp_reaches_vllm_as_tensor_parallel_size(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -681,7 +681,7 @@ NO_CP = ["parallel.pp=1", "parallel.cp=1"]  # a recipe layout that fits any trai
             64,
             ["pipeline.placement=colocated", "rollout.tp=1", "pipeline.rollout_workers=65"],
             "pipeline.rollout_workers",
-            "65 colocated engines but 64 GPUs",
+            "65 colocated engines x rollout.tp 1 = 65 GPUs, more than the 64 trainer GPUs they share",
         ),
         (64, ["model.hf_dir=/no/such/model"], "model.hf_dir", "is neither a preset"),
     ],
@@ -701,16 +701,26 @@ def test_engines_must_fit_one_node_and_placement_none_is_noted() -> None:
     )
     fit = check_config(cfg, Cluster(gpus=256), model="qwen3-235b-a22b", max_seqs=4)
     assert fit.engine_total < 80 * GIB and not fit.engine_fits and not fit.fits  # memory fits, the node not
-    assert "rollout.tp 16 > 8 GPUs per node: an engine is one Ray actor" in fit.notes
+    assert (
+        "rollout.tp 16 > 8 GPUs per node: an engine's tensor-parallel workers would talk across nodes"
+        in fit.notes
+    )
     cfg = load_config(REPO / "examples" / "qwen3_30b_a3b.yaml", ["pipeline.placement=none"])
-    fit = check_config(cfg, Cluster(gpus=32), model="qwen3-30b-a3b")
-    assert fit.trainer_world == 32 and fit.fits  # every GPU a trainer rank; the engines beside them
+    fit = check_config(cfg, Cluster(gpus=64), model="qwen3-30b-a3b")
+    assert fit.trainer_world == 32 and fit.fits  # the vLLM engines take 32 GPUs of their own
     assert any(n.startswith("placement none: Ray places the 8 engines") for n in fit.notes)
 
 
 def test_trainer_world_size_and_engine_gpus() -> None:
     cfg = load_config(None, ["rollout.engine=vllm", "rollout.tp=2", "pipeline.rollout_workers=3"])
-    assert (rollout_engines(cfg), engine_gpus(cfg), trainer_world_size(cfg, 4)) == (3, 6, 4)  # placement none
+    # placement none: the vLLM engines hold GPUs of their own (Ray picks which); transformers engines none
+    assert (rollout_engines(cfg), engine_gpus(cfg), trainer_world_size(cfg, 10)) == (3, 6, 4)
+    with pytest.raises(
+        ConfigError, match=r"= 6 GPUs leave no trainer rank of 6 GPUs \(pipeline.placement=none"
+    ):
+        trainer_world_size(cfg, 6)
+    hf = load_config(None, ["pipeline.rollout_workers=3"])
+    assert trainer_world_size(hf, 4) == 4
     disaggregated = load_config(None, ["pipeline.placement=disaggregated", "algorithm.policies=per_role",
                                        "rollout.engine=vllm", "rollout.tp=2"])  # fmt: skip
     assert (engine_gpus(disaggregated), trainer_world_size(disaggregated, 10)) == (6, 4)
@@ -720,6 +730,11 @@ def test_trainer_world_size_and_engine_gpus() -> None:
         trainer_world_size(disaggregated, 6)
     colocated = load_config(None, ["pipeline.placement=colocated", "parallel.tp=2"])
     assert trainer_world_size(colocated, 8) == 8
+    wide = load_config(None, ["pipeline.placement=colocated", "rollout.engine=vllm", "rollout.tp=4",
+                              "pipeline.rollout_workers=3"])  # fmt: skip
+    assert trainer_world_size(wide, 12) == 12
+    with pytest.raises(ConfigError, match=r"3 colocated engines x rollout.tp 4 = 12 GPUs, more than the 8"):
+        trainer_world_size(wide, 8)
     with pytest.raises(
         ConfigError, match=r"^parallel: 7 trainer ranks: world size 7 is not divisible by tp\*cp\*pp"
     ):

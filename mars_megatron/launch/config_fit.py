@@ -161,12 +161,7 @@ def check_config(
     engines = rollout_engines(cfg)
     placement = cfg.pipeline.placement
     colocated = placement == "colocated"
-    if colocated and engines > world:
-        raise ConfigError(
-            f"{engines} colocated engines but {world} GPUs to share: at most one engine per trainer GPU",
-            "pipeline.rollout_workers",
-        )
-    rtp = cfg.rollout.tp
+    rtp = cfg.rollout.tp  # trainer_world_size refused colocated engines with more GPUs than the trainer's
     try:
         check_rollout(arch, rtp, rtp * engines)
     except PlanError as err:
@@ -181,12 +176,13 @@ def check_config(
     fits_node = rtp <= cluster.gpus_per_node
     if not fits_node:
         remarks.append(
-            f"rollout.tp {rtp} > {cluster.gpus_per_node} GPUs per node: an engine is one Ray actor"
+            f"rollout.tp {rtp} > {cluster.gpus_per_node} GPUs per node: an engine's tensor-parallel "
+            "workers would talk across nodes"
         )
     if placement == "none":
         remarks.append(
             f"placement none: Ray places the {engines} engines; on GPUs they need {engines * rtp} GPUs "
-            f"beside the {world} trainer ranks, or share the trainer's"
+            f"beside the {world} trainer ranks (mars train refuses fewer)"
         )
     return ConfigFit(
         arch,

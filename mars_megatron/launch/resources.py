@@ -1,9 +1,9 @@
 """GPUs of a MarsRL run: how many the rollout engines hold and how many trainer ranks the rest make.
 
 ``pipeline.placement=disaggregated`` gives every engine ``rollout.tp`` GPUs of its own, so the trainer gets
-what is left; ``colocated`` engines share the trainer's devices, and with ``none`` Ray places them, so
-there every GPU is a trainer rank (the engines of a 'none' run share or add devices:
-:meth:`~mars_megatron.rl.trainer.MarsRLTrainer._unplaced_engine_gpus`).
+what is left; so does ``none`` for vLLM engines (Ray places them, but on GPUs of their own:
+:func:`~mars_megatron.pipeline.placement.unplaced_gpus`; the transformers engine runs on the host).
+``colocated`` engines share the trainer's devices, so there every GPU is a trainer rank.
 """
 
 from __future__ import annotations
@@ -24,20 +24,26 @@ def engine_gpus(cfg: MarsConfig) -> int:
 
 
 def trainer_world_size(cfg: MarsConfig, gpus: int) -> int:
-    """Trainer ranks on ``gpus`` GPUs: all of them, or under ``disaggregated`` what the engines leave.
+    """Trainer ranks on ``gpus`` GPUs: all of them when colocated, otherwise what the engines leave.
     Raises :class:`ConfigError` naming the field when nothing is left or the layout does not divide it."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive int, got {gpus!r}")
     world = gpus
-    if cfg.pipeline.placement == "disaggregated":
-        engines, held = rollout_engines(cfg), engine_gpus(cfg)
+    placement, engines, held = cfg.pipeline.placement, rollout_engines(cfg), engine_gpus(cfg)
+    if placement == "disaggregated" or (placement == "none" and cfg.rollout.engine == "vllm"):
         if held >= gpus:
             raise ConfigError(
                 f"{engines} rollout engines x rollout.tp {cfg.rollout.tp} = {held} GPUs leave no trainer "
-                f"rank of {gpus} GPUs (pipeline.placement=disaggregated)",
+                f"rank of {gpus} GPUs (pipeline.placement={placement})",
                 "pipeline.rollout_workers",
             )
         world = gpus - held
+    elif placement == "colocated" and held > gpus:
+        raise ConfigError(
+            f"{engines} colocated engines x rollout.tp {cfg.rollout.tp} = {held} GPUs, more than the {gpus} "
+            "trainer GPUs they share",
+            "pipeline.rollout_workers",
+        )
     try:
         cfg.check_world_size(world)
     except ConfigError as err:

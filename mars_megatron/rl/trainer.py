@@ -176,41 +176,47 @@ class MarsRLTrainer:
         self.driver = self._pipeline(codec)
 
     def _start_engine(self, index: int) -> Any:
-        """Rollout engine ``index`` as a Ray actor, on its placement bundle or (placement 'none') where Ray
-        puts it, with :meth:`_unplaced_engine_gpus` GPUs."""
+        """Rollout engine ``index`` as a Ray actor, started as the placement says
+        (:meth:`~mars_megatron.pipeline.placement.Placement.engine_launch`), or without one (placement
+        'none') with GPUs of its own on a GPU cluster."""
+        from mars_megatron.pipeline.placement import unplaced_gpus, unplaced_launch
         from mars_megatron.rollout.factory import run_engine_recipe
         from mars_megatron.rollout.ray_engine import start_rollout_actor
 
         recipe = run_engine_recipe(self.cfg, self.plan.engine_dir)
         if self.placement is None:
-            gpus = self._unplaced_engine_gpus()
-            return start_rollout_actor(recipe, num_cpus=1, num_gpus=gpus, threads=self._threads)
-        res = self.placement.engine_resources()
+            tp = self.cfg.rollout.tp
+            gpus = unplaced_gpus(
+                self._cluster_gpus(),
+                self.plan.world_size,
+                len(self.names) * self.cfg.pipeline.rollout_workers,
+                tp,
+                vllm=self.cfg.rollout.engine == "vllm",
+            )
+            launch = unplaced_launch(tp, gpus)
+            strategy = None
+        else:
+            launch = self.placement.engine_launch(index)
+            strategy = self.placement.strategy(self.placement.engine_bundles[index][0])
         return start_rollout_actor(
             recipe,
-            num_cpus=res["num_cpus"],
-            num_gpus=res["num_gpus"],
+            num_cpus=launch.num_cpus,
+            num_gpus=launch.num_gpus,
             threads=self._threads,
-            scheduling_strategy=self.placement.strategy(self.placement.engine_bundles[index]),
+            env=launch.env,
+            scheduling_strategy=strategy,
         )
 
-    def _unplaced_engine_gpus(self) -> int:
-        """Placement 'none': ``rollout.tp`` GPUs per engine when the Ray cluster has them beside the trainer
-        ranks' (one each when this process sees CUDA, as :class:`RayWorkerGroup` asks). Otherwise 0: the
-        engines see every device of their node and share them (one GPU holding a rank and an engine)."""
+    @staticmethod
+    def _cluster_gpus() -> float:
         import ray
-        import torch
 
-        have = ray.cluster_resources().get("GPU", 0)
-        ranks = self.plan.world_size if torch.cuda.is_available() else 0
-        engines = len(self.names) * self.cfg.pipeline.rollout_workers * self.cfg.rollout.tp
-        if have == 0 or have < ranks + engines:
-            return 0
-        return self.cfg.rollout.tp
+        return float(ray.cluster_resources().get("GPU", 0))
 
     def _trainer_placement(self) -> dict[str, Any]:
         if self.placement is None:
-            return {"num_cpus_per_rank": 1}
+            # one GPU per rank on a GPU cluster, whether or not this driver process sees one
+            return {"num_cpus_per_rank": 1, "num_gpus_per_rank": 1.0 if self._cluster_gpus() > 0 else 0.0}
         res = self.placement.resources()
         return {
             "num_cpus_per_rank": res["num_cpus"],

@@ -32,6 +32,7 @@ def build_engine(
     gpu_memory_utilization: float = GPU_MEMORY_DEFAULT,
     enable_sleep_mode: bool = False,
     capture_routing: bool = False,
+    enforce_eager: bool | None = None,
 ) -> RolloutEngine:
     """``hf``: transformers (CPU, one device; ``fp8`` does not apply, it samples in ``dtype``; it has no
     memory pool to size or free, so ``gpu_memory_utilization`` and ``enable_sleep_mode`` do not apply
@@ -39,7 +40,8 @@ def build_engine(
     GPUs (``rollout.tp``), quantized online to FP8 when the trainer trains in FP8 (``model.fp8``), taking
     ``gpu_memory_utilization`` of each GPU and, with ``enable_sleep_mode``, able to free it all while a
     colocated trainer updates. ``capture_routing``: outputs carry the experts each position was routed
-    to (``GenerationOutput.routed_experts``, for ``moe.routing_replay=R3``)."""
+    to (``GenerationOutput.routed_experts``, for ``moe.routing_replay=R3``). ``enforce_eager``: vLLM
+    without CUDA graphs (null: eager on CPU only; :func:`~mars_megatron.rollout.vllm_engine.llm_kwargs`)."""
     if kind == "hf":
         if tensor_parallel_size != 1:
             raise ValueError(
@@ -63,6 +65,7 @@ def build_engine(
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=enable_sleep_mode,
             capture_routing=capture_routing,
+            enforce_eager=enforce_eager,
         )
     raise ValueError(f"rollout.engine must be 'hf' or 'vllm', got {kind!r}")
 
@@ -94,4 +97,5 @@ def run_engine_recipe(cfg: MarsConfig, engine_dir: str) -> partial[RolloutEngine
         gpu_memory_utilization=gpu_memory_utilization(cfg),
         enable_sleep_mode=cfg.pipeline.placement == "colocated",
         capture_routing=cfg.moe.routing_replay == "R3",
+        enforce_eager=cfg.rollout.enforce_eager,
     )

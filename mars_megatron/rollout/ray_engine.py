@@ -17,6 +17,7 @@ all arrive within one call. The actor therefore holds one full copy of the weigh
 from __future__ import annotations
 
 import collections
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -139,6 +140,9 @@ class RolloutActor:
             **ctx.get_assigned_resources(),
             "gpu_ids": [int(i) for i in ray.get_gpu_ids()],
             "placement_group": ctx.get_placement_group_id(),
+            # what CUDA will see in this process (None: unset, i.e. every device of the node)
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_RAY_")},
         }
 
     def last_update(self) -> UpdateStats | None:

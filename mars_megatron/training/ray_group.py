@@ -122,6 +122,9 @@ class _RankActor:
             **ctx.get_assigned_resources(),
             "gpu_ids": [int(i) for i in ray.get_gpu_ids()],
             "placement_group": ctx.get_placement_group_id(),
+            # what CUDA will see in this process (None: unset, i.e. every device of the node)
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_RAY_")},
         }
 
     def free_port(self, addr: str) -> int:
