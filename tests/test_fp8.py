@@ -45,6 +45,13 @@ def test_modes_map_to_megatron_recipes() -> None:
             dict(cuda=True, capability=(9, 0), te_version="2.2.1+cu12"),
             ">= 2.3, found 2.2.1+cu12",
         ),
+        (
+            "blockwise",
+            dict(cuda=True, capability=(9, 0), te_version="2.11.0", cuda_version="12.8"),
+            "needs CUDA >= 12.9 (Transformer Engine's block-scaled FP8 GEMMs come from cuBLASLt 12.9), torch "
+            "was built with CUDA 12.8",
+        ),
+        ("blockwise", dict(cuda=True, capability=(9, 0), te_version="2.11.0"), "built with CUDA unknown"),
     ],
 )
 def test_fp8_problems_name_what_is_missing(mode: str, machine: dict, expected: str) -> None:
@@ -54,8 +61,11 @@ def test_fp8_problems_name_what_is_missing(mode: str, machine: dict, expected: s
 
 def test_fp8_runs_where_the_hardware_has_it() -> None:
     for mode in ("hybrid", "e4m3", "blockwise"):
-        assert fp8_problem(mode, cuda=True, capability=(9, 0), te_version="2.8.0") is None  # type: ignore[arg-type]
-    assert fp8_problem("hybrid", cuda=True, capability=(8, 9), te_version="1.13.0") is None
+        for cuda in ("12.9", "13.0"):
+            assert (
+                fp8_problem(mode, cuda=True, capability=(9, 0), te_version="2.8.0", cuda_version=cuda) is None
+            )  # type: ignore[arg-type]
+    assert fp8_problem("hybrid", cuda=True, capability=(8, 9), te_version="1.13.0") is None  # no CUDA floor
 
 
 def test_this_cpu_machine_is_refused_early_with_the_field(tmp_path: Path) -> None:

@@ -1,8 +1,13 @@
-"""The GPU paths, end to end: Transformer Engine layer spec, THD packed sequences, NCCL, context
-parallelism over THD (two GPUs), FP8 training and rollout, official vLLM as the RL engine, colocated vLLM
-engines freeing their memory in sleep mode. Marked ``gpu``:
-skipped where CUDA is missing (every CPU machine and CI here), run with ``pytest -m gpu`` on a GPU node.
-None of these has run yet (README, GPU status)."""
+"""The GPU paths, end to end: Transformer Engine layer spec, THD packed sequences, NCCL collectives (weight
+export and sync in TP2/EP2/PP2), context parallelism over THD, FP8 training and rollout, official vLLM as
+the RL engine (one GPU, tensor-parallel over two, colocated and asleep), MoE weight reload, resume under TE.
+
+Marked ``gpu``: skipped where CUDA is missing (every CPU machine and CI here), run with
+``scripts/gpu_check.sh`` (or ``pytest -m gpu``) on a GPU node. Every test asserts values, not "it ran".
+What each `mars train` run here is configured with is in :data:`RUNS`, so ``tests/test_gpu_rules.py``
+checks every one of those configs on CPU (the FP8 runs once died at the config check before reaching a
+GPU). README, GPU status, says what has run.
+"""
 
 from __future__ import annotations
 
@@ -18,10 +23,42 @@ from tests.test_cli import TOKENS, hf_logprobs, mars, ok, read_logprobs, write_t
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
 TE = ["model.transformer_impl=transformer_engine", "model.dtype=bfloat16"]
+FP8 = ["parallel.moe_token_dispatcher=alltoall", "train.pack_length=1024"]  # MoE FP8 pads expert tokens
+VLLM_ONE_GPU = ["rollout.engine=vllm", "pipeline.placement=colocated"]  # the rank and the engine share it
+BASE_RUN = ["parallel.ep=1", "train.steps=2", "data.problems_per_step=4"]
+
+RUNS: dict[str, tuple[int, list[str]]] = {
+    "te_thd_nccl": (1, [*BASE_RUN, *TE]),
+    **{f"fp8_{m}": (1, [*BASE_RUN, *TE, f"model.fp8={m}", *FP8]) for m in ("hybrid", "e4m3", "blockwise")},
+    "vllm_fp8_rollout": (1, [*BASE_RUN, *VLLM_ONE_GPU, *TE, "model.fp8=hybrid", *FP8]),
+    "vllm_colocated": (1, [*BASE_RUN, *VLLM_ONE_GPU, *TE]),
+    "vllm_tp2_colocated": (2, [*BASE_RUN, "parallel.ep=2", *VLLM_ONE_GPU, "rollout.tp=2", *TE]),
+    "vllm_bf16_mismatch": (1, [*BASE_RUN, *VLLM_ONE_GPU, *TE, "rollout.dtype=bfloat16", "train.steps=3"]),
+    "te_resume": (1, [*BASE_RUN, *TE, "train.steps=4", "checkpoint.save_interval=2",
+                      "checkpoint.save_dir={tmp}/ckpt"]),
+}  # fmt: skip
+"""name -> (GPUs it needs, overrides of examples/tiny_cpu.yaml) of every `mars train` run below; ``{tmp}``
+stands for the test's own directory (:func:`run_overrides`)."""
+
+
+def run_overrides(name: str, model: Path, tmp: Path) -> list[str]:
+    """The whole command-line config of run ``name`` on ``model``, writing under ``tmp``."""
+    return [f"model.hf_dir={model}", f"data.train_file={REPO / 'examples/data/arith_train.jsonl'}",
+            f"logging.run_dir={tmp / 'run'}", *(o.format(tmp=tmp) for o in RUNS[name][1])]  # fmt: skip
+
+
+MISMATCH_BOUND = 0.05
+"""Mean |log p_trainer - log p_engine| per response token a bf16 vLLM engine may show against the bf16 TE
+trainer on the same weights (both round to bf16; GPU RL stacks report ~1e-3 to 1e-2)."""
 
 
 def _capability() -> tuple[int, int]:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
+def _need_gpus(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, this node has {torch.cuda.device_count()}")
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +76,16 @@ def test_transformer_engine_spec_scores_like_transformers(tiny: Path, tmp_path: 
         torch.testing.assert_close(got, ref, rtol=0, atol=2e-3)  # TF32 GEMMs on the GPU
 
 
-def _train(model: Path, run: Path, *extra: str) -> list[dict]:
-    ok(mars("train", REPO / "examples" / "tiny_cpu.yaml", f"model.hf_dir={model}",
-            f"data.train_file={REPO / 'examples/data/arith_train.jsonl'}", f"logging.run_dir={run}",
-            "parallel.ep=1", "train.steps=2", "data.problems_per_step=4", *extra, cwd=REPO))  # fmt: skip
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def _train(model: Path, tmp: Path, name: str, *extra: str) -> list[dict]:
+    """Run ``name`` of :data:`RUNS` (``extra`` overrides last); its metrics, one record per step."""
+    _need_gpus(RUNS[name][0])
+    ok(mars("train", REPO / "examples" / "tiny_cpu.yaml", *run_overrides(name, model, tmp), *extra, cwd=REPO))
+    return [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_rl_steps_with_te_thd_packing_and_nccl(tiny: Path, tmp_path: Path) -> None:
     """`mars train` on one GPU: TE spec, packed THD micro-batches, NCCL process group."""
-    records = _train(tiny, tmp_path / "run", *TE)
+    records = _train(tiny, tmp_path, "te_thd_nccl")
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["train/update_ok"] == 1.0 and r["train/grad_norm"] > 0 for r in records)
 
@@ -58,8 +95,47 @@ def test_fp8_training_steps(tiny: Path, tmp_path: Path, mode: str) -> None:
     need = (9, 0) if mode == "blockwise" else (8, 9)
     if _capability() < need:
         pytest.skip(f"model.fp8={mode} needs compute capability {need}")
-    records = _train(tiny, tmp_path / "run", *TE, f"model.fp8={mode}", "train.pack_length=1024")
-    assert all(r["train/update_ok"] == 1.0 and r["train/loss"] == r["train/loss"] for r in records)
+    records = _train(tiny, tmp_path, f"fp8_{mode}")
+    assert all(r["train/update_ok"] == 1.0 and 0 < r["train/loss"] + 10 < 20 for r in records)
+
+
+def test_te_spec_takes_the_local_specs_step(tiny: Path) -> None:
+    """One RL step on the same packed samples with the TE spec (THD, fused attention, grouped GEMM) and
+    the local spec (block-diagonal mask): the same loss and gradient norm within bf16 rounding."""
+    from mars_megatron.training import parallel
+    from tests.rl_workers import train_samples
+    from tests.test_rl_train import BASE, SAMPLES
+
+    runs = {}
+    for impl in ("local", "transformer_engine"):
+        overrides = [*BASE, "model.dtype=bfloat16", f"model.transformer_impl={impl}"]
+        (runs[impl],) = parallel.launch(train_samples, 1, str(tiny), overrides, SAMPLES, 1, timeout_s=600)
+    local, te = runs["local"][0], runs["transformer_engine"][0]
+    assert te["train/tokens"] == local["train/tokens"]
+    assert te["train/loss"] == pytest.approx(local["train/loss"], rel=2e-2, abs=1e-3)
+    assert te["train/grad_norm"] == pytest.approx(local["train/grad_norm"], rel=5e-2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"pp": 2}], ids=["tp2", "ep2", "pp2"])
+def test_weight_export_and_sync_over_nccl(tiny: Path, layout: dict[str, int]) -> None:
+    """Two GPUs, NCCL: a train step, the export gathered over TP/EP/PP into a transformers engine on rank 0,
+    and the engine's log-probs of its own greedy tokens equal the trainer's (the export once all-gathered
+    host copies, which NCCL refuses)."""
+    _need_gpus(2)
+    from mars_megatron.training import parallel
+    from tests.sync_workers import train_sync_and_compare
+    from tests.test_weight_sync import PROMPTS, TRAIN
+
+    results = parallel.launch(
+        train_sync_and_compare, 2, str(tiny), layout, TRAIN, PROMPTS, "hf", timeout_s=600
+    )
+    (rank0,) = [r for r in results if "engine" in r]
+    trainer = next(r["trainer"] for r in reversed(results) if "trainer" in r)
+    assert rank0["stats"].tensors == 45  # every tensor of tiny-moe's HF checkpoint
+    for engine_lp, trainer_lp in zip(rank0["engine"], trainer, strict=True):
+        torch.testing.assert_close(torch.tensor(engine_lp), torch.tensor(trainer_lp), rtol=0, atol=2e-3)
+    assert rank0["engine"] != rank0["before"]  # the step changed the policy the engine decodes with
 
 
 @pytest.mark.vllm
@@ -68,8 +144,7 @@ def test_official_vllm_as_the_rl_engine_with_fp8_rollout(tiny: Path, tmp_path: P
     model.fp8 it quantizes them online."""
     if _capability() < (8, 9):
         pytest.skip("FP8 rollout needs compute capability 8.9")
-    fp8 = ["model.fp8=hybrid", "train.pack_length=1024"]
-    records = _train(tiny, tmp_path / "run", "rollout.engine=vllm", *TE, *fp8)
+    records = _train(tiny, tmp_path, "vllm_fp8_rollout")
     assert [r["policy_version"] for r in records] == [1.0, 2.0]
 
 
@@ -113,20 +188,121 @@ def test_colocated_vllm_engine_frees_its_memory_asleep_and_decodes_after_wake_an
     assert [o.token_ids for o in after] == [o.token_ids for o in before]
 
 
+def _perturbed_copy(model: Path, out: Path, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """``model``'s checkpoint with every weight changed (seeded), written to ``out``; returns the tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    generator = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        part = {
+            n: t + scale * torch.randn(t.shape, generator=generator).to(t.dtype)
+            for n, t in load_file(f).items()
+        }
+        save_file(part, f, metadata={"format": "pt"})
+        tensors.update(part)
+    return tensors
+
+
+def _greedy(engine: object) -> list[tuple[list[int], list[float]]]:
+    from mars_megatron.rollout.engine import GenerationRequest, SamplingParams
+
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    requests = [GenerationRequest(f"r{i}", tuple(range(5 + i, 12 + 2 * i)), greedy) for i in range(4)]
+    return [(o.token_ids, o.logprobs) for o in engine.generate(requests)]  # type: ignore[attr-defined]
+
+
+def _assert_same_decoding(got: list, want: list, atol: float) -> None:
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=atol)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_moe_reload_decodes_like_a_fresh_engine(tmp_path: Path, tp: int) -> None:
+    """A MoE engine (CUDA graphs on, as `mars train` builds it on GPUs) that takes new weights through
+    update_weights decodes what an engine built from those weights decodes; with tp=2 through vLLM's Ray
+    executor, its workers on one GPU each (the weights then travel pickled, not as a generator)."""
+    _need_gpus(tp)
+    from mars_megatron.rollout.vllm_engine import VLLMEngine
+
+    moe = init_model("tiny-moe", tmp_path / "moe", dtype="bfloat16")
+    new = _perturbed_copy(moe, tmp_path / "moe-new")
+    kwargs = dict(dtype="bfloat16", gpu_memory_utilization=0.25, tensor_parallel_size=tp)
+    engine = VLLMEngine(moe, **kwargs)  # type: ignore[arg-type]
+    assert engine.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name != "NONE"
+    before = _greedy(engine)
+    assert engine.update_weights(new.items()) == len(new)
+    reloaded = _greedy(engine)
+    del engine
+    fresh = VLLMEngine(tmp_path / "moe-new", **kwargs)  # type: ignore[arg-type]
+    _assert_same_decoding(reloaded, _greedy(fresh), atol=1e-3)
+    assert [t for t, _ in reloaded] != [t for t, _ in before]
+
+
+@pytest.mark.vllm
+def test_vllm_tensor_parallel_engine_decodes_like_one_gpu(tmp_path: Path) -> None:
+    """rollout.tp = 2: the same greedy tokens as one GPU, log-probs within bf16 rounding."""
+    _need_gpus(2)
+    from mars_megatron.rollout.vllm_engine import VLLMEngine
+
+    dense = init_model("tiny-dense", tmp_path / "dense", dtype="bfloat16")
+    one = VLLMEngine(dense, dtype="bfloat16", gpu_memory_utilization=0.25)
+    single = _greedy(one)
+    del one
+    two = VLLMEngine(dense, dtype="bfloat16", gpu_memory_utilization=0.25, tensor_parallel_size=2)
+    assert two.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend == "ray"
+    _assert_same_decoding(_greedy(two), single, atol=2e-2)
+
+
 @pytest.mark.vllm
 def test_rl_steps_with_a_colocated_vllm_engine(tiny: Path, tmp_path: Path) -> None:
     """`mars train` with pipeline.placement=colocated on one GPU: the trainer rank and the vLLM engine
     share it; the engine sleeps through each update and wakes around the weight push."""
-    records = _train(tiny, tmp_path / "run", "rollout.engine=vllm", "pipeline.placement=colocated", *TE)
+    records = _train(tiny, tmp_path, "vllm_colocated")
     assert [r["policy_version"] for r in records] == [1.0, 2.0]
     assert all(r["train/update_ok"] == 1.0 for r in records)
+
+
+@pytest.mark.vllm
+def test_rl_steps_with_a_two_gpu_vllm_engine(tiny: Path, tmp_path: Path) -> None:
+    """rollout.tp = 2 over the two trainer ranks' GPUs: the engine's vLLM workers take one bundle each."""
+    records = _train(tiny, tmp_path, "vllm_tp2_colocated")
+    assert [r["policy_version"] for r in records] == [1.0, 2.0]
+    assert all(r["train/update_ok"] == 1.0 for r in records)
+
+
+@pytest.mark.vllm
+def test_trainer_and_bf16_vllm_agree_on_the_log_probs(tiny: Path, tmp_path: Path) -> None:
+    """The train-rollout mismatch of a bf16 vLLM engine against the bf16 TE trainer, per role, within
+    :data:`MISMATCH_BOUND`; none of it an outlier sequence."""
+    records = _train(tiny, tmp_path, "vllm_bf16_mismatch")
+    for r in records:
+        assert 0 < r["train/mismatch/all/abs_mean"] < MISMATCH_BOUND, r["train/mismatch/all/abs_mean"]
+        assert r["train/mismatch/all/seq_outliers"] == 0.0
+
+
+def test_resume_under_transformer_engine_repeats_the_steps(tiny: Path, tmp_path: Path) -> None:
+    """4 steps saving at 2, and a run stopped after 2 then resumed from its checkpoint to 4: steps 3-4
+    agree (rollouts bit for bit; losses and gradient norms within the run-to-run spread of GPU kernels)."""
+    full = _train(tiny, tmp_path / "full", "te_resume")
+    _train(tiny, tmp_path / "part", "te_resume", "train.steps=2")
+    resumed = _train(tiny, tmp_path / "part", "te_resume", "--resume")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full[2:], resumed[2:], strict=True):
+        assert a["tokens"] == b["tokens"] and a["reward/solver"] == b["reward/solver"]
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-3, abs=1e-5)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-2)
 
 
 def test_context_parallel_thd_steps_on_two_gpus(tiny: Path) -> None:
     """CP2 with TE's ring attention over THD packs (every sample padded to a multiple of 2*cp and split
     per sample) takes the step one GPU takes, within bf16 rounding."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("context parallelism needs two GPUs")
+    _need_gpus(2)
     from mars_megatron.training import parallel
     from tests.rl_workers import train_samples
     from tests.test_rl_train import BASE, SAMPLES

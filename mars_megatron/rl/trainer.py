@@ -44,8 +44,11 @@ class Plan:
     resume_from: Path | None
 
 
-def prepare(cfg: MarsConfig, *, nproc: int | None, resume: str | bool | None) -> Plan:
-    """Check the config against the model, the data, the world size and the run directory; raise
+def prepare(
+    cfg: MarsConfig, *, nproc: int | None, resume: str | bool | None, check_machine: bool = True
+) -> Plan:
+    """Check the config against the model, the data, the world size and the run directory, then (with
+    ``check_machine``) against this machine (:func:`check_this_machine`); raise
     :class:`ConfigError`/``ValueError`` naming the field or file. Starts nothing."""
     from mars_megatron.checkpoint.store import CheckpointStore
     from mars_megatron.evaluation.data import load_problems
@@ -65,16 +68,12 @@ def prepare(cfg: MarsConfig, *, nproc: int | None, resume: str | bool | None) ->
         check_layout(arch, cfg.parallel, cfg.model.vocab_pad_multiple)
     except LayoutError as e:
         raise ConfigError(str(e), "parallel") from None
-    if cfg.model.fp8 is not None:
-        from mars_megatron.training.fp8 import check_fp8
-
-        if arch.is_moe and cfg.parallel.moe_token_dispatcher != "alltoall":
-            raise ConfigError(
-                "model.fp8 with a MoE model pads each expert's tokens for FP8 GEMMs, which Megatron only "
-                "supports with the alltoall dispatcher",
-                "parallel.moe_token_dispatcher",
-            )
-        check_fp8(cfg.model.fp8)
+    if cfg.model.fp8 is not None and arch.is_moe and cfg.parallel.moe_token_dispatcher != "alltoall":
+        raise ConfigError(
+            "model.fp8 with a MoE model pads each expert's tokens for FP8 GEMMs, which Megatron only "
+            "supports with the alltoall dispatcher",
+            "parallel.moe_token_dispatcher",
+        )
     world = nproc or min_world_size(cfg.parallel)
     cfg.check_world_size(world)
     if cfg.data.train_file is None:
@@ -96,7 +95,23 @@ def prepare(cfg: MarsConfig, *, nproc: int | None, resume: str | bool | None) ->
             f"{cfg.logging.run_dir} already holds a run (metrics.jsonl); pass --resume or choose another "
             "logging.run_dir"
         )
+    if check_machine:
+        check_this_machine(cfg)
     return Plan(model_dir, str(tokenizer_dir(model_dir)), dataset.problems, world, resume_from)
+
+
+def check_this_machine(cfg: MarsConfig) -> None:
+    """What this machine must have for ``cfg``: a GPU and Transformer Engine for FP8 (with its CUDA and
+    TE versions), and TE on a GPU for ``transformer_impl`` auto. Checked in the driver before any actor
+    starts: a ``mars train`` driver runs on a node like its ranks' (a Slurm job's head node)."""
+    from mars_megatron.training.fp8 import check_fp8
+    from mars_megatron.training.model_provider import resolve_impl
+
+    check_fp8(cfg.model.fp8)
+    try:
+        resolve_impl(cfg.model.transformer_impl)
+    except RuntimeError as e:
+        raise ConfigError(str(e), "model.transformer_impl") from None
 
 
 def _start_ray(num_cpus: int, actors: int) -> bool:

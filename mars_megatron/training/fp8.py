@@ -35,6 +35,9 @@ MIN_CAPABILITY: dict[str, tuple[int, int]] = {"hybrid": (8, 9), "e4m3": (8, 9), 
 """CUDA compute capability per mode: FP8 tensor cores arrive with Ada (8.9) and Hopper (9.0); block
 scaling kernels are Hopper's."""
 
+MIN_CUDA: dict[str, tuple[int, int]] = {"blockwise": (12, 9)}
+"""CUDA (of torch's build, which TE is built against) per mode: block scaling needs cuBLASLt 12.9."""
+
 ALIGNMENT = 16
 """Tokens of a micro-batch (per tensor-parallel rank with sequence parallelism) must be a multiple of
 this for FP8 GEMMs."""
@@ -69,10 +72,15 @@ def _version(text: str) -> tuple[int, int]:
 
 
 def fp8_problem(
-    mode: Fp8Mode, *, cuda: bool, capability: tuple[int, int] | None, te_version: str | None
+    mode: Fp8Mode,
+    *,
+    cuda: bool,
+    capability: tuple[int, int] | None,
+    te_version: str | None,
+    cuda_version: str | None = None,
 ) -> str | None:
     """Why ``mode`` cannot run on a machine with these properties, or None if it can. Pure, so every
-    branch is tested on CPU."""
+    branch is tested on CPU. ``cuda_version``: the CUDA torch was built with (``torch.version.cuda``)."""
     if not cuda:
         return f"{mode!r} needs an NVIDIA GPU with FP8 tensor cores; this machine has no CUDA device"
     need = MIN_CAPABILITY[mode]
@@ -85,15 +93,23 @@ def fp8_problem(
     te = MIN_TE_VERSION[mode]
     if _version(te_version) < te:
         return f"{mode!r} needs Transformer Engine >= {te[0]}.{te[1]}, found {te_version}"
+    want = MIN_CUDA.get(mode)
+    if want is not None and (cuda_version is None or _version(cuda_version) < want):
+        return (
+            f"{mode!r} needs CUDA >= {want[0]}.{want[1]} (Transformer Engine's block-scaled FP8 GEMMs come "
+            f"from cuBLASLt {want[0]}.{want[1]}), torch was built with CUDA {cuda_version or 'unknown'}"
+        )
     return None
 
 
 def machine() -> dict[str, Any]:
-    """This machine's CUDA device and Transformer Engine version (imported only if CUDA is present)."""
+    """This machine's CUDA device, torch's CUDA version and Transformer Engine's version (imported only if
+    CUDA is present)."""
     import torch
 
     cuda = torch.cuda.is_available()
     capability = torch.cuda.get_device_capability() if cuda else None
+    cuda_version = torch.version.cuda
     te_version = None
     if cuda:
         try:
@@ -102,7 +118,7 @@ def machine() -> dict[str, Any]:
             te_version = str(transformer_engine.__version__)
         except ImportError:
             te_version = None
-    return {"cuda": cuda, "capability": capability, "te_version": te_version}
+    return {"cuda": cuda, "capability": capability, "te_version": te_version, "cuda_version": cuda_version}
 
 
 def check_fp8(mode: Fp8Mode | None) -> None:

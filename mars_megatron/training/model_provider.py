@@ -44,32 +44,47 @@ class RMSNorm(torch.nn.Module):
         return self.weight * h.to(dtype)
 
 
-def resolve_impl(transformer_impl: str) -> Literal["local", "transformer_engine"]:
-    """``auto`` picks Transformer Engine when CUDA and TE are both importable, else the local spec."""
+def resolve_impl(
+    transformer_impl: str, *, cuda: bool | None = None, te: bool | None = None
+) -> Literal["local", "transformer_engine"]:
+    """The layer spec ``model.transformer_impl`` means on this machine (``cuda``/``te``: whether it has a
+    CUDA device and Transformer Engine; None = look). ``auto``: Transformer Engine on GPUs, local on CPU.
+
+    On a GPU without Transformer Engine ``auto`` refuses rather than fall back to the local spec: that spec
+    builds a ``T x T`` attention mask per pack (98k-token packs: tens of GiB), so a silent fallback would
+    only show as an out-of-memory error in the first step. ``local`` asks for it explicitly."""
+    if transformer_impl not in ("auto", "local", "transformer_engine"):
+        raise ValueError(
+            "model.transformer_impl must be 'auto', 'local' or 'transformer_engine', "
+            f"got {transformer_impl!r}"
+        )
     if transformer_impl == "local":
         return "local"
-    if transformer_impl == "transformer_engine":
-        if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda:
+        if transformer_impl == "transformer_engine":
             raise RuntimeError(
                 "model.transformer_impl=transformer_engine needs a CUDA GPU; this machine has none "
                 "(use model.transformer_impl=local or auto)"
             )
-        try:
-            import transformer_engine
-        except ImportError as e:
-            raise RuntimeError(
-                "model.transformer_impl=transformer_engine but transformer_engine is not installed "
-                "(pip install 'mars-megatron[gpu]')"
-            ) from e
-        return "transformer_engine"
-    if torch.cuda.is_available():
-        try:
-            import transformer_engine  # noqa: F401
+        return "local"
+    te = _has_transformer_engine() if te is None else te
+    if not te:
+        raise RuntimeError(
+            f"model.transformer_impl={transformer_impl} on a GPU needs Transformer Engine, which is not "
+            "installed (scripts/setup_gpu.sh builds it; the container of docker/Dockerfile has it). The "
+            "local spec would attend through a T x T mask per pack, out of memory at production pack "
+            "lengths: set model.transformer_impl=local only for short packs"
+        )
+    return "transformer_engine"
 
-            return "transformer_engine"
-        except ImportError:
-            return "local"
-    return "local"
+
+def _has_transformer_engine() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
