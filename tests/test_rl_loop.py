@@ -79,6 +79,19 @@ def test_run_writes_metrics_tensorboard_plot_and_checkpoints(uninterrupted: tupl
     assert state["step"] == STEPS and state["policy_versions"] == {"shared": STEPS}
 
 
+def test_the_gpu_checks_summary_reads_a_real_run(uninterrupted: tuple[Path, str]) -> None:
+    """tools/gpu_check.py summarises its tiny run from these metrics: every key it reads is written."""
+    from tests.test_gpu_check import load_gpu_check
+
+    run, _ = uninterrupted
+    summary = load_gpu_check().run_summary(read_metrics(run / "metrics.jsonl"), STEPS)
+    assert (summary["steps"], summary["updated"]) == (STEPS, STEPS)
+    assert 0 < summary["step_s"] < 60 and summary["first_step_s"] > 0
+    assert (
+        0 <= summary["mismatch_abs_mean"] < 1e-3 and summary["mismatch_kl"] < 1e-4
+    )  # fp32 engine and trainer
+
+
 def test_killed_run_resumes_exactly(sft_model: Path, uninterrupted: tuple[Path, str], tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = _train(sft_model, run)
