@@ -7,13 +7,18 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${MARS_VENV:-.venv}
 stamp="$VENV/.mars-setup-stamp"
+if [ -f "$VENV/.mars-gpu-env" ]; then
+  echo "[setup] $VENV holds the CUDA environment of scripts/setup_gpu.sh; the CPU suite needs its own:" \
+    "MARS_VENV=.venv-cpu $0 (or run scripts/gpu_check.sh there)" >&2
+  exit 1
+fi
 want=$(cat requirements/cpu.txt setup.cfg | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exec scripts/setup_launch.sh
 fi
 echo "[setup] creating $VENV with the pinned CPU environment (about 2 minutes on a fresh machine)" >&2
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v -i "warning" >&2 || true
+"$VENV/bin/python" -m pip install -q pip==26.3 2>&1 | grep -v -i "warning" >&2 || true
 "$VENV/bin/python" -m pip install -q -r requirements/cpu.txt 2>&1 | grep -v -i "warning" >&2 || true
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>&1 | grep -v -i "warning" >&2 || true
 "$VENV/bin/python" -m pip install -q --no-deps -e . 2>&1 | grep -v -i "warning" >&2 || true
