@@ -114,7 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time", default="04:00:00", help="Slurm time limit (default %(default)s)")
     p.add_argument(
         "--container-image",
-        help="pyxis/enroot image with Ray and `mars` on its PATH, run on every node (required for slurm)",
+        help="pyxis/enroot image with Ray and `mars` on its PATH, run on every node (required for slurm); "
+        "docker/Dockerfile builds one (docs/gpu.md)",
     )
     p.add_argument(
         "--container-mounts",
@@ -188,7 +189,8 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
     if not args.container_image:
         raise ValueError(
             "--executor slurm needs --container-image: NeMo-Run's Ray template starts every Ray node and the "
-            "trainer in a pyxis container (an image with Ray and `mars` on its PATH)"
+            "trainer in a pyxis container (an image with Ray and `mars` on its PATH: docker/Dockerfile "
+            "builds one, docs/gpu.md)"
         )
     if args.cpus_per_node is not None and args.cpus_per_node < 1:
         raise ValueError(f"--cpus-per-node must be >= 1, got {args.cpus_per_node}")
