@@ -39,17 +39,14 @@ class EngineLaunch:
     num_gpus: float
     """GPUs the actor itself holds: its share of one GPU for a one-GPU engine, 0 when vLLM's workers
     hold them (``rollout.tp`` > 1) or when the engine runs on the host."""
-    worker_bundles: tuple[int, ...] = ()
-    """Bundles of a multi-GPU engine's vLLM workers, one each (empty for a one-GPU engine)."""
     env: dict[str, str] = field(default_factory=dict)
-    """Environment of the actor (Ray ``runtime_env``): where vLLM's Ray executor puts its workers."""
+    """Environment of the actor (Ray ``runtime_env``): for a multi-GPU engine, where vLLM's Ray executor
+    puts its workers (:func:`worker_env`)."""
 
 
 def worker_env(bundles: tuple[int, ...], share: float) -> dict[str, str]:
     """The variables vLLM's Ray executor reads to place a multi-GPU engine's workers (vLLM 0.32
     ``envs.py``): one worker per listed bundle, each taking ``share`` of that bundle's GPU."""
-    if not bundles:
-        return {}
     return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundles)), "VLLM_RAY_PER_WORKER_GPUS": str(share)}
 
 
@@ -79,7 +76,7 @@ class Placement:
         own = self.resources()
         if len(bundles) == 1:
             return EngineLaunch(own["num_cpus"], own["num_gpus"])
-        return EngineLaunch(own["num_cpus"], 0.0, bundles, worker_env(bundles, self.share))
+        return EngineLaunch(own["num_cpus"], 0.0, worker_env(bundles, self.share))
 
     def strategy(self, bundle_index: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

