@@ -24,7 +24,7 @@ from mars_megatron.rollout.chat import PromptTooLongError
 from mars_megatron.rollout.engine import GenerationOutput
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
 AIME = DATA / "aime2025.jsonl"
 STEP_FIELDS = {
     "role",

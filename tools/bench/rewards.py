@@ -1,8 +1,7 @@
 """Benchmark reward checks: AnswerChecker (worker processes, timeouts) vs math-verify on a main thread.
 
-Inputs: every reference answer of the AIME 2025 and BeyondAIME test sets (``shared/data`` beside the
-repository), each as a boxed response that is right and one that is off by one, repeated to ``--checks``
-checks. In one run it times:
+Inputs: every reference answer of the AIME 2025 and BeyondAIME test sets (``examples/data``), each as a
+boxed response that is right and one that is off by one, repeated to ``--checks`` checks. In one run it times:
 
 - ``direct``: ``verify(parse(reference), parse(response))`` per check on this process's main thread, with
   math-verify's own (signal.alarm) timeouts — the TARGETS.md anchor;
@@ -26,7 +25,7 @@ from pathlib import Path
 from mars_megatron.rewards import AnswerChecker, CheckerConfig, extract_boxed, normalize_reference
 from mars_megatron.rewards._worker import CORRECT, _Grader
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
 TARGET_PER_CORE = 600.0
 
 

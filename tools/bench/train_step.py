@@ -23,7 +23,7 @@ packs of 512) and ``long`` (a few samples of 1–4k tokens, packs of 8192, where
 Each shape runs in fresh processes (``parallel.launch``); ``--nproc 2`` trains the MoE with EP2 (the
 dense model with DP2). Layers are megatron's local implementation (the CPU path; on a GPU with Transformer
 Engine the trainer would use THD packs instead of the mask). ``--profile`` adds a cProfile of our steps.
-Target (../shared/TARGETS.md): ours <= 1.10x bare.
+Target: ours <= 1.10x bare.
 
     python tools/bench/train_step.py [--model tiny-moe|tiny-dense] [--shapes short,long] [--nproc 1]
     python tools/bench/train_step.py --quick      # tiny sizes, a smoke run

@@ -6,7 +6,7 @@ Timed:
   bytes that must move, with no gathering, renaming or re-layout;
 - ``WeightSync.sync``: export from Megatron (HF names, fused q/k/v and gate/up split, experts unfused) and
   ``HFEngine.update_weights`` (experts fused back).
-Target (../shared/TARGETS.md): sync <= 1.5x the raw copy.
+Target: sync <= 1.5x the raw copy.
 
     python tools/bench/weight_sync.py [--layers 8 --hidden 512 --experts 16]
 """
