@@ -279,12 +279,7 @@ def export_weights(
     me = dist.get_rank()
     dtype = next(_local_params(model))[1].dtype  # every parameter has the model's dtype
     for step in steps:
-        full: list[torch.Tensor] | None = None
-        if step.param is not None:
-            pieces = [step.param.detach()]
-            if step.group_size > 1:
-                pieces = collectives.all_gather(pieces[0], group=step.group)
-            full = unshard(step.plan, pieces, arch) if me == step.sender else None
+        full = _gather(step, me, arch)
         if step.sender != 0:
             if me == step.sender:
                 assert full is not None
@@ -295,6 +290,44 @@ def export_weights(
         if me == 0:
             assert full is not None
             yield from zip(step.plan.hf_names, full, strict=True)
+
+
+@torch.no_grad()
+def export_at_senders(
+    model: torch.nn.Module, arch: Qwen3Arch, steps: list[ExportStep]
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """The export without the trip to rank 0: on every rank, ``(hf_name, tensor)`` for each HF tensor of
+    the model in export order, the tensor where this rank is the step's sender and ``None`` elsewhere.
+    Senders (one per pipeline stage and expert-parallel rank) then send on their own, in parallel."""
+    me = dist.get_rank()
+    for step in steps:
+        full = _gather(step, me, arch)
+        if me == step.sender:
+            assert full is not None
+            yield from zip(step.plan.hf_names, full, strict=True)
+        else:
+            for name in step.plan.hf_names:
+                yield name, None
+
+
+def export_senders(steps: list[ExportStep]) -> list[tuple[str, tuple[int, ...], int]]:
+    """``(hf_name, shape, sending global rank)`` of every HF tensor, in export order (the same on all
+    ranks)."""
+    return [
+        (name, shape, step.sender)
+        for step in steps
+        for name, shape in zip(step.plan.hf_names, step.shapes, strict=True)
+    ]
+
+
+def _gather(step: ExportStep, me: int, arch: Qwen3Arch) -> list[torch.Tensor] | None:
+    """The step's full HF tensors on its sender (None elsewhere); every holder of a piece takes part."""
+    if step.param is None:
+        return None
+    pieces = [step.param.detach()]
+    if step.group_size > 1:
+        pieces = collectives.all_gather(pieces[0], group=step.group)
+    return unshard(step.plan, pieces, arch) if me == step.sender else None
 
 
 def _all_coords() -> list[Any]:

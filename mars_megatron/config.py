@@ -422,6 +422,18 @@ class PipelineConfig(Section):
         "sleep through updates), 'disaggregated' gives each its own; 'none' lets Ray place them.",
     )
     reward_workers: int = _field(1, "Reward workers (Ray actors with math-verify).", min=1)
+    bucket_mb: int = _field(
+        512,
+        "Weight push bucket size in MiB: the trainer's senders broadcast the policy to every engine in "
+        "buckets of this size, cut on layer boundaries; each sender and engine worker holds at most two.",
+        min=1,
+    )
+    transfer_timeout_s: float = _field(
+        300.0,
+        "Seconds a weight-transfer group waits for a member (to join, or for the next bucket) before the "
+        "push fails.",
+        min=1,
+    )
 
     def validate(self) -> None:
         roles = ("solver", "verifier", "corrector")

@@ -3,14 +3,14 @@ closures)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest
 from mars_megatron.rollout.hf_engine import HFEngine
+from mars_megatron.transfer.channel import TransferStats
+from mars_megatron.transfer.plan import TransferPlan
 
 
 class RecordingEngine(HFEngine):
@@ -31,10 +31,10 @@ class RecordingEngine(HFEngine):
         self._note("generate")
         return super().generate(requests)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        loaded = super().update_weights(named_tensors)
-        self._note("update")
-        return loaded
+    def receive_weights(self, plan: TransferPlan) -> TransferStats:
+        stats = super().receive_weights(plan)
+        self._note("update")  # one weight push, whatever its number of buckets
+        return stats
 
     def sleep(self) -> None:
         self._note("sleep")

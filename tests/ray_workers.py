@@ -11,15 +11,24 @@ import torch.distributed as dist
 
 from mars_megatron.config import OptimizerConfig, ParallelConfig
 from mars_megatron.training import parallel
+from mars_megatron.training.weight_sync import SendsWeights
 
 
-class TrainerRank:
+class TrainerRank(SendsWeights):
     """One trainer rank: megatron's parallel state for ``layout``, the model from ``model_dir`` and an
     Adam optimizer; built after torch.distributed is up (by a worker group or ``parallel.launch``)."""
 
-    def __init__(self, model_dir: str, layout: dict[str, int], seed: int = 0, lr: float = 1e-2) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        layout: dict[str, int],
+        seed: int = 0,
+        lr: float = 1e-2,
+        bucket_bytes: int = 64 * 1024,
+    ) -> None:
         from mars_megatron.jobs import load_engine
 
+        self.bucket_bytes = bucket_bytes
         parallel.init_model_parallel(ParallelConfig(**layout), seed=seed)
         self.engine = load_engine(
             model_dir, ParallelConfig(**layout), dtype=None, impl="local", optimizer=OptimizerConfig(lr=lr)
@@ -42,11 +51,13 @@ class TrainerRank:
     def logprobs(self, seqs: list[list[int]], micro_batch: int) -> list[list[float]] | None:
         return self.engine.logprobs(seqs, micro_batch)
 
-    def push_weights(self, rollout: Any) -> Any:
-        """Collective weight sync; ``rollout`` (a RemoteEngine) is used on global rank 0 only."""
-        from mars_megatron.training.weight_sync import WeightSync
+    def weight_senders(self) -> dict[str, tuple[Any, Any]]:
+        """One policy, "policy", for EngineFleet (as PolicyWorker has one per policy)."""
+        from mars_megatron.training.weight_sync import WeightSender
 
-        return WeightSync(self.engine.arch, rollout if dist.get_rank() == 0 else None).sync(self.engine.model)
+        if getattr(self, "sender", None) is None:
+            self.sender = WeightSender(self.engine.arch, self.bucket_bytes)
+        return {"policy": (self.engine.model, self.sender)}
 
     def fail_on(self, rank: int, message: str) -> int:
         if dist.get_rank() == rank:
@@ -59,3 +70,24 @@ def train_once(model_dir: str, layout: dict[str, int], seqs: list[list[int]], st
     Ray ranks in the test)."""
     torch.set_num_threads(1)
     return TrainerRank(model_dir, layout).train_step(seqs, **step_kwargs)
+
+
+class DyingHFEngine:
+    """A transformers engine whose process dies (``os._exit``, as if killed) while it loads bucket
+    ``die_at`` of its first weight transfer."""
+
+    def __new__(cls, model_dir: str, die_at: int, **kwargs: Any) -> Any:
+        from mars_megatron.rollout.hf_engine import HFEngine
+
+        engine = HFEngine(model_dir, **kwargs)
+        load = engine.update_weights
+        seen = [0]
+
+        def dying(named: Any) -> int:
+            if seen[0] == die_at:
+                os._exit(3)
+            seen[0] += 1
+            return load(named)
+
+        engine.update_weights = dying  # type: ignore[method-assign]
+        return engine

@@ -1,4 +1,4 @@
-"""Trainer ranks as Ray actors, and weight sync into a rollout engine in its own actor.
+"""Trainer ranks as Ray actors, and their weight push into rollout engines in actors of their own.
 
 Real Ray (a local instance started here; run inside a loopback-only network namespace), real Megatron on
 gloo, real transformers. One trainer group of 2 ranks (EP=2) is shared by the tests in file order.
@@ -17,9 +17,10 @@ ray = pytest.importorskip("ray")
 
 from checkpoints_conversion.qwen3_mapping import expected_hf_tensors  # noqa: E402
 from mars_megatron.models.presets import init_model  # noqa: E402
+from mars_megatron.pipeline.fleet import EngineFleet  # noqa: E402
 from mars_megatron.rollout.engine import GenerationRequest, SamplingParams  # noqa: E402
 from mars_megatron.rollout.hf_engine import HFEngine  # noqa: E402
-from mars_megatron.rollout.ray_engine import RemoteEngine, _portable, start_rollout_actor  # noqa: E402
+from mars_megatron.rollout.ray_engine import start_rollout_actor  # noqa: E402
 from mars_megatron.training import parallel  # noqa: E402
 from mars_megatron.training.hf_config import load_hf_config  # noqa: E402
 from mars_megatron.training.ray_group import (  # noqa: E402
@@ -80,42 +81,50 @@ def test_ray_ranks_train_like_spawned_processes(group: RayWorkerGroup, reference
     assert steps[0]["loss"] == steps[1]["loss"]
 
 
-def test_weight_sync_through_ray_matches_the_trainer(group: RayWorkerGroup, moe: Path) -> None:
-    """Trainer rank 0 (an actor) pushes its weights into an HFEngine in another actor through the proxy;
-    a second engine gets the same weights in many small buckets and must end up identical."""
+def test_weight_push_through_the_fleet_matches_the_trainer(group: RayWorkerGroup, moe: Path) -> None:
+    """The trainer's ranks (actors, EP=2: two senders) broadcast their buckets to two HFEngines in actors
+    of their own; both then decode what the trainer computes, and the version moved once for both."""
     factory = functools.partial(HFEngine, str(moe), seed=0)
-    one = start_rollout_actor(factory, threads=1)
-    many_actor = start_rollout_actor(factory, threads=1).actor
-    many = RemoteEngine(many_actor, bucket_bytes=16 * 1024)
+    engines = [("policy", start_rollout_actor(factory, threads=1)) for _ in range(2)]
+    fleet = EngineFleet(
+        group,
+        engines,
+        lambda i: start_rollout_actor(factory, threads=1),
+        host="127.0.0.1",
+        backend="gloo",
+        timeout_s=60,
+    )
+    one, two = engines[0][1], engines[1][1]
     try:
         before = one.generate(REQUESTS)
         group.call("train_step", TRAIN, **STEP)
-        stats = group.call("push_weights", one)
-        group.call("push_weights", many)
-        after, after_many = one.generate(REQUESTS), many.generate(REQUESTS)
+        report = fleet.push_weights({"policy": 1})["policy"]
+        after, after_two = one.generate(REQUESTS), two.generate(REQUESTS)
 
         full = [p + o.token_ids for p, o in zip(PROMPTS, after, strict=True)]
         trainer = group.call("logprobs", full, 2)[0]
-        for p, o, o_many, b, lp in zip(PROMPTS, after, after_many, before, trainer, strict=True):
+        for p, o, o_two, b, lp in zip(PROMPTS, after, after_two, before, trainer, strict=True):
             assert len(o.token_ids) == 8
             torch.testing.assert_close(
                 torch.tensor(o.logprobs), torch.tensor(lp[len(p) - 1 :]), rtol=0, atol=1e-4
             )
-            assert (o_many.token_ids, o_many.logprobs) == (o.token_ids, o.logprobs)
+            assert (o_two.token_ids, o_two.logprobs) == (o.token_ids, o.logprobs)
             assert max(abs(x - y) for x, y in zip(o.logprobs, b.logprobs, strict=False)) > 1e-3
 
         shapes = expected_hf_tensors(load_hf_config(moe))
         total = sum(torch.Size(s).numel() * 4 for s in shapes.values())  # fp32
-        assert stats[0].tensors == len(shapes) and stats[0].bytes == total
-        last_one, last_many = one.last_update(), many.last_update()
-        assert (last_one.buckets, last_one.tensors, last_one.bytes) == (1, len(shapes), total)
-        assert last_many.tensors == len(shapes) and last_many.bytes == total
-        largest_tensor = max(torch.Size(s).numel() * 4 for s in shapes.values())
-        assert last_many.buckets > 20 and last_many.largest_bucket <= max(16 * 1024, largest_tensor)
-        assert one.version() == many.version() == 1
+        assert fleet.plans["policy"].senders == (0, 1)  # EP=2: each expert-parallel rank sends its experts
+        assert (report.version, report.engines, report.bytes, report.recovered) == (1, 2, total, 0)
+        last = one.last_update()
+        assert (last.tensors, last.bytes, last.buckets) == (
+            len(shapes),
+            total,
+            len(fleet.plans["policy"].buckets),
+        )
+        assert last.buckets > 10  # 64 KiB buckets
+        assert one.version() == two.version() == 1 and fleet.versions == {"policy": 1}
     finally:
-        one.kill()
-        many.kill()
+        fleet.close()
 
 
 def test_a_failing_rank_is_named_with_its_method(group: RayWorkerGroup) -> None:
@@ -144,22 +153,8 @@ def test_local_group_runs_the_same_worker_in_process(moe: Path, reference_step: 
     assert not torch.distributed.is_initialized()
 
 
-def test_weights_travel_as_compact_cpu_tensors() -> None:
-    """A view (e.g. into megatron's contiguous parameter buffer) would pickle its whole storage."""
-    buffer = torch.arange(1000.0)
-    view = buffer[10:20]
-    sent = _portable(view)
-    assert sent.untyped_storage().nbytes() == 40 and torch.equal(sent, view)
-    transposed = _portable(buffer[:12].view(3, 4).t())
-    assert transposed.is_contiguous() and transposed.untyped_storage().nbytes() == 48
-    owned = torch.ones(3)
-    assert _portable(owned).data_ptr() == owned.data_ptr()  # no copy when nothing needs compacting
-
-
 def test_group_arguments_are_validated() -> None:
     with pytest.raises(ValueError, match="kind"):
         make_worker_group("slurm", TrainerRank, 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="world_size"):
         LocalWorkerGroup(TrainerRank, 2)
-    with pytest.raises(ValueError, match="bucket_bytes"):
-        RemoteEngine(None, bucket_bytes=0)

@@ -43,6 +43,7 @@ from mars_megatron.launch.planner import (
     rollout_bytes,
 )
 from mars_megatron.launch.resources import rollout_engines, trainer_world_size
+from mars_megatron.launch.sync_estimate import Links, SyncEstimate, estimate_sync, format_estimate
 from mars_megatron.training.fp8 import vllm_quantization
 from mars_megatron.training.hf_config import Qwen3Arch
 
@@ -66,6 +67,7 @@ class ConfigFit:
     engine_kv: int
     engine_fits_node: bool
     notes: tuple[str, ...] = ()
+    sync: SyncEstimate | None = None  # seconds per weight push, on paper
 
     @property
     def trainer_world(self) -> int:
@@ -145,11 +147,17 @@ def trainer_memory(
 
 
 def check_config(
-    cfg: MarsConfig, cluster: Cluster, *, model: str | None = None, max_seqs: int | None = None
+    cfg: MarsConfig,
+    cluster: Cluster,
+    *,
+    model: str | None = None,
+    max_seqs: int | None = None,
+    links: Links | None = None,
 ) -> ConfigFit:
     """Evaluate ``cfg``'s layout on ``cluster`` (all GPUs of the run). ``model``: a preset or HF directory
     instead of ``model.hf_dir``; ``max_seqs``: full-length sequences of KV cache per engine (default:
-    the planner's). Raises :class:`ConfigError` naming the config field for a layout that cannot run."""
+    the planner's); ``links``: the bandwidths of the weight-sync estimate (default :class:`Links`).
+    Raises :class:`ConfigError` naming the config field for a layout that cannot run."""
     source = model or cfg.model.hf_dir
     if source is None:
         raise ConfigError("is null: set it, or pass --model PRESET|DIR", "model.hf_dir")
@@ -197,6 +205,9 @@ def check_config(
         kv,
         fits_node,
         tuple(remarks),
+        estimate_sync(
+            arch, layout, rtp, one_node=cluster.gpus <= cluster.gpus_per_node, links=links or Links()
+        ),
     )
 
 
@@ -261,6 +272,8 @@ def format_fit(fit: ConfigFit, config: str) -> str:
             f"  GiB per GPU: weights {_gib(fit.engine_weights)}  {kv}  overhead {_gib(mem.overhead)}",
             f"  total {_gib(fit.engine_total)} of {mem_gib}: {_verdict(fit.engine_fits)}",
         ]
+    if fit.sync is not None:
+        lines += ["", *format_estimate(fit.sync)]
     lines += [f"note: {n}" for n in fit.notes]
     lines += ["", _verdict(fit.fits)]
     return "\n".join(lines)
@@ -294,4 +307,15 @@ def fit_dict(fit: ConfigFit) -> dict[str, Any]:
         "engine_fits": fit.engine_fits,
         "fits": fit.fits,
         "notes": list(fit.notes),
+        "weight_sync": None
+        if fit.sync is None
+        else {
+            "seconds": round(fit.sync.seconds, 4),
+            "gather_s": round(fit.sync.gather_s, 4),
+            "wire_s": round(fit.sync.wire_s, 4),
+            "load_s": round(fit.sync.load_s, 4),
+            "bytes": fit.sync.bytes,
+            "senders": fit.sync.senders,
+            "links": dataclasses.asdict(fit.sync.links),
+        },
     }

@@ -27,6 +27,7 @@ from mars_megatron.launch.planner import (
     plan,
     resolve_model,
 )
+from mars_megatron.launch.sync_estimate import Links
 
 # option dest -> (dataclass, field); unset options take the dataclass default (defaults live there only)
 _FIELDS: dict[str, tuple[type, str]] = {
@@ -139,6 +140,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--layout", help="evaluate one layout, e.g. tp=4,pp=2,ep=4 (also cp, etp, dp, first, last)"
     )
+    p.add_argument(
+        "--nic-gbps",
+        type=float,
+        default=Links.nic_gbps,
+        help="with --config: one NIC's bandwidth in Gb/s, for the weight-sync estimate; default "
+        f"{Links.nic_gbps:g}",
+    )
+    p.add_argument(
+        "--nics-per-node",
+        type=int,
+        default=Links.nics_per_node,
+        help=f"with --config: NICs per node the weight broadcast spreads over; default {Links.nics_per_node}",
+    )
     p.add_argument("--top", type=int, default=10, help="fitting layouts to print")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -217,7 +231,11 @@ def run_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     given = {name: getattr(args, name) for name in ("gpus_per_node", "gpu_mem_gib", "overhead_gib")}
     cluster = Cluster(gpus=args.gpus, **{k: v for k, v in given.items() if v is not None})
-    fit = check_config(cfg, cluster, model=args.model, max_seqs=args.rollout_seqs)
+    try:
+        links = Links(nic_gbps=args.nic_gbps, nics_per_node=args.nics_per_node)
+    except ValueError as e:
+        raise PlanError(str(e), "--nic-gbps/--nics-per-node") from None
+    fit = check_config(cfg, cluster, model=args.model, max_seqs=args.rollout_seqs, links=links)
     print(json.dumps(fit_dict(fit), indent=1) if args.json else format_fit(fit, args.config))
     return 0 if fit.fits else 1
 

@@ -8,21 +8,21 @@ says one is due, all without blocking: ``ray.wait`` on whatever is in flight, an
 result. So rollouts go on while the trainer trains (where the staleness bounds allow it: not at all in
 sync mode), and every output reaches the training queue the moment its reward is known.
 
-Versions: a rollout worker reports the policy version its engine held for each call (an actor runs one
-call at a time, so a call never straddles a weight update), and that is what the segment records.
-Weights are pushed by the trainer's rank 0 into every engine after each update, as in the synchronous
-loop. Colocated engines (``pipeline.placement=colocated``) sleep before the update with their weights
-discarded, then wake their weights, take the push, and only then wake their KV cache
+Versions: a rollout worker reports the policy version its engine held for each call (an actor runs one call
+at a time, so a call never straddles a weight update), and that is what the segment records. Engines are
+reached through the run's :class:`~.fleet.EngineFleet`, which pushes the weights into every engine after
+each update (``finish_train``). Colocated engines (``pipeline.placement=colocated``) sleep before the update
+with their weights discarded, then wake their weights, take the push, and only then wake their KV cache
 (:class:`~mars_megatron.rollout.engine.Sleepable`).
 
-Failures: a rollout or reward worker that dies is replaced by a new actor (weights re-synced for a
-rollout worker) and the work it held is requeued from its last recorded state; the scheduler's counts
+Failures: a rollout or reward worker that dies is replaced by a new actor (a rollout worker gets the
+current weights from the fleet at once, or at the next push if the trainer is busy; it takes no work
+before) and the work it held is requeued from its last recorded state; the scheduler's counts
 are checked after every update.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +39,7 @@ from mars_megatron.pipeline.agents import (
     score_items,
     segment_request,
 )
+from mars_megatron.pipeline.fleet import EngineFleet
 from mars_megatron.pipeline.scheduler import Batch, Scheduler, shared_rewards
 from mars_megatron.rollout.engine import SamplingParams
 
@@ -68,8 +69,8 @@ class _InFlight:
 class PipelineDriver:
     """Runs the schedule; :meth:`run_update` returns when the next update has finished.
 
-    ``engines``: rollout workers as ``(policy name, RemoteEngine)``; ``start_reward``/``restart_rollout``
-    build a replacement actor after a death. ``train``: submits one update's samples (per policy) to the
+    ``fleet``: the rollout engines and their weight pushes; ``start_reward`` builds a replacement reward
+    actor after a death. ``train``: submits one update's samples (per policy) to the
     trainer group and returns the handles to wait on; ``finish_train`` turns their results into metrics
     and pushes the new weights (into every engine: ``colocated`` engines wake their weights before it
     and their KV cache after it).
@@ -79,11 +80,10 @@ class PipelineDriver:
         self,
         scheduler: Scheduler,
         *,
-        engines: list[tuple[str, Any]],
+        fleet: EngineFleet,
         policy_of: Callable[[Role], str],
         start_reward: Callable[[], Any],
         reward_workers: int,
-        restart_rollout: Callable[[int], Any],
         decode: Callable[[Sequence[int]], str],
         sampling: SamplingParams,
         feed: Callable[[], list[Problem]],
@@ -95,13 +95,14 @@ class PipelineDriver:
         max_batch: int,
         colocated: bool = False,
         shared_reward: bool = False,
+        log: Callable[[str], None] = print,
     ) -> None:
         self.s = scheduler
-        self.engines = list(engines)
+        self.log = log
+        self.fleet = fleet
         self.policy_of = policy_of
         self.start_reward = start_reward
         self.rewards = [start_reward() for _ in range(reward_workers)]
-        self.restart_rollout = restart_rollout
         self.decode = decode
         self.sampling = sampling
         self.feed = feed
@@ -129,8 +130,8 @@ class PipelineDriver:
     def _dispatch(self, rollouts: bool = True) -> None:
         if self.s.waiting() < self.s.limits.problems_per_update:
             self.s.add_problems(self.feed())
-        for w, (name, engine) in enumerate(self.engines if rollouts else []):
-            if w in self.busy_rollout:
+        for w, (name, engine) in enumerate(self.fleet.engines if rollouts else []):
+            if w in self.busy_rollout or w in self.fleet.stale:
                 continue
             jobs = self.s.take_segments(self.max_batch, roles=self._roles_of(name))
             if not jobs:
@@ -171,14 +172,13 @@ class PipelineDriver:
 
     def _lost(self, item: _InFlight) -> None:
         """The worker of ``item`` died: replace it and put its work back."""
-        import ray
 
         if item.kind == "rollout":
             self.counters["rollout_restarts"] += 1
-            name, engine = self.engines[item.worker]
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(engine.actor)
-            self.engines[item.worker] = (name, self.restart_rollout(item.worker))
+            # the trainer must be idle to send the weights now; otherwise the next push brings them
+            self.fleet.replace(item.worker, push=self.train_handles is None)
+            name = self.fleet.engines[item.worker][0]
+            self.log_restart(item.worker, name)
             self.busy_rollout.discard(item.worker)
             self.s.requeue(job.sample_id for job in item.payload)
         else:
@@ -188,10 +188,10 @@ class PipelineDriver:
             self.s.requeue(item.payload)
             self.to_score.extend(item.payload)
 
-    def _each_engine(self, method: str) -> None:
-        import ray
-
-        ray.get([getattr(engine.actor, method).remote() for _, engine in self.engines])
+    def log_restart(self, worker: int, name: str) -> None:
+        version = self.fleet.versions.get(name)
+        when = "at the next push" if worker in self.fleet.stale else f"at policy version {version}"
+        self.log(f"rollout worker {worker} ({name}) died: restarted, weights {when}")
 
     # -------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -224,7 +224,7 @@ class PipelineDriver:
             self._dispatch(rollouts=not (self.colocated and (due or self.train_handles is not None)))
             if due and not (self.colocated and self.busy_rollout):
                 if self.colocated:
-                    self._each_engine("sleep")
+                    self.fleet.sleep()
                 batch = self.s.take_batch()
                 assert batch is not None
                 training = shared_rewards(self.s, batch.seqs) if self.shared_reward else None
@@ -251,10 +251,10 @@ class PipelineDriver:
                 # back, push the new ones (finish_train), and only then allocate the KV cache, so the
                 # device never holds the cache before the weights are in.
                 if self.colocated:
-                    self._each_engine("wake_weights")
+                    self.fleet.wake_weights()
                 metrics = self.finish_train(results)
                 if self.colocated:
-                    self._each_engine("wake")
+                    self.fleet.wake()
                 done = item.payload
                 self.s.on_trained()
                 self.s.release(done)

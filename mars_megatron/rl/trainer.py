@@ -146,6 +146,9 @@ class MarsRLTrainer:
     """Owns the engines, the trainer ranks and the loop of one run."""
 
     def __init__(self, cfg: MarsConfig, plan: Plan, *, log: Callable[[str], None] = print) -> None:
+        import ray
+
+        from mars_megatron.pipeline.fleet import EngineFleet
         from mars_megatron.pipeline.placement import place, unplaced_gpus, unplaced_launch
         from mars_megatron.rollout.chat import ChatCodec
         from mars_megatron.training.ray_group import RayWorkerGroup
@@ -166,8 +169,7 @@ class MarsRLTrainer:
         else:
             self.placement = place(p.placement, plan.world_size, engines, engine_gpus=cfg.rollout.tp)
         names = [name for name in self.names for _ in range(p.rollout_workers)]
-        self.workers = [(name, self._start_engine(i)) for i, name in enumerate(names)]
-        self.engines = {name: next(e for n, e in self.workers if n == name) for name in self.names}
+        workers = [(name, self._start_engine(i)) for i, name in enumerate(names)]
         self.group = RayWorkerGroup(
             PolicyWorker,
             plan.world_size,
@@ -177,7 +179,15 @@ class MarsRLTrainer:
             threads_per_rank=max(1, cores // plan.world_size),
             **self._trainer_placement(),
         )
-        self.group.call("attach_engines", self._engine_groups())
+        self.fleet = EngineFleet(
+            self.group,
+            workers,
+            self._start_engine,
+            host=ray.util.get_node_ip_address(),
+            backend="nccl" if self._cluster_gpus() > 0 else "gloo",
+            timeout_s=p.transfer_timeout_s,
+            log=log,
+        )
         self.writer_rank = next(i for i, info in enumerate(self.group.call("rank_info")) if info["writer"])
         self.stream: ProblemStream[Any] = ProblemStream(
             plan.problems, seed=cfg.train.seed, shuffle=cfg.data.shuffle
@@ -228,11 +238,6 @@ class MarsRLTrainer:
             "placement": (self.placement.group, self.placement.trainer_bundles),
         }
 
-    def _engine_groups(self) -> dict[str, Any]:
-        from mars_megatron.rollout.ray_engine import EngineGroup
-
-        return {name: EngineGroup([e for n, e in self.workers if n == name]) for name in self.names}
-
     def _pipeline(self, codec: Any) -> Any:
         """The run's schedule on Ray. ``sync`` is the same scheduler with every staleness bound 0: each
         update trains exactly the outputs of the problems admitted since the last one, decoded by the
@@ -275,11 +280,10 @@ class MarsRLTrainer:
         )
         return PipelineDriver(
             scheduler,
-            engines=self.workers,
+            fleet=self.fleet,
             policy_of=lambda role: policy_of(role, self.names),
             start_reward=lambda: ray.remote(RewardActor).options(num_cpus=1).remote(),
             reward_workers=p.reward_workers,
-            restart_rollout=self._restart_rollout,
             decode=codec.decode,
             sampling=sampling,
             feed=lambda: self.stream.take(cfg.data.problems_per_step),
@@ -289,18 +293,8 @@ class MarsRLTrainer:
             max_batch=cfg.rollout.max_batch,
             colocated=p.placement == "colocated",
             shared_reward=cfg.algorithm.reward == "shared",
+            log=self.log,
         )
-
-    def _restart_rollout(self, index: int) -> Any:
-        """A new engine in place of a dead one, holding the current weights and version."""
-        name = self.workers[index][0]
-        engine = self._start_engine(index)
-        self.workers[index] = (name, engine)
-        self.engines[name] = next(e for n, e in self.workers if n == name)
-        self.group.call("attach_engines", self._engine_groups())
-        self._sync(self.versions)
-        self.log(f"rollout worker {index} ({name}) died: restarted at policy version {self.versions[name]}")
-        return engine
 
     def _samples_for(
         self, batch: Any, training: Mapping[str, float] | None
@@ -336,8 +330,7 @@ class MarsRLTrainer:
         import ray
 
         self.group.shutdown()
-        for _, engine in self.workers:
-            engine.kill()
+        self.fleet.close()
         for reward in self.driver.rewards:
             ray.kill(reward)
         if self.placement is not None:
@@ -352,12 +345,15 @@ class MarsRLTrainer:
         self.close()
 
     def _sync(self, versions: Mapping[str, int]) -> dict[str, float]:
-        """Push the trainer's weights into the engines as policy ``versions``."""
-        stats = self.group.call("sync_weights", dict(versions))[0]
-        self.versions = {name: int(s["version"]) for name, s in stats.items()}
+        """Push the trainer's weights into every engine as policy ``versions``."""
+        reports = self.fleet.push_weights(versions)
+        self.versions = {name: r.version for name, r in reports.items()}
         return {
-            "time/sync": sum(s["seconds"] for s in stats.values()),
-            "sync/bytes": sum(s["bytes"] for s in stats.values()),
+            "time/sync": sum(r.seconds for r in reports.values()),
+            "sync/bytes": float(sum(r.bytes for r in reports.values())),
+            "sync/sender_peak_bytes": float(max(r.sender_peak_bytes for r in reports.values())),
+            "sync/receiver_peak_bytes": float(max(r.receiver_peak_bytes for r in reports.values())),
+            "sync/recovered_engines": float(sum(r.recovered for r in reports.values())),
         }
 
     def start(self) -> None:

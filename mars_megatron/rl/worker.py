@@ -20,9 +20,9 @@ from mars_megatron.algorithm.mismatch import SUM_KEYS, MismatchTally, mismatch_m
 from mars_megatron.algorithm.objective import LossConfig, make_loss_fn, packed_loss_inputs
 from mars_megatron.algorithm.sample import Sample
 from mars_megatron.config import MarsConfig
-from mars_megatron.rollout.engine import WeightUpdatable
 from mars_megatron.training import parallel as par
 from mars_megatron.training.batches import MicroBatch
+from mars_megatron.training.weight_sync import SendsWeights, WeightSender
 
 
 def loss_config(cfg: MarsConfig) -> LossConfig:
@@ -81,10 +81,10 @@ def check_sample_routing(samples: Sequence[Sample], arch: Any) -> None:
 class _Policy:
     engine: Any  # MegatronEngine
     reference: Any | None  # frozen initial weights, for the KL penalty
-    sync: Any  # WeightSync
+    sender: WeightSender
 
 
-class PolicyWorker:
+class PolicyWorker(SendsWeights):
     """Builds this rank's policies (weights from ``model_dir``) with their optimizers."""
 
     def __init__(self, cfg: MarsConfig, model_dir: str, names: Sequence[str]) -> None:
@@ -116,30 +116,13 @@ class PolicyWorker:
                     fp8=cfg.model.fp8,
                     routing_replay=cfg.moe.routing_replay != "off",
                 )
-            self.policies[name] = _Policy(engine, reference, None)
+            sender = WeightSender(engine.arch, cfg.pipeline.bucket_mb * 1024**2)
+            self.policies[name] = _Policy(engine, reference, sender)
 
     # ------------------------------------------------------------------------------------------ weights
-    def attach_engines(self, engines: Mapping[str, WeightUpdatable]) -> None:
-        """Rollout engines per policy; global rank 0 pushes the weights into them."""
-        from mars_megatron.training.weight_sync import WeightSync
-
-        for name, policy in self.policies.items():
-            engine = engines[name] if dist.get_rank() == 0 else None
-            policy.sync = WeightSync(policy.engine.arch, engine)
-
-    def sync_weights(self, versions: Mapping[str, int]) -> dict[str, dict[str, float]]:
-        """Push every policy's weights to its engine as policy version ``versions[name]`` (0: the initial
-        weights; a resumed run pushes the restored weights under their saved version)."""
-        out = {}
-        for name, policy in self.policies.items():
-            policy.sync.version = versions[name] - 1  # sync() counts one up
-            stats = policy.sync.sync(policy.engine.model)
-            out[name] = {
-                "version": float(stats.version),
-                "seconds": stats.seconds,
-                "bytes": float(stats.bytes),
-            }
-        return out
+    def weight_senders(self) -> dict[str, tuple[Any, WeightSender]]:
+        """What the fleet's pushes send from (:class:`~mars_megatron.training.weight_sync.SendsWeights`)."""
+        return {name: (p.engine.model, p.sender) for name, p in self.policies.items()}
 
     # --------------------------------------------------------------------------------------------- train
     def train(self, batches: Mapping[str, Sequence[Sample]]) -> dict[str, float]:

@@ -12,12 +12,17 @@ Optional capabilities are separate protocols rather than methods that raise NotI
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from mars_megatron.transfer.channel import TransferStats
+    from mars_megatron.transfer.group import GroupSpec
+    from mars_megatron.transfer.plan import TransferPlan
 
 FinishReason = Literal["stop", "length"]
 
@@ -92,6 +97,30 @@ class WeightUpdatable(Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load the given HF-named tensors; returns how many were loaded."""
         ...
+
+
+@runtime_checkable
+class TransferTarget(Protocol):
+    """Engines that take weights by collective broadcast from the trainer's senders
+    (:mod:`mars_megatron.transfer`): every worker of the engine joins one group per sender, then loads
+    every bucket of a transfer as it arrives. Driven by :class:`~mars_megatron.pipeline.fleet.EngineFleet`.
+    """
+
+    transfer_ranks: int
+    """How many group members this engine brings (its workers: vLLM's TP size, 1 for transformers)."""
+
+    def join_transfer(self, groups: Mapping[int, GroupSpec], first_rank: int) -> None:
+        """Join each sender's group (``groups`` by sending trainer rank); worker ``w`` is rank
+        ``first_rank + w``. Blocks until every member joined."""
+        ...
+
+    def receive_weights(self, plan: TransferPlan, load: bool = True) -> TransferStats:
+        """Receive and load every bucket of ``plan``; the largest per-worker memory peak is reported.
+        ``load=False`` receives and drops the buckets: the same bytes over the same groups with nothing
+        loaded, the wire-speed baseline of ``tools/bench/weight_sync.py``."""
+        ...
+
+    def leave_transfer(self) -> None: ...
 
 
 @runtime_checkable

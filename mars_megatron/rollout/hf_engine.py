@@ -8,13 +8,17 @@ seeded generator, so a request's output does not depend on what it was batched w
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from mars_megatron.dtypes import torch_dtype
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
+from mars_megatron.transfer.channel import TransferStats
+from mars_megatron.transfer.group import GroupSpec
+from mars_megatron.transfer.plan import TransferPlan
+from mars_megatron.transfer.receiver import ReceivingEnd
 
 # Hub-layout expert tensors; transformers 5 keeps them fused per layer in memory.
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -158,6 +162,25 @@ class HFEngine:
             for i, out in enumerate(results):
                 out.routed_experts = torch.cat(routed[i]).numpy().astype(self.routing.dtype)
         return results
+
+    # ------------------------------------------------------------------ weight transfer (TransferTarget)
+    transfer_ranks = 1
+    _receiving: ReceivingEnd | None = None
+
+    def join_transfer(self, groups: Mapping[int, GroupSpec], first_rank: int) -> None:
+        if self._receiving is None:
+            self._receiving = ReceivingEnd()
+        self._receiving.join(groups, first_rank)
+
+    def receive_weights(self, plan: TransferPlan, load: bool = True) -> TransferStats:
+        """Each bucket is copied into the parameters as it arrives (:meth:`update_weights`)."""
+        if self._receiving is None:
+            raise RuntimeError("receive_weights() before join_transfer()")
+        return self._receiving.receive(plan, self.update_weights if load else len)
+
+    def leave_transfer(self) -> None:
+        if self._receiving is not None:
+            self._receiving.leave()
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,11 @@ import torch
 
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, routing_dtype
 from mars_megatron.rollout.hf_engine import has_weights
+from mars_megatron.rollout.vllm_transfer import QUALNAME as TRANSFER_EXTENSION
 from mars_megatron.training.hf_config import load_hf_config
+from mars_megatron.transfer.channel import TransferStats
+from mars_megatron.transfer.group import GroupSpec
+from mars_megatron.transfer.plan import TransferPlan
 
 log = logging.getLogger(__name__)
 SLEEP_LEVEL = 2
@@ -138,6 +142,8 @@ def llm_kwargs(
         # Config only (a mars Megatron checkpoint's hf/ directory): start from dummy weights; the
         # trainer pushes the real ones with update_weights before the first rollout.
         load_format="auto" if weights else "dummy",
+        # every worker takes the trainer's weight broadcasts itself (mars_megatron.rollout.vllm_transfer)
+        worker_extension_cls=TRANSFER_EXTENSION,
     )
     if quantization is not None:  # e.g. "fp8": online quantization of the weights as they load
         kwargs["quantization"] = quantization
@@ -242,6 +248,7 @@ class VLLMEngine:
             )
         self.workers_in_process = in_process and kwargs["distributed_executor_backend"] == "uni"
         """Whether vLLM's model runs in this process (the weight push can then stream a generator)."""
+        self.tensor_parallel_size = tensor_parallel_size
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
 
@@ -312,6 +319,36 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self._weights_pushed = True
         return count[0]
+
+    # ------------------------------------------------------------------ weight transfer (TransferTarget)
+    @property
+    def transfer_ranks(self) -> int:
+        return self.tensor_parallel_size
+
+    def join_transfer(self, groups: Mapping[int, GroupSpec], first_rank: int) -> None:
+        """Every vLLM worker joins each sender's group, as ``first_rank`` + its TP rank."""
+        self.llm.collective_rpc("mars_join_transfer", args=(dict(groups), first_rank))
+
+    def receive_weights(self, plan: TransferPlan, load: bool = True) -> TransferStats:
+        """Every worker receives and loads every bucket (vLLM's layerwise reload); the prefix cache,
+        computed under the old weights, is dropped. After :meth:`sleep`, call :meth:`wake_weights` first."""
+        if "weights" in self._asleep:
+            raise RuntimeError("receive_weights() while the weights sleep: call wake_weights() first")
+        per_worker = self.llm.collective_rpc("mars_receive_weights", args=(plan, load))
+        if load:
+            self.llm.reset_prefix_cache()
+            self._weights_pushed = True
+        first = per_worker[0]
+        return TransferStats(
+            first.buckets,
+            first.tensors,
+            first.bytes,
+            max(s.seconds for s in per_worker),
+            max(s.peak_bytes for s in per_worker),
+        )
+
+    def leave_transfer(self) -> None:
+        self.llm.collective_rpc("mars_leave_transfer")
 
     def sleep(self) -> None:
         """Level 2: discard weights and KV cache (module docstring). Asleep already: nothing to do."""

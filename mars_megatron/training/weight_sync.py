@@ -1,77 +1,138 @@
-"""Trainer → rollout engine weight sync.
+"""A trainer rank's part in pushing a policy's weights to its rollout engines.
 
-Every trainer rank takes part (the export gathers TP/EP/PP shards with collectives); global rank 0 holds
-the engine and hands it the export as *one stream* of full HF-named tensors. One call, not buckets:
-vLLM's in-place reload processes a layer once all of its weights arrived within a call (measured: split
-calls leave layers half-loaded and produce NaNs), and a stream keeps rank 0's memory at one tensor.
+Every rank walks the export (:func:`~checkpoints_conversion.model_io.export_at_senders`): the holders of a
+parameter gather it over their TP/expert-TP group, and its *sender* (the lowest rank holding it in
+TP/expert-TP rank 0 of data-parallel replica 0: one per pipeline stage and expert-parallel rank) packs it
+into a bucket and broadcasts the bucket over its transfer group (:mod:`mars_megatron.transfer`) to every
+worker of every engine at once. Nothing goes through rank 0, the host or the Ray object store; a sender
+holds at most two buckets beyond the model.
+
+The orchestrating driver (:class:`~mars_megatron.pipeline.fleet.EngineFleet`) asks each rank for the
+plan once, has the senders and the engines join the groups, then calls :meth:`WeightSender.send` on all
+ranks while the engines receive.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from checkpoints_conversion.model_io import ExportStep, export_weights, plan_export
-from mars_megatron.rollout.engine import WeightUpdatable
+from checkpoints_conversion.model_io import ExportStep, export_at_senders, export_senders, plan_export
 from mars_megatron.training.hf_config import Qwen3Arch
+from mars_megatron.transfer.channel import TransferStats, send_buckets
+from mars_megatron.transfer.group import GroupSpec, TransferGroup
+from mars_megatron.transfer.plan import TensorSpec, TransferPlan, dtype_name, plan_buckets
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
 
-@dataclass(frozen=True)
-class SyncStats:
-    """What one sync moved; ``version`` is the policy version the engine now holds."""
+class WeightSender:
+    """One policy's weight push on this trainer rank (construct it on every rank)."""
 
-    version: int
-    tensors: int
-    bytes: int
-    seconds: float
-
-
-class WeightSync:
-    """Pushes the trainer's weights into a rollout engine and counts policy versions.
-
-    Construct it on every trainer rank; pass the engine only on global rank 0 (``None`` elsewhere).
-    """
-
-    def __init__(self, arch: Qwen3Arch, engine: WeightUpdatable | None) -> None:
-        if (engine is not None) != (dist.get_rank() == 0):
-            raise ValueError("the engine must be given on global rank 0 and only there")
+    def __init__(self, arch: Qwen3Arch, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.arch = arch
-        self.engine = engine
-        self.version = 0
-        self._plan: tuple[int, list[ExportStep]] | None = None  # (id of the model, its export plan)
+        self.bucket_bytes = bucket_bytes
+        self._steps: tuple[int, list[ExportStep]] | None = None  # (id of the model, its export plan)
+        self._plan: TransferPlan | None = None
+        self._group: TransferGroup | None = None
 
-    def sync(self, model: Any) -> SyncStats:
-        """Collective: export ``model`` into the engine; returns the new policy version and what moved."""
-        start = time.perf_counter()
-        counts = [0, 0]
+    def plan(self, model: Any) -> TransferPlan:
+        """Collective the first time (resolves who sends what): the bucket plan, the same on every rank."""
+        if self._steps is None or self._steps[0] != id(model):
+            steps = plan_export(model, self.arch)
+            dtype = dtype_name(next(iter(getattr(model, "module", model).parameters())).dtype)
+            specs = [TensorSpec(n, tuple(s), dtype, r) for n, s, r in export_senders(steps)]
+            self._steps = (id(model), steps)
+            self._plan = plan_buckets(specs, self.bucket_bytes)
+        assert self._plan is not None
+        return self._plan
 
-        def counted(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in named:
-                counts[0] += 1
-                counts[1] += tensor.numel() * tensor.element_size()
-                yield name, tensor
+    def join(self, groups: Mapping[int, GroupSpec]) -> None:
+        """Join the transfer group this rank sends on (``groups``: by sending global rank), leaving any
+        earlier one; ranks that send nothing do nothing. Blocks until every member joined."""
+        self.leave()
+        me = dist.get_rank()
+        if me in groups:
+            self._group = TransferGroup(groups[me], rank=0)
 
-        if self._plan is None or self._plan[0] != id(model):
-            self._plan = (id(model), plan_export(model, self.arch))  # collective, once per model
-        stream = export_weights(model, self.arch, self._plan[1])
-        if self.engine is not None:
-            if _takes_version(self.engine):  # Ray engines: set the version (a restarted one starts at 0)
-                self.engine.update_weights(counted(stream), version=self.version + 1)  # type: ignore[call-arg]
-            else:
-                self.engine.update_weights(counted(stream))
+    def leave(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def send(self, model: Any, raw: bool = False) -> TransferStats | None:
+        """Collective over the trainer ranks: broadcast this rank's buckets (senders) or take part in the
+        gathers (everyone). Returns this sender's stats, None on ranks that send nothing. A failure
+        closes this rank's group, so that receivers waiting on it fail at once instead of timing out.
+        ``raw``: broadcast buckets of the same sizes with nothing exported into them (the wire-speed
+        baseline of ``tools/bench/weight_sync.py``; not collective over the trainer ranks)."""
+        plan = self.plan(model)
+        assert self._steps is not None
+        me = dist.get_rank()
+        if raw:
+            stream: Any = ((t.name, None) for t in plan.tensors)
         else:
-            for _ in stream:  # take part in the gathers and sends
+            stream = export_at_senders(model, self.arch, self._steps[1])
+        if me not in plan.senders:
+            for _ in stream:  # the gathers need every holder
                 pass
-        self.version += 1
-        return SyncStats(self.version, counts[0], counts[1], time.perf_counter() - start)
+            return None
+        if self._group is None:
+            raise RuntimeError(f"rank {me} sends weights but joined no transfer group (join first)")
+        storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        gathers = not raw and any(s.group_size > 1 for s in self._steps[1] if s.sender == me)
+        try:
+            return send_buckets(
+                self._group,
+                plan,
+                me,
+                stream,
+                owned=lambda t: t.untyped_storage().data_ptr() in storages,
+                copies=gathers,
+            )
+        except BaseException:
+            self.leave()
+            for _ in stream:  # finish the walk: the other trainer ranks still gather with this one
+                pass
+            raise
 
 
-def _takes_version(engine: Any) -> bool:
-    import inspect
+class SendsWeights:
+    """The trainer side of :class:`~mars_megatron.pipeline.fleet.EngineFleet`, for a trainer-rank worker
+    (a Ray actor per rank): the methods the fleet calls on every rank. The worker provides
+    :meth:`weight_senders`, its policies' models and senders by policy name."""
 
-    return "version" in inspect.signature(engine.update_weights).parameters
+    def weight_senders(self) -> dict[str, tuple[Any, WeightSender]]:
+        raise NotImplementedError
+
+    def transfer_plans(self) -> dict[str, TransferPlan]:
+        """Collective: every policy's bucket plan (the same on all ranks)."""
+        return {name: sender.plan(model) for name, (model, sender) in self.weight_senders().items()}
+
+    def join_transfer(self, policy: str, groups: Mapping[int, GroupSpec]) -> None:
+        """This rank joins ``policy``'s transfer group if it sends (``groups`` by sending rank)."""
+        self.weight_senders()[policy][1].join(groups)
+
+    def send_weights(self, policy: str, raw: bool = False) -> dict[str, float] | None:
+        """Collective: broadcast ``policy``'s weights to its engines, which receive at the same time
+        (``raw``: :meth:`WeightSender.send`)."""
+        model, sender = self.weight_senders()[policy]
+        return stats_dict(sender.send(model, raw=raw))
+
+    def leave_transfer(self, policy: str) -> None:
+        self.weight_senders()[policy][1].leave()
+
+
+def stats_dict(stats: TransferStats | None) -> dict[str, float] | None:
+    """Plain numbers for the driver's metrics (Ray returns them from every rank)."""
+    if stats is None:
+        return None
+    return {
+        "buckets": float(stats.buckets),
+        "tensors": float(stats.tensors),
+        "bytes": float(stats.bytes),
+        "seconds": stats.seconds,
+        "peak_bytes": float(stats.peak_bytes),
+    }

@@ -1,91 +1,147 @@
-"""Benchmark trainer → engine weight sync against a raw copy of the same bytes, in the same run.
+"""Benchmark the trainer → engines weight push against a raw broadcast of the same bytes, in the same run.
 
-One trainer rank (Megatron, CPU) and a transformers engine in the same process, as on rank 0 of a run.
-Timed:
-- baseline: copy every engine parameter from a same-shaped source tensor (``dst.copy_(src)``), i.e. the
-  bytes that must move, with no gathering, renaming or re-layout;
-- ``WeightSync.sync``: export from Megatron (HF names, fused q/k/v and gate/up split, experts unfused) and
-  ``HFEngine.update_weights`` (experts fused back).
-Target: sync <= 1.5x the raw copy.
+A widened tiny MoE (default about 1.6 GB in fp32), one Megatron trainer rank (CPU, gloo) and 1, 2 and 4
+transformers engines, each a Ray actor, as `mars train` runs them. For each engine count, on the same
+transfer groups (:class:`~mars_megatron.pipeline.fleet.EngineFleet`):
 
-    python tools/bench/weight_sync.py [--layers 8 --hidden 512 --experts 16]
+- baseline: the same buckets broadcast with nothing exported into them and nothing loaded from them
+  (``EngineFleet.measure_wire``): what the link alone costs;
+- push: ``EngineFleet.push_weights``: export from Megatron (HF names, fused q/k/v and gate/up split,
+  experts unfused), pack, broadcast, load into every engine (experts fused back);
+- peak extra memory: the most bytes the sender and any receiver held for the push, counted by the
+  transfer code (buffers and gathered copies), beside the bucket size.
+
+Targets (issue 18): push <= 1.5x the raw broadcast; 4 engines <= 1.2x the time of 1; peak extra <= 2
+buckets per process.
+
+Ray starts here: run it inside a loopback-only network namespace, e.g.
+    unshare -n sh -c 'ip link set lo up && python tools/bench/weight_sync.py'
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from mars_megatron.config import ParallelConfig
 from mars_megatron.models.presets import init_model
-from mars_megatron.training import parallel
+from mars_megatron.training.weight_sync import SendsWeights
 
 
-def worker(model_dir: str, repeats: int) -> dict[str, Any]:
-    from mars_megatron.jobs import load_engine
+class BenchRank(SendsWeights):
+    """One trainer rank holding the model (no optimizer: the push reads the weights only)."""
+
+    def __init__(self, model_dir: str, bucket_bytes: int) -> None:
+        from mars_megatron.config import ParallelConfig
+        from mars_megatron.jobs import load_engine
+        from mars_megatron.training import parallel
+        from mars_megatron.training.weight_sync import WeightSender
+
+        parallel.init_model_parallel(ParallelConfig(), seed=0)
+        self.engine = load_engine(model_dir, ParallelConfig(), dtype=None, impl="local")
+        self.sender = WeightSender(self.engine.arch, bucket_bytes)
+
+    def weight_senders(self) -> dict[str, tuple[Any, Any]]:
+        return {"policy": (self.engine.model, self.sender)}
+
+
+def measure(model_dir: str, engines: list[int], bucket_bytes: int, repeats: int) -> list[dict[str, Any]]:
+    import ray
+
+    from mars_megatron.pipeline.fleet import EngineFleet
     from mars_megatron.rollout.hf_engine import HFEngine
-    from mars_megatron.training.weight_sync import WeightSync
+    from mars_megatron.rollout.ray_engine import start_rollout_actor
+    from mars_megatron.training.ray_group import RayWorkerGroup
 
-    pc = ParallelConfig()
-    parallel.init_model_parallel(pc, seed=0)
-    trainer = load_engine(model_dir, pc, dtype=None, impl="local")
-    engine = HFEngine(model_dir)
-    params = list(engine.model.parameters())
-    sources = [p.detach().clone() for p in params]
-    raw, synced = [], []
-    sync = WeightSync(trainer.arch, engine)
-    stats = None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        with torch.no_grad():
-            for dst, src in zip(params, sources, strict=True):
-                dst.copy_(src)
-        raw.append(time.perf_counter() - start)
-        stats = sync.sync(trainer.model)
-        synced.append(stats.seconds)
-    assert stats is not None
-    return {"raw": raw, "sync": synced, "bytes": stats.bytes, "tensors": stats.tensors}
+    ray.init(num_cpus=max(engines) + 2, include_dashboard=False, log_to_driver=False)
+    factory = functools.partial(HFEngine, model_dir, seed=0)
+    try:
+        group = RayWorkerGroup(BenchRank, 1, model_dir, bucket_bytes, threads_per_rank=1)
+        actors = [("policy", start_rollout_actor(factory, threads=1)) for _ in range(max(engines))]
+        rows = []
+        for n in engines:
+            fleet = EngineFleet(
+                group, actors[:n], lambda i: None, host="127.0.0.1", backend="gloo", log=lambda _: None
+            )
+            raw, push, sender_peak, receiver_peak = [], [], 0, 0
+            for r in range(repeats):
+                raw.append(fleet.measure_wire("policy"))
+                report = fleet.push_weights({"policy": r + 1})["policy"]
+                push.append(report.seconds)
+                sender_peak = max(sender_peak, report.sender_peak_bytes)
+                receiver_peak = max(receiver_peak, report.receiver_peak_bytes)
+            plan = fleet.plans["policy"]
+            rows.append(
+                {
+                    "engines": n,
+                    "raw": statistics.median(raw),
+                    "push": statistics.median(push),
+                    "bytes": plan.nbytes,
+                    "buckets": len(plan.buckets),
+                    "bucket": plan.largest_bucket,
+                    "sender_peak": sender_peak,
+                    "receiver_peak": receiver_peak,
+                }
+            )
+        group.shutdown()
+        for _, engine in actors:
+            engine.kill()
+    finally:
+        ray.shutdown()
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--bucket-mb", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         overrides = dict(
             num_hidden_layers=args.layers,
             hidden_size=args.hidden,
-            num_attention_heads=8,
+            num_attention_heads=16,
             num_key_value_heads=4,
             head_dim=64,
             intermediate_size=3 * args.hidden,
             num_experts=args.experts,
             moe_intermediate_size=args.hidden,
         )
-        model_dir = init_model("tiny-moe", Path(tmp) / "hf", overrides=overrides, max_shard_size="200MB")
-        r = parallel.launch(worker, 1, str(model_dir), args.repeats)[0]
-    raw, sync = statistics.median(r["raw"]), statistics.median(r["sync"])
-    gb = r["bytes"] / 1e9
+        model_dir = init_model("tiny-moe", Path(tmp) / "hf", overrides=overrides, max_shard_size="500MB")
+        rows = measure(str(model_dir), args.engines, args.bucket_mb * 2**20, args.repeats)
+    first = rows[0]
+    mib = 2**20
     print(
         f"model: tiny-moe widened ({args.layers} layers, hidden {args.hidden}, {args.experts} experts), "
-        f"{r['tensors']} HF tensors, {r['bytes']:,} bytes fp32; median of {args.repeats}"
+        f"{first['bytes'] / 1e9:.2f} GB fp32 in {first['buckets']} buckets of <= {first['bucket'] / mib:.0f} "
+        f"MiB; one trainer rank, transformers engines, gloo; median of {args.repeats}"
     )
-    print(f"{'path':<44}{'seconds':>10}{'GB/s':>9}{'vs raw':>9}")
-    print(f"{'raw copy of the same bytes (baseline)':<44}{raw:>10.4f}{gb / raw:>9.2f}{1.0:>8.2f}x")
     print(
-        f"{'WeightSync.sync -> HFEngine.update_weights':<44}{sync:>10.4f}{gb / sync:>9.2f}{sync / raw:>8.2f}x"
+        f"{'engines':>8}{'raw s':>9}{'push s':>9}{'vs raw':>8}{'vs 1 eng':>10}{'GB/s':>7}"
+        f"{'sender peak':>13}{'receiver peak':>15}"
     )
-    verdict = "met" if sync <= 1.5 * raw else "NOT met"
-    print(f"target sync <= 1.5x raw copy: {verdict} ({sync / raw:.2f}x)")
+    for r in rows:
+        print(
+            f"{r['engines']:>8}{r['raw']:>9.2f}{r['push']:>9.2f}{r['push'] / r['raw']:>7.2f}x"
+            f"{r['push'] / first['push']:>9.2f}x{r['bytes'] / 1e9 / r['push']:>7.2f}"
+            f"{r['sender_peak'] / r['bucket']:>10.2f} bk{r['receiver_peak'] / r['bucket']:>12.2f} bk"
+        )
+    worst_raw = max(r["push"] / r["raw"] for r in rows)
+    scale = rows[-1]["push"] / first["push"]
+    worst_peak = max(max(r["sender_peak"], r["receiver_peak"]) / r["bucket"] for r in rows)
+    print(f"target push <= 1.5x raw broadcast: {'met' if worst_raw <= 1.5 else 'NOT met'} ({worst_raw:.2f}x)")
+    print(
+        f"target {rows[-1]['engines']} engines <= 1.2x the time of {first['engines']}: "
+        f"{'met' if scale <= 1.2 else 'NOT met'} ({scale:.2f}x)"
+    )
+    print(f"target peak extra <= 2 buckets: {'met' if worst_peak <= 2 else 'NOT met'} ({worst_peak:.2f})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,286 @@
+"""The trainer ↔ engine boundary of a run: every rollout engine, and the weight pushes into them.
+
+:class:`EngineFleet` is the one object the pipeline driver and the trainer talk to about engines: which
+engines serve which policy, pushing a policy's weights into all of them (:meth:`EngineFleet.push_weights`),
+the version they hold, sleep/wake for colocated engines, and replacing a dead engine
+(:meth:`EngineFleet.replace`).
+
+A push is one collective transfer per policy (:mod:`mars_megatron.transfer`): the trainer's senders
+broadcast each bucket once over a group that spans every worker of every engine of the policy, so its
+time does not grow with the number of engines. The driver hosts the store the groups meet through, asks
+the engines to receive (asynchronously), then the trainer ranks to send, and waits for both.
+
+Versions and faults: a policy's version advances only when every engine confirmed the whole transfer. An
+engine that dies during a transfer breaks the group: the senders and the other engines fail out of it (the
+senders close their end at once, so nobody waits for a timeout). The engines that did not finish keep
+reporting the old version and refuse to generate
+(:class:`~mars_megatron.rollout.ray_engine.TornWeightsError`): with at most two buckets of staging an engine
+cannot keep its old weights while it loads new ones, so the old version is what it *reports*, never what it
+serves half-loaded. The dead engine is replaced, and the new engine and the torn ones are pushed to again
+over a group of their own (the trainer still holds the weights); if that fails too, the run stops with a
+:class:`TransferError`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mars_megatron.transfer.group import GroupSpec, host_store
+from mars_megatron.transfer.plan import TransferPlan
+
+
+class TransferError(RuntimeError):
+    """A weight push failed and could not be recovered; the message names the policy and the engines."""
+
+
+@dataclass(frozen=True)
+class PushReport:
+    """One policy's push: the version every engine now holds, and what it cost."""
+
+    policy: str
+    version: int
+    engines: int
+    seconds: float
+    bytes: int
+    buckets: int
+    sender_peak_bytes: int  # the most any trainer rank held for the push, beyond its model
+    receiver_peak_bytes: int  # the most any engine worker held, beyond its weights
+    recovered: int  # engines replaced or pushed to again after a failure in this push
+
+
+class EngineFleet:
+    """Rollout engines of a run (``engines``: ``(policy, RemoteEngine)``), the trainer ranks that send
+    them weights (``trainer``: a worker group whose workers have ``transfer_plans``/``join_transfer``/
+    ``send_weights``/``leave_transfer``), and ``start_engine(index)`` to build a replacement."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        engines: Sequence[tuple[str, Any]],
+        start_engine: Callable[[int], Any],
+        *,
+        host: str,
+        backend: str,
+        timeout_s: float = 300.0,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        import ray
+
+        if not engines:
+            raise ValueError("EngineFleet: no engines")
+        self.trainer = trainer
+        self.engines: list[tuple[str, Any]] = list(engines)
+        self.start_engine = start_engine
+        self.host, self.backend, self.timeout_s, self.log = host, backend, timeout_s, log
+        self._store = host_store(host, timeout_s)
+        self._ranks = ray.get([e.actor.transfer_ranks.remote() for _, e in self.engines])
+        plans: dict[str, TransferPlan] = trainer.call("transfer_plans")[0]
+        self.plans = plans
+        self._plan_refs = {name: ray.put(plan) for name, plan in plans.items()}
+        self._members: dict[str, tuple[int, ...]] = {}
+        self._generation = 0
+        self.versions: dict[str, int] = {}
+        self.stale: set[int] = set(range(len(self.engines)))
+        """Engines that do not hold their policy's current version (new, or torn by a failed push): the
+        driver sends them no work until a push reaches them."""
+
+    @property
+    def policies(self) -> list[str]:
+        return list(dict.fromkeys(name for name, _ in self.engines))
+
+    def indices(self, policy: str) -> tuple[int, ...]:
+        return tuple(i for i, (name, _) in enumerate(self.engines) if name == policy)
+
+    # ------------------------------------------------------------------------------------------ push
+    def push_weights(self, versions: Mapping[str, int], *, recover: bool = True) -> dict[str, PushReport]:
+        """Push every policy's weights into all of its engines as ``versions[policy]``. ``recover``: after
+        a failure, push again to the engines that did not complete (dead ones replaced); without it the
+        failure raises :class:`TransferError` at once (dead engines are still replaced)."""
+        return {p: self._push_recovering(p, self.indices(p), versions[p], recover) for p in self.policies}
+
+    def _push_recovering(
+        self, policy: str, members: tuple[int, ...], version: int, recover: bool = True
+    ) -> PushReport:
+        report, failed = self._push(policy, members, version)
+        if not failed:
+            return report
+        if not recover:
+            raise TransferError(
+                f"weight push of policy {policy!r} version {version} failed at engine(s) {sorted(failed)}; "
+                "they report their old version and refuse to generate until a push completes"
+            )
+        retry = tuple(sorted(failed))
+        self.log(
+            f"weight push of {policy} v{version} failed at engine(s) {retry}: pushing to them again "
+            f"({len(members) - len(retry)} other engine(s) completed it)"
+        )
+        again, still = self._push(policy, retry, version)
+        if still:
+            raise TransferError(
+                f"weight push of policy {policy!r} version {version} failed twice at engine(s) "
+                f"{sorted(still)}; they report their old version and refuse to generate"
+            )
+        return PushReport(
+            policy,
+            version,
+            len(members),
+            report.seconds + again.seconds,
+            report.bytes,
+            report.buckets,
+            max(report.sender_peak_bytes, again.sender_peak_bytes),
+            max(report.receiver_peak_bytes, again.receiver_peak_bytes),
+            len(retry),
+        )
+
+    def _push(self, policy: str, members: tuple[int, ...], version: int) -> tuple[PushReport, set[int]]:
+        """One transfer to ``members``; returns its report and the engines that did not complete it
+        (dead ones already replaced by new, empty engines)."""
+        import ray
+
+        start = time.perf_counter()
+        self._join(policy, members)
+        plan_ref = self._plan_refs[policy]
+        recv = {i: self.engines[i][1].actor.receive_weights.remote(plan_ref, version) for i in members}
+        send = self.trainer.call_async("send_weights", policy)
+        failed: set[int] = set()
+        dead: list[int] = []
+        peaks = [0]
+        for i, ref in recv.items():
+            try:
+                peaks.append(ray.get(ref).peak_bytes)
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
+                failed.add(i)
+                dead.append(i)
+            except Exception as e:  # a torn engine: alive, reports its old version
+                failed.add(i)
+                self.log(f"engine {i} ({policy}) failed to load v{version}: {str(e).splitlines()[0]}")
+        sent = self._sender_results(send, failed)
+        if failed:
+            self._members.pop(policy, None)  # the group lost a member: the next push builds new ones
+            self.stale |= failed
+            for i in dead:
+                self._restart(i)
+        else:
+            self.versions[policy] = version
+            self.stale -= set(members)
+        report = PushReport(
+            policy,
+            version,
+            len(members),
+            time.perf_counter() - start,
+            int(sum(s["bytes"] for s in sent)),
+            int(sum(s["buckets"] for s in sent)),
+            int(max((s["peak_bytes"] for s in sent), default=0)),
+            int(max(peaks)),
+            0,
+        )
+        return report, failed
+
+    def _sender_results(self, handles: list[Any], failed: set[int]) -> list[dict[str, float]]:
+        """Each sending rank's stats (a policy's); a sender failing while every engine completed is a
+        trainer-side fault no retry can fix."""
+        results = []
+        for h in handles:
+            try:
+                r = self.trainer.wait([h])[0]
+            except Exception as e:
+                if failed:
+                    continue  # the senders fail with the group the dead engine broke
+                raise TransferError(f"a trainer rank failed to send weights: {e}") from e
+            if r is not None:
+                results.append(r)
+        return results
+
+    def _join(self, policy: str, members: tuple[int, ...]) -> None:
+        """Build the policy's groups for exactly ``members`` (reusing them when unchanged)."""
+        import ray
+
+        if self._members.get(policy) == members:
+            return
+        self._generation += 1
+        world = 1 + sum(self._ranks[i] for i in members)
+        specs = {
+            sender: GroupSpec(
+                self.host,
+                self._store.port,
+                f"{policy}/g{self._generation}/s{sender}",
+                world,
+                self.backend,
+                self.timeout_s,
+            )
+            for sender in self.plans[policy].senders
+        }
+        joins, first = [], 1
+        for i in members:
+            joins.append(self.engines[i][1].actor.join_transfer.remote(specs, first))
+            first += self._ranks[i]
+        handles = self.trainer.call_async("join_transfer", policy, specs)
+        ray.get(joins)
+        self.trainer.wait(handles)
+        self._members[policy] = members
+
+    def measure_wire(self, policy: str) -> float:
+        """Seconds to broadcast ``policy``'s buckets to all of its engines with nothing exported or
+        loaded (engines keep their weights and version): the baseline a push is measured against."""
+        import ray
+
+        members = self.indices(policy)
+        self._join(policy, members)
+        start = time.perf_counter()
+        recv = [self.engines[i][1].actor.receive_discard.remote(self._plan_refs[policy]) for i in members]
+        send = self.trainer.call_async("send_weights", policy, raw=True)
+        ray.get(recv)
+        self.trainer.wait(send)
+        return time.perf_counter() - start
+
+    # -------------------------------------------------------------------------------------- engines
+    def replace(self, index: int, *, push: bool) -> Any:
+        """A new engine in place of engine ``index`` (dead or unwanted). ``push``: give it the current
+        weights now, over a group of its own (the trainer must be idle); otherwise it waits, stale, for
+        the next push."""
+        policy = self.engines[index][0]
+        self._restart(index)
+        self._members.pop(policy, None)
+        if push and policy in self.versions:
+            self._push_recovering(policy, (index,), self.versions[policy])
+        return self.engines[index][1]
+
+    def _restart(self, index: int) -> None:
+        import contextlib
+
+        import ray
+
+        policy, old = self.engines[index]
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(old.actor)
+        engine = self.start_engine(index)
+        self.engines[index] = (policy, engine)
+        self._ranks[index] = ray.get(engine.actor.transfer_ranks.remote())
+        self.stale.add(index)
+
+    def each(self, method: str) -> None:
+        """Call ``method`` (``sleep``, ``wake_weights``, ``wake``) on every engine and wait."""
+        import ray
+
+        ray.get([getattr(engine.actor, method).remote() for _, engine in self.engines])
+
+    def sleep(self) -> None:
+        self.each("sleep")
+
+    def wake_weights(self) -> None:
+        self.each("wake_weights")
+
+    def wake(self) -> None:
+        self.each("wake")
+
+    def engine_versions(self) -> list[int]:
+        import ray
+
+        return ray.get([engine.actor.version.remote() for _, engine in self.engines])
+
+    def close(self) -> None:
+        for _, engine in self.engines:
+            engine.kill()

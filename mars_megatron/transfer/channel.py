@@ -1,0 +1,177 @@
+"""The two ends of a weight transfer: a trainer rank broadcasting its buckets, an engine worker receiving
+every bucket and loading it. Each end holds at most two buckets at a time (one on the wire, one being
+packed or loaded), whatever the size of the model.
+
+The memory these ends hold is *counted*, not inferred from a process's RSS: every buffer is allocated
+here and recorded in a :class:`MemoryTally`, and the sender also counts the full tensors the export
+gathered for it (they are new memory, unlike parameters it sends as they are).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mars_megatron.transfer.group import TransferGroup
+from mars_megatron.transfer.plan import Bucket, TransferPlan, torch_dtype, unpack
+
+MAX_IN_FLIGHT = 2
+
+
+@dataclass
+class MemoryTally:
+    """Bytes a transfer end holds now and at most, beyond the model it sends from or loads into."""
+
+    live: int = 0
+    peak: int = 0
+
+    def hold(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def transient(self, nbytes: int) -> None:
+        """Memory held only for a moment on top of what is live (a gathered tensor being packed)."""
+        self.peak = max(self.peak, self.live + nbytes)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one end of one transfer moved, how long it took, and the most memory it held."""
+
+    buckets: int
+    tensors: int
+    bytes: int
+    seconds: float
+    peak_bytes: int
+
+
+def send_buckets(
+    group: TransferGroup,
+    plan: TransferPlan,
+    sender: int,
+    stream: Iterable[tuple[str, torch.Tensor | None]],
+    *,
+    owned: Callable[[torch.Tensor], bool] = lambda t: False,
+    copies: bool = True,
+) -> TransferStats:
+    """Broadcast ``sender``'s buckets of ``plan`` over ``group`` (as its rank 0).
+
+    ``stream``: every tensor of the plan in plan order, as ``(name, tensor)`` where this rank sends it and
+    ``(name, None)`` elsewhere; the walk must reach each bucket's due position before it is broadcast
+    (:mod:`~mars_megatron.transfer.plan`). ``owned(t)``: whether ``t`` is memory of the model itself (a
+    parameter sent as is) rather than a copy the export made, for the memory count. ``copies``: the
+    stream may hand out such copies (the export gathers TP shards): then it is advanced only while at
+    most one bucket is held, so buffers and the copy together stay within two buckets; without copies
+    the next bucket is packed while the previous one is still on the wire."""
+    start = time.perf_counter()
+    mine = plan.buckets_of(sender)
+    slot = {
+        spec.name: (k, off, spec)
+        for k, b in enumerate(mine)
+        for spec, off in zip(b.tensors, b.offsets, strict=True)
+    }
+    tally = MemoryTally()
+    buffers: dict[int, torch.Tensor] = {}
+    in_flight: collections.deque[tuple[Any, int]] = collections.deque()
+    launched = 0
+    tensors = 0
+
+    def wait_one() -> None:
+        work, k = in_flight.popleft()
+        work.wait()
+        tally.release(mine[k].nbytes)
+        del buffers[k]
+
+    def buffer(k: int, copy_held: int = 0) -> torch.Tensor:
+        if k not in buffers:
+            # at most two buckets held, counting a gathered copy waiting to be packed as one
+            while len(buffers) + (1 if copy_held else 0) >= MAX_IN_FLIGHT and in_flight:
+                wait_one()
+            buffers[k] = torch.empty(mine[k].nbytes, dtype=torch.uint8, device=group.device)
+            tally.hold(mine[k].nbytes)
+        return buffers[k]
+
+    def launch(k: int) -> None:
+        buf = buffer(k)  # a bucket of nothing but empty tensors still goes out: receivers expect it
+        in_flight.append((group.broadcast(buf, src=0), k))
+
+    def pulled(
+        source: Iterable[tuple[str, torch.Tensor | None]],
+    ) -> Iterable[tuple[str, torch.Tensor | None]]:
+        for item in source:
+            yield item
+            if copies:
+                while len(buffers) >= MAX_IN_FLIGHT and in_flight:
+                    wait_one()
+
+    if copies:
+        stream = pulled(stream)
+    for position, (name, tensor) in enumerate(stream):
+        if plan.tensors[position].name != name:
+            raise RuntimeError(
+                f"weight transfer: export gave {name!r} at position {position}, the plan "
+                f"{plan.tensors[position].name!r}"
+            )
+        while launched < len(mine) and mine[launched].due <= position:
+            launch(launched)
+            launched += 1
+        if tensor is None:
+            continue
+        if name not in slot:
+            raise RuntimeError(f"weight transfer: rank {sender} got {name!r}, which another rank sends")
+        k, off, spec = slot[name]
+        fresh = 0 if owned(tensor) else tensor.numel() * tensor.element_size()
+        tally.transient(fresh)  # as handed out: with the buffers live while it was gathered
+        target = buffer(k, fresh)
+        tally.transient(fresh)
+        view = target[off : off + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape)
+        view.copy_(tensor)
+        tensors += 1
+    while launched < len(mine):
+        launch(launched)
+        launched += 1
+    while in_flight:
+        wait_one()
+    nbytes = sum(t.nbytes for b in mine for t in b.tensors)
+    return TransferStats(len(mine), tensors, nbytes, time.perf_counter() - start, tally.peak)
+
+
+def receive_buckets(
+    groups: Mapping[int, TransferGroup],
+    plan: TransferPlan,
+    load: Callable[[Sequence[tuple[str, torch.Tensor]]], int],
+) -> TransferStats:
+    """Receive every bucket of ``plan`` (from each bucket's sender, over ``groups[sender]``) and ``load``
+    it; the next bucket is on the wire while this one loads. Returns what arrived and the peak bytes the
+    buffers held (``load`` must copy what it keeps: the buffer is dropped after it returns)."""
+    start = time.perf_counter()
+    tally = MemoryTally()
+    buckets = list(plan.buckets)
+
+    def post(bucket: Bucket) -> tuple[Any, torch.Tensor]:
+        group = groups[bucket.sender]
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+        tally.hold(bucket.nbytes)
+        return group.broadcast(buf, src=0), buf
+
+    pending = post(buckets[0]) if buckets else None
+    loaded = 0
+    for i, bucket in enumerate(buckets):
+        assert pending is not None
+        work, buf = pending
+        work.wait()
+        pending = post(buckets[i + 1]) if i + 1 < len(buckets) else None
+        loaded += load(unpack(bucket, buf))
+        del buf, work
+        tally.release(bucket.nbytes)
+    if loaded != len(plan.tensors):
+        raise RuntimeError(f"weight transfer: loaded {loaded} tensors, the plan has {len(plan.tensors)}")
+    return TransferStats(len(buckets), loaded, plan.nbytes, time.perf_counter() - start, tally.peak)
