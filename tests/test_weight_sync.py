@@ -200,3 +200,40 @@ def test_vllm_engines_match_the_trainer_after_a_push(
     finally:
         fleet.close()
         group.shutdown()
+
+
+@pytest.mark.parametrize(("layout", "world", "last"), [({"ep": 2}, 2, 0), ({"pp": 2}, 2, 1)])
+def test_colocated_engines_take_the_weights_by_handle(
+    cluster: None, models: dict[str, Path], layout: dict, world: int, last: int
+) -> None:
+    """The colocated path (CUDA IPC on GPUs; the same code over shared memory here): each engine worker
+    maps the bucket its host rank holds, loads it and acknowledges; the senders broadcast only to the
+    other hosting ranks. Engine 0 shares rank 0's device, engine 1 rank 1's."""
+    moe = models["moe"]
+    group = RayWorkerGroup(TrainerRank, world, str(moe), layout, threads_per_rank=1, bucket_bytes=BUCKET)
+    factory = functools.partial(HFEngine, str(moe), seed=0)
+    engines = [("policy", start_rollout_actor(factory, threads=1)) for _ in range(2)]
+    fleet = EngineFleet(
+        group,
+        engines,
+        lambda i: start_rollout_actor(factory, threads=1),
+        host="127.0.0.1",
+        backend="gloo",
+        timeout_s=60,
+        colocation=[[0], [1]],
+    )
+    try:
+        group.call("train_step", TRAIN, pack_length=48)
+        report = fleet.push_weights({"policy": 1})["policy"]
+        _check_equal_to_trainer(group, fleet, last)
+        plan = fleet.plans["policy"]
+        assert report.version == 1
+        # a host holds at most two buckets; a worker maps one bucket at a time and copies none
+        assert 0 < report.sender_peak_bytes <= 2 * plan.largest_bucket + max(t.nbytes for t in plan.tensors)
+        assert 0 < report.receiver_peak_bytes <= plan.largest_bucket
+        group.call("train_step", TRAIN, pack_length=48)
+        assert fleet.push_weights({"policy": 2})["policy"].version == 2
+        _check_equal_to_trainer(group, fleet, last)
+    finally:
+        fleet.close()
+        group.shutdown()

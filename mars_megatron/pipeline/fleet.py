@@ -66,7 +66,11 @@ class EngineFleet:
         backend: str,
         timeout_s: float = 300.0,
         log: Callable[[str], None] = print,
+        colocation: Sequence[Sequence[int]] | None = None,
     ) -> None:
+        """``backend``: of the broadcast groups (``nccl`` on GPUs, ``gloo`` on hosts). ``colocation``: for
+        engines that share devices with trainer ranks, per engine the trainer rank hosting each of its
+        workers; the push then hands buffers over by handle (:mod:`mars_megatron.transfer.ipc`)."""
         import ray
 
         if not engines:
@@ -77,6 +81,12 @@ class EngineFleet:
         self.host, self.backend, self.timeout_s, self.log = host, backend, timeout_s, log
         self._store = host_store(host, timeout_s)
         self._ranks = ray.get([e.actor.transfer_ranks.remote() for _, e in self.engines])
+        self.colocation = [list(c) for c in colocation] if colocation is not None else None
+        if self.colocation is not None and [len(c) for c in self.colocation] != self._ranks:
+            raise ValueError(
+                f"colocation names {[len(c) for c in self.colocation]} host ranks per engine, the engines "
+                f"have {self._ranks} workers"
+            )
         plans: dict[str, TransferPlan] = trainer.call("transfer_plans")[0]
         self.plans = plans
         self._plan_refs = {name: ray.put(plan) for name, plan in plans.items()}
@@ -156,7 +166,7 @@ class EngineFleet:
                 dead.append(i)
             except Exception as e:  # a torn engine: alive, reports its old version
                 failed.add(i)
-                self.log(f"engine {i} ({policy}) failed to load v{version}: {str(e).splitlines()[0]}")
+                self.log(f"engine {i} ({policy}) failed to load v{version}: {_last_line(e)}")
         sent = self._sender_results(send, failed)
         if failed:
             self._members.pop(policy, None)  # the group lost a member: the next push builds new ones
@@ -187,8 +197,9 @@ class EngineFleet:
             try:
                 r = self.trainer.wait([h])[0]
             except Exception as e:
-                if failed:
-                    continue  # the senders fail with the group the dead engine broke
+                if failed:  # the senders fail with the group the failing engine broke
+                    self.log(f"a trainer rank's send failed with the engines: {_last_line(e)}")
+                    continue
                 raise TransferError(f"a trainer rank failed to send weights: {e}") from e
             if r is not None:
                 results.append(r)
@@ -201,6 +212,9 @@ class EngineFleet:
         if self._members.get(policy) == members:
             return
         self._generation += 1
+        if self.colocation is not None:
+            self._join_colocated(policy, members)
+            return
         world = 1 + sum(self._ranks[i] for i in members)
         specs = {
             sender: GroupSpec(
@@ -218,6 +232,40 @@ class EngineFleet:
             joins.append(self.engines[i][1].actor.join_transfer.remote(specs, first))
             first += self._ranks[i]
         handles = self.trainer.call_async("join_transfer", policy, specs)
+        ray.get(joins)
+        self.trainer.wait(handles)
+        self._members[policy] = members
+
+    def _join_colocated(self, policy: str, members: tuple[int, ...]) -> None:
+        """Groups over each sender and the hosting ranks, and one handle channel per host."""
+        import ray
+
+        from mars_megatron.transfer.ipc import ColocatedSpec
+
+        assert self.colocation is not None
+        prefix = f"{policy}/g{self._generation}"
+        workers: dict[int, list[int]] = {}  # hosting rank -> transfer ranks of the workers it hosts
+        first: dict[int, int] = {}
+        rank = 1
+        for i in members:
+            first[i] = rank
+            for host in self.colocation[i]:
+                workers.setdefault(host, []).append(rank)
+                rank += 1
+
+        def spec(key: str, world: int, backend: str) -> GroupSpec:
+            return GroupSpec(self.host, self._store.port, key, world, backend, self.timeout_s)
+
+        publishers = {h: spec(f"{prefix}/ipc/h{h}", 1 + len(w), "ipc") for h, w in workers.items()}
+        groups, order = {}, {}
+        for sender in self.plans[policy].senders:
+            others = tuple(sorted(set(workers) - {sender}))
+            if others:
+                groups[sender] = spec(f"{prefix}/s{sender}", 1 + len(others), self.backend)
+                order[sender] = (sender, *others)
+        by_rank = {t: publishers[h] for h, ranks in workers.items() for t in ranks}
+        joins = [self.engines[i][1].actor.join_transfer.remote(by_rank, first[i]) for i in members]
+        handles = self.trainer.call_async("join_transfer", policy, ColocatedSpec(groups, order, publishers))
         ray.get(joins)
         self.trainer.wait(handles)
         self._members[policy] = members
@@ -284,3 +332,9 @@ class EngineFleet:
     def close(self) -> None:
         for _, engine in self.engines:
             engine.kill()
+
+
+def _last_line(error: BaseException) -> str:
+    """The exception itself out of a remote traceback (Ray puts the traceback first)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(error).__name__

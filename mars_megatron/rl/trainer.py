@@ -179,16 +179,18 @@ class MarsRLTrainer:
             threads_per_rank=max(1, cores // plan.world_size),
             **self._trainer_placement(),
         )
+        info = self.group.call("rank_info")
+        self.writer_rank = next(i for i, rank in enumerate(info) if rank["writer"])
         self.fleet = EngineFleet(
             self.group,
             workers,
             self._start_engine,
             host=ray.util.get_node_ip_address(),
-            backend="nccl" if self._cluster_gpus() > 0 else "gloo",
+            backend="nccl" if "nccl" in info[0]["backend"] else "gloo",  # the devices the ranks really have
             timeout_s=p.transfer_timeout_s,
             log=log,
+            colocation=self._colocation(),
         )
-        self.writer_rank = next(i for i, info in enumerate(self.group.call("rank_info")) if info["writer"])
         self.stream: ProblemStream[Any] = ProblemStream(
             plan.problems, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
@@ -237,6 +239,14 @@ class MarsRLTrainer:
             "num_gpus_per_rank": res["num_gpus"],
             "placement": (self.placement.group, self.placement.trainer_bundles),
         }
+
+    def _colocation(self) -> list[list[int]] | None:
+        """Colocated engines: per engine, the trainer rank whose device each of its workers shares (the
+        weight push hands them buffers by handle, :mod:`mars_megatron.transfer.ipc`)."""
+        if self.placement is None or self.placement.mode != "colocated":
+            return None
+        host = {bundle: rank for rank, bundle in enumerate(self.placement.trainer_bundles)}
+        return [[host[b] for b in bundles] for bundles in self.placement.engine_bundles]
 
     def _pipeline(self, codec: Any) -> Any:
         """The run's schedule on Ray. ``sync`` is the same scheduler with every staleness bound 0: each

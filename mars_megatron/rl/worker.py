@@ -281,10 +281,11 @@ class PolicyWorker(SendsWeights):
         for name, policy in self.policies.items():
             load_rank_state(Path(directory), name, policy.engine)
 
-    def rank_info(self) -> dict[str, int]:
+    def rank_info(self) -> dict[str, Any]:
         from megatron.core import parallel_state as ps
 
         return {
+            "backend": str(dist.get_backend()),
             "rank": dist.get_rank(),
             "writer": int(
                 ps.is_pipeline_last_stage()

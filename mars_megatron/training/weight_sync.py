@@ -20,9 +20,11 @@ from typing import Any
 import torch.distributed as dist
 
 from checkpoints_conversion.model_io import ExportStep, export_at_senders, export_senders, plan_export
+from mars_megatron.training.collectives import comm_device
 from mars_megatron.training.hf_config import Qwen3Arch
 from mars_megatron.transfer.channel import TransferStats, send_buckets
 from mars_megatron.transfer.group import GroupSpec, TransferGroup
+from mars_megatron.transfer.ipc import ColocatedSpec, Publisher, colocated_send
 from mars_megatron.transfer.plan import TensorSpec, TransferPlan, dtype_name, plan_buckets
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -37,6 +39,9 @@ class WeightSender:
         self._steps: tuple[int, list[ExportStep]] | None = None  # (id of the model, its export plan)
         self._plan: TransferPlan | None = None
         self._group: TransferGroup | None = None
+        self._copies: frozenset[str] | None = None  # names the export hands out as copies (learnt)
+        self._colocated: dict[int, TransferGroup] | None = None  # colocated: groups by sender
+        self._publisher: Publisher | None = None  # colocated: this rank hosts engine workers
 
     def plan(self, model: Any) -> TransferPlan:
         """Collective the first time (resolves who sends what): the bucket plan, the same on every rank."""
@@ -49,11 +54,23 @@ class WeightSender:
         assert self._plan is not None
         return self._plan
 
-    def join(self, groups: Mapping[int, GroupSpec]) -> None:
+    def join(self, groups: Mapping[int, GroupSpec] | ColocatedSpec) -> None:
         """Join the transfer group this rank sends on (``groups``: by sending global rank), leaving any
-        earlier one; ranks that send nothing do nothing. Blocks until every member joined."""
+        earlier one; ranks that send nothing do nothing. Blocks until every member joined.
+
+        Colocated engines (a :class:`~mars_megatron.transfer.ipc.ColocatedSpec`): every sender's group
+        spans the sender and the ranks hosting engine workers, and hosts publish handles to them."""
         self.leave()
         me = dist.get_rank()
+        if isinstance(groups, ColocatedSpec):
+            self._colocated = {}
+            for sender in sorted(groups.groups):
+                members = groups.members[sender]
+                if me in members:
+                    self._colocated[sender] = TransferGroup(groups.groups[sender], members.index(me))
+            if me in groups.publishers:
+                self._publisher = Publisher(groups.publishers[me])
+            return
         if me in groups:
             self._group = TransferGroup(groups[me], rank=0)
 
@@ -61,6 +78,9 @@ class WeightSender:
         if self._group is not None:
             self._group.close()
             self._group = None
+        for group in (self._colocated or {}).values():
+            group.close()
+        self._colocated, self._publisher = None, None
 
     def send(self, model: Any, raw: bool = False) -> TransferStats | None:
         """Collective over the trainer ranks: broadcast this rank's buckets (senders) or take part in the
@@ -75,6 +95,8 @@ class WeightSender:
             stream: Any = ((t.name, None) for t in plan.tensors)
         else:
             stream = export_at_senders(model, self.arch, self._steps[1])
+        if self._colocated is not None:
+            return self._send_colocated(model, plan, stream)
         if me not in plan.senders:
             for _ in stream:  # the gathers need every holder
                 pass
@@ -82,21 +104,48 @@ class WeightSender:
         if self._group is None:
             raise RuntimeError(f"rank {me} sends weights but joined no transfer group (join first)")
         storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        gathers = not raw and any(s.group_size > 1 for s in self._steps[1] if s.sender == me)
+        copied: set[str] = set()
         try:
-            return send_buckets(
+            stats = send_buckets(
                 self._group,
                 plan,
                 me,
                 stream,
                 owned=lambda t: t.untyped_storage().data_ptr() in storages,
-                copies=gathers,
+                copies=frozenset() if raw else self._copies,
+                copied=copied,
             )
         except BaseException:
             self.leave()
             for _ in stream:  # finish the walk: the other trainer ranks still gather with this one
                 pass
             raise
+        if not raw:  # the first push treats every tensor as a possible copy; later ones know which are
+            self._copies = frozenset(copied)
+        return stats
+
+    def _send_colocated(self, model: Any, plan: TransferPlan, stream: Any) -> TransferStats | None:
+        """Every rank walks; senders broadcast to the hosting ranks, hosts publish to their workers."""
+        assert self._colocated is not None
+        me = dist.get_rank()
+        storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        device = comm_device(None)
+        try:
+            stats = colocated_send(
+                self._colocated,
+                plan,
+                me,
+                stream,
+                self._publisher,
+                device,
+                owned=lambda t: t.untyped_storage().data_ptr() in storages,
+            )
+        except BaseException:
+            self.leave()
+            for _ in stream:
+                pass
+            raise
+        return stats if me in plan.senders else None
 
 
 class SendsWeights:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,17 +60,20 @@ def send_buckets(
     stream: Iterable[tuple[str, torch.Tensor | None]],
     *,
     owned: Callable[[torch.Tensor], bool] = lambda t: False,
-    copies: bool = True,
+    copies: Collection[str] | None = None,
+    copied: set[str] | None = None,
 ) -> TransferStats:
     """Broadcast ``sender``'s buckets of ``plan`` over ``group`` (as its rank 0).
 
     ``stream``: every tensor of the plan in plan order, as ``(name, tensor)`` where this rank sends it and
     ``(name, None)`` elsewhere; the walk must reach each bucket's due position before it is broadcast
     (:mod:`~mars_megatron.transfer.plan`). ``owned(t)``: whether ``t`` is memory of the model itself (a
-    parameter sent as is) rather than a copy the export made, for the memory count. ``copies``: the
-    stream may hand out such copies (the export gathers TP shards): then it is advanced only while at
-    most one bucket is held, so buffers and the copy together stay within two buckets; without copies
-    the next bucket is packed while the previous one is still on the wire."""
+    parameter sent as is) rather than a copy the export made (a TP gather, a re-laid-out QKV).
+
+    Memory: before pulling a tensor the stream will hand out as a copy (``copies``: their names; None =
+    any may be), the sender waits until at most one bucket is held, so buffers and the copy together
+    stay within two buckets; otherwise the next bucket is packed while the previous one is on the wire.
+    ``copied``: filled with the names that came out as copies, to pass as ``copies`` next time."""
     start = time.perf_counter()
     mine = plan.buckets_of(sender)
     slot = {
@@ -106,15 +109,15 @@ def send_buckets(
     def pulled(
         source: Iterable[tuple[str, torch.Tensor | None]],
     ) -> Iterable[tuple[str, torch.Tensor | None]]:
-        for item in source:
+        for position, item in enumerate(source):
             yield item
-            if copies:
-                while len(buffers) >= MAX_IN_FLIGHT and in_flight:
-                    wait_one()
+            following = position + 1
+            if following < len(plan.tensors) and plan.tensors[following].name in slot:
+                if copies is None or plan.tensors[following].name in copies:
+                    while len(buffers) >= MAX_IN_FLIGHT and in_flight:
+                        wait_one()
 
-    if copies:
-        stream = pulled(stream)
-    for position, (name, tensor) in enumerate(stream):
+    for position, (name, tensor) in enumerate(pulled(stream)):
         if plan.tensors[position].name != name:
             raise RuntimeError(
                 f"weight transfer: export gave {name!r} at position {position}, the plan "
@@ -129,6 +132,8 @@ def send_buckets(
             raise RuntimeError(f"weight transfer: rank {sender} got {name!r}, which another rank sends")
         k, off, spec = slot[name]
         fresh = 0 if owned(tensor) else tensor.numel() * tensor.element_size()
+        if fresh and copied is not None:
+            copied.add(name)
         tally.transient(fresh)  # as handed out: with the buffers live while it was gathered
         target = buffer(k, fresh)
         tally.transient(fresh)

@@ -31,12 +31,12 @@ class GroupSpec:
     port: int
     key: str  # unique per group and generation, e.g. "policy/sender0/g3"
     world: int
-    backend: str  # "gloo" | "nccl"
+    backend: str  # "gloo" | "nccl" | "ipc" (handles through the store: mars_megatron.transfer.ipc)
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"transfer backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.backend not in ("gloo", "nccl", "ipc"):
+            raise ValueError(f"transfer backend must be 'gloo', 'nccl' or 'ipc', got {self.backend!r}")
         if self.world < 2:
             raise ValueError(
                 f"a transfer group needs a sender and at least one receiver, got world={self.world}"
@@ -70,12 +70,14 @@ class TransferGroup:
     """This process's membership in one transfer group."""
 
     def __init__(self, spec: GroupSpec, rank: int) -> None:
+        if spec.backend == "ipc":
+            raise ValueError(f"{spec.key}: an 'ipc' channel is not a process group (transfer.ipc)")
         if not 0 <= rank < spec.world:
             raise ValueError(f"rank {rank} outside transfer group {spec.key!r} of {spec.world}")
         self.spec, self.rank = spec, rank
         timeout = timedelta(seconds=spec.timeout_s)
         store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timeout)
-        prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{spec.key}/", store)
+        prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{spec.key}", store)
         if spec.backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout

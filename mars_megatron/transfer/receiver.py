@@ -12,6 +12,7 @@ import torch
 
 from mars_megatron.transfer.channel import TransferStats, receive_buckets
 from mars_megatron.transfer.group import GroupSpec, TransferGroup
+from mars_megatron.transfer.ipc import Subscriber, colocated_receive
 from mars_megatron.transfer.plan import TransferPlan
 
 Load = Callable[[Sequence[tuple[str, torch.Tensor]]], int]
@@ -22,10 +23,16 @@ class ReceivingEnd:
 
     def __init__(self) -> None:
         self.groups: dict[int, TransferGroup] = {}
+        self.subscriber: Subscriber | None = None
 
     def join(self, groups: Mapping[int, GroupSpec], rank: int) -> None:
-        """Join every sender's group as ``rank`` (blocks until all members joined), leaving older ones."""
+        """Join every sender's group as ``rank`` (blocks until all members joined), leaving older ones.
+        Colocated (backend ``ipc``): ``groups`` holds, by transfer rank, the handle channel of each
+        worker's host; this worker subscribes to ``groups[rank]``."""
         self.leave()
+        if any(spec.backend == "ipc" for spec in groups.values()):
+            self.subscriber = Subscriber(groups[rank])
+            return
         try:
             for sender in sorted(groups):
                 self.groups[sender] = TransferGroup(groups[sender], rank)
@@ -34,6 +41,8 @@ class ReceivingEnd:
             raise
 
     def receive(self, plan: TransferPlan, load: Load) -> TransferStats:
+        if self.subscriber is not None:
+            return colocated_receive(self.subscriber, plan, load)
         missing = [s for s in plan.senders if s not in self.groups]
         if missing:
             raise RuntimeError(f"weight transfer: no group joined for sender rank(s) {missing} (join first)")
@@ -47,3 +56,4 @@ class ReceivingEnd:
         for group in self.groups.values():
             group.close()
         self.groups = {}
+        self.subscriber = None

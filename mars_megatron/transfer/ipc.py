@@ -1,0 +1,261 @@
+"""Colocated engines: bucket buffers handed over by memory handle instead of over the wire.
+
+A colocated engine worker shares its GPU with a trainer rank, and NCCL refuses two members of one
+communicator on one device, so the broadcast groups of :mod:`.group` cannot include it. Instead:
+
+1. each sender broadcasts its buckets to the trainer ranks that *host* engine workers (one group per
+   sender over the sender and the other hosts: distinct GPUs, so NCCL is fine);
+2. each host publishes a handle of the bucket buffer on its own GPU through the store (CUDA IPC: the
+   worker maps the very memory, no copy) and its workers load from it and acknowledge;
+3. the host frees the buffer once every worker acknowledged.
+
+The same code runs on CPU with POSIX shared memory handles instead of CUDA IPC (the tests). Handles
+travel as JSON of plain fields, rebuilt with the storage constructors torch itself uses for IPC: nothing
+read from the store is unpickled.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mars_megatron.transfer.group import STORE_PREFIX, GroupSpec
+
+
+@dataclass(frozen=True)
+class ColocatedSpec:
+    """A policy's colocated transfer, as the trainer ranks join it."""
+
+    groups: dict[int, GroupSpec]
+    """Per sender: its group over the sender (rank 0) and the other hosting ranks; absent when the sender
+    is the only host."""
+    members: dict[int, tuple[int, ...]]
+    """Per sender with a group: the global trainer ranks of its group in group-rank order."""
+    publishers: dict[int, GroupSpec]
+    """Per hosting trainer rank: where it publishes handles (backend ``ipc``; ``world`` = 1 + workers)."""
+
+
+def share_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A byte buffer other processes of this node can map: shared memory on the host, any CUDA
+    allocation on a GPU (CUDA IPC shares the allocator's block)."""
+    if device.type == "cpu":
+        storage = torch.UntypedStorage(nbytes)
+        # into shared memory now, while nothing uses it: sharing later would move the bytes under a
+        # broadcast that is reading them
+        storage._share_filename_cpu_()
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _b64(x: bytes) -> str:
+    return base64.b64encode(x).decode("ascii")
+
+
+def handle_of(buffer: torch.Tensor) -> str:
+    """The JSON handle of ``buffer`` (from :func:`share_buffer`)."""
+    storage = buffer.untyped_storage()
+    if buffer.device.type == "cpu":
+        manager, name, size = storage._share_filename_cpu_()
+        fields: dict[str, Any] = {"kind": "shm", "manager": _b64(manager), "name": _b64(name), "size": size}
+    else:
+        device, handle, size, offset, rc_handle, rc_offset, event, sync = storage._share_cuda_()
+        fields = {
+            "kind": "cuda",
+            "device": int(device),
+            "handle": _b64(handle),
+            "size": int(size),
+            "offset": int(offset),
+            "rc_handle": _b64(rc_handle),
+            "rc_offset": int(rc_offset),
+            "event": _b64(event),
+            "sync": bool(sync),
+        }
+    fields.update(byte_offset=buffer.storage_offset(), nbytes=buffer.numel())
+    return json.dumps(fields)
+
+
+def open_handle(text: str) -> torch.Tensor:
+    """The buffer a handle from :func:`handle_of` names, mapped into this process (bytes, 1-D)."""
+    f = json.loads(text)
+    if not isinstance(f, dict) or f.get("kind") not in ("shm", "cuda"):
+        raise ValueError("weight transfer: malformed buffer handle in the store")
+    if f["kind"] == "shm":
+        storage = torch.UntypedStorage._new_shared_filename_cpu(
+            base64.b64decode(f["manager"]), base64.b64decode(f["name"]), int(f["size"])
+        )
+    else:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            int(f["device"]),
+            base64.b64decode(f["handle"]),
+            int(f["size"]),
+            int(f["offset"]),
+            base64.b64decode(f["rc_handle"]),
+            int(f["rc_offset"]),
+            base64.b64decode(f["event"]),
+            bool(f["sync"]),
+        )
+    whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    return whole[int(f["byte_offset"]) : int(f["byte_offset"]) + int(f["nbytes"])]
+
+
+def _store(spec: GroupSpec) -> Any:
+    store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+    return store, dist.PrefixStore(f"{STORE_PREFIX}/{spec.key}", store)
+
+
+class Publisher:
+    """A hosting trainer rank's side: publish each bucket's handle, wait until every worker loaded it."""
+
+    def __init__(self, spec: GroupSpec) -> None:
+        self.readers = spec.world - 1
+        self.timeout_s = spec.timeout_s
+        self._base, self.store = _store(spec)
+
+    def publish(self, index: int, buffer: torch.Tensor) -> None:
+        if buffer.device.type == "cuda":
+            torch.cuda.current_stream(buffer.device).synchronize()  # the bytes are there before the handle
+        self.store.set(f"b{index}", handle_of(buffer))
+
+    def wait(self, index: int) -> None:
+        """Block until every reader acknowledged bucket ``index`` (then the buffer may be freed)."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-4
+        while int(self.store.add(f"a{index}", 0)) < self.readers:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"weight transfer: {self.readers} colocated worker(s) did not load bucket {index} within "
+                    f"{self.timeout_s:g} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        self.store.delete_key(f"b{index}")
+
+
+class Subscriber:
+    """An engine worker's side: map each bucket its host published, load it, acknowledge."""
+
+    def __init__(self, spec: GroupSpec) -> None:
+        self._base, self.store = _store(spec)
+
+    def take(self, index: int) -> torch.Tensor:
+        self.store.wait([f"b{index}"])
+        return open_handle(self.store.get(f"b{index}").decode())
+
+    def done(self, index: int) -> None:
+        self.store.add(f"a{index}", 1)
+
+
+def colocated_send(
+    groups: dict[int, Any],
+    plan: Any,
+    me: int,
+    stream: Any,
+    publisher: Publisher | None,
+    device: torch.device,
+    *,
+    owned: Any = lambda t: False,
+) -> Any:
+    """This trainer rank's part of a colocated transfer (every rank runs it; module docstring).
+
+    ``groups``: this rank's memberships by sender (as rank 0 of its own, as a receiver of the others'
+    when it hosts workers); ``publisher``: set when this rank hosts engine workers. Buckets are handled in
+    the plan's global order as they fall due, so the walk is deadlock-free as in
+    :func:`~mars_megatron.transfer.channel.send_buckets`; at most two buffers are held (a bucket stays
+    held until its broadcast ended and every local worker acknowledged it)."""
+    import collections
+
+    from mars_megatron.transfer.channel import MAX_IN_FLIGHT, MemoryTally, TransferStats
+    from mars_megatron.transfer.plan import torch_dtype
+
+    start = time.perf_counter()
+    buckets = list(plan.buckets)
+    slot = {
+        spec.name: (k, off, spec)
+        for k, b in enumerate(buckets)
+        if b.sender == me
+        for spec, off in zip(b.tensors, b.offsets, strict=True)
+    }
+    tally = MemoryTally()
+    buffers: dict[int, torch.Tensor] = {}
+    held: collections.deque[tuple[Any, int]] = collections.deque()
+    handled = 0
+    tensors = 0
+
+    def release_one() -> None:
+        work, k = held.popleft()
+        if work is not None:
+            work.wait()
+        if publisher is not None:
+            publisher.wait(k)
+        tally.release(buckets[k].nbytes)
+        del buffers[k]
+
+    def buffer(k: int, extra: int = 0) -> torch.Tensor:
+        if k not in buffers:
+            while len(buffers) + (1 if extra else 0) >= MAX_IN_FLIGHT and held:
+                release_one()
+            buffers[k] = share_buffer(buckets[k].nbytes, device)
+            tally.hold(buckets[k].nbytes)
+        return buffers[k]
+
+    def handle(k: int) -> None:
+        b = buckets[k]
+        if b.sender == me:
+            buf = buffer(k)
+            work = groups[me].broadcast(buf, src=0) if me in groups else None
+        elif publisher is not None and b.sender in groups:
+            buf = buffer(k)
+            groups[b.sender].broadcast(buf, src=0).wait()
+            work = None
+        else:
+            return  # neither sender nor host: nothing to do with this bucket
+        if publisher is not None:
+            publisher.publish(k, buf)
+        held.append((work, k))
+
+    for position, (name, tensor) in enumerate(stream):
+        while handled < len(buckets) and buckets[handled].due <= position:
+            handle(handled)
+            handled += 1
+        if tensor is None:
+            continue
+        k, off, spec = slot[name]
+        fresh = 0 if owned(tensor) else tensor.numel() * tensor.element_size()
+        tally.transient(fresh)
+        target = buffer(k, fresh)
+        tally.transient(fresh)
+        target[off : off + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape).copy_(tensor)
+        tensors += 1
+    while handled < len(buckets):
+        handle(handled)
+        handled += 1
+    while held:
+        release_one()
+    mine = [b for b in buckets if b.sender == me]
+    nbytes = sum(t.nbytes for b in mine for t in b.tensors)
+    return TransferStats(len(mine), tensors, nbytes, time.perf_counter() - start, tally.peak)
+
+
+def colocated_receive(subscriber: Subscriber, plan: Any, load: Any) -> Any:
+    """An engine worker's side: load every bucket straight from its host's buffer, in plan order."""
+    from mars_megatron.transfer.channel import MemoryTally, TransferStats
+    from mars_megatron.transfer.plan import unpack
+
+    start = time.perf_counter()
+    tally = MemoryTally()
+    loaded = 0
+    for k, bucket in enumerate(plan.buckets):
+        view = subscriber.take(k)
+        tally.hold(bucket.nbytes)  # mapped, not copied: counted while it is held all the same
+        loaded += load(unpack(bucket, view))
+        del view
+        tally.release(bucket.nbytes)
+        subscriber.done(k)
+    return TransferStats(len(plan.buckets), loaded, plan.nbytes, time.perf_counter() - start, tally.peak)
