@@ -1,6 +1,7 @@
-"""The GPU paths, end to end: Transformer Engine layer spec, THD packed sequences, NCCL collectives (weight
-export and sync in TP2/EP2/PP2), context parallelism over THD, FP8 training and rollout, official vLLM as
-the RL engine (one GPU, tensor-parallel over two, colocated and asleep), MoE weight reload, resume under TE.
+"""The GPU paths, end to end: Transformer Engine layer spec, THD packed sequences, NCCL collectives (the
+weight push in TP2/EP2/PP2, and by CUDA IPC to colocated engines), context parallelism over THD, FP8
+training and rollout, official vLLM as the RL engine (one GPU, tensor-parallel over two, colocated and
+asleep), MoE weight reload, resume under TE.
 
 Marked ``gpu``: skipped where CUDA is missing (every CPU machine and CI here), run with
 ``scripts/gpu_check.sh`` (or ``pytest -m gpu``) on a GPU node. Every test asserts values, not "it ran".
@@ -118,24 +119,48 @@ def test_te_spec_takes_the_local_specs_step(tiny: Path) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"pp": 2}], ids=["tp2", "ep2", "pp2"])
-def test_weight_export_and_sync_over_nccl(tiny: Path, layout: dict[str, int]) -> None:
-    """Two GPUs, NCCL: a train step, the export gathered over TP/EP/PP into a transformers engine on rank 0,
-    and the engine's log-probs of its own greedy tokens equal the trainer's (the export once all-gathered
-    host copies, which NCCL refuses)."""
-    _need_gpus(2)
-    from mars_megatron.training import parallel
-    from tests.sync_workers import train_sync_and_compare
-    from tests.test_weight_sync import PROMPTS, TRAIN
+def test_weight_push_over_nccl(tiny: Path, layout: dict[str, int]) -> None:
+    """Three GPUs: two trainer ranks (NCCL) broadcast their buckets over an NCCL transfer group to a
+    transformers engine whose actor holds the third GPU (it receives on the GPU, loads into its model);
+    the engine's log-probs of its own greedy tokens then equal the trainer's, and each end held at most
+    two buckets."""
+    _need_gpus(3)
+    import functools
 
-    results = parallel.launch(
-        train_sync_and_compare, 2, str(tiny), layout, TRAIN, PROMPTS, "hf", timeout_s=600
-    )
-    (rank0,) = [r for r in results if "engine" in r]
-    trainer = next(r["trainer"] for r in reversed(results) if "trainer" in r)
-    assert rank0["stats"].tensors == 45  # every tensor of tiny-moe's HF checkpoint
-    for engine_lp, trainer_lp in zip(rank0["engine"], trainer, strict=True):
-        torch.testing.assert_close(torch.tensor(engine_lp), torch.tensor(trainer_lp), rtol=0, atol=2e-3)
-    assert rank0["engine"] != rank0["before"]  # the step changed the policy the engine decodes with
+    import ray
+
+    from mars_megatron.pipeline.fleet import EngineFleet
+    from mars_megatron.rollout.hf_engine import HFEngine
+    from mars_megatron.rollout.ray_engine import start_rollout_actor
+    from mars_megatron.training.ray_group import RayWorkerGroup
+    from tests.ray_workers import TrainerRank
+    from tests.test_weight_sync import BUCKET, REQUESTS, TRAIN
+
+    ray.init(num_cpus=4, num_gpus=3, include_dashboard=False, log_to_driver=False)
+    try:
+        group = RayWorkerGroup(
+            TrainerRank, 2, str(tiny), layout, threads_per_rank=1, num_gpus_per_rank=1, bucket_bytes=BUCKET
+        )
+        factory = functools.partial(HFEngine, str(tiny), seed=0)
+        engine = start_rollout_actor(factory, threads=1, num_gpus=1)
+        fleet = EngineFleet(group, [("policy", engine)], lambda i: None, host="127.0.0.1", backend="nccl")
+        before = engine.generate(REQUESTS)
+        group.call("train_step", TRAIN, pack_length=48)
+        report = fleet.push_weights({"policy": 1})["policy"]
+        after = engine.generate(REQUESTS)
+        full = [list(r.prompt_ids) + o.token_ids for r, o in zip(REQUESTS, after, strict=True)]
+        trainer = group.call("logprobs", full, 2)[1 if layout.get("pp") else 0]
+        for r, o, lp in zip(REQUESTS, after, trainer, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(o.logprobs), torch.tensor(lp[len(r.prompt_ids) - 1 :]), rtol=0, atol=2e-3
+            )
+        assert [o.logprobs for o in after] != [o.logprobs for o in before]
+        largest = fleet.plans["policy"].largest_bucket
+        assert report.sender_peak_bytes <= 2 * largest and report.receiver_peak_bytes <= 2 * largest
+        fleet.close()
+        group.shutdown()
+    finally:
+        ray.shutdown()
 
 
 @pytest.mark.vllm
@@ -266,6 +291,9 @@ def test_rl_steps_with_a_colocated_vllm_engine(tiny: Path, tmp_path: Path) -> No
     records = _train(tiny, tmp_path, "vllm_colocated")
     assert [r["policy_version"] for r in records] == [1.0, 2.0]
     assert all(r["train/update_ok"] == 1.0 for r in records)
+    # the push went by CUDA IPC handle (colocated) and the engine computes the trainer's policy
+    assert all(r["sync/recovered_engines"] == 0.0 and r["sync/receiver_peak_bytes"] > 0 for r in records)
+    assert all(0 < r["train/mismatch/all/abs_mean"] < MISMATCH_BOUND for r in records)
 
 
 @pytest.mark.vllm
@@ -274,6 +302,9 @@ def test_rl_steps_with_a_two_gpu_vllm_engine(tiny: Path, tmp_path: Path) -> None
     records = _train(tiny, tmp_path, "vllm_tp2_colocated")
     assert [r["policy_version"] for r in records] == [1.0, 2.0]
     assert all(r["train/update_ok"] == 1.0 for r in records)
+    # both trainer ranks host a vLLM worker: EP2's second sender broadcasts to the other host over NCCL,
+    # each host hands its buffer to its worker by CUDA IPC
+    assert all(0 < r["train/mismatch/all/abs_mean"] < MISMATCH_BOUND for r in records)
 
 
 @pytest.mark.vllm

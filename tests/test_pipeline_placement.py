@@ -66,7 +66,7 @@ def test_trainer_ranks_and_engines_land_where_the_placement_says(
     with MarsRLTrainer(cfg, prepare(cfg, nproc=None, resume=None), log=print) as trainer:
         trainer.start()
         ranks = trainer.group.resources()
-        engines = [ray.get(e.actor.resources.remote()) for _, e in trainer.workers]
+        engines = [ray.get(e.actor.resources.remote()) for _, e in trainer.fleet.engines]
         metrics = [trainer.train_step() for _ in range(2)]
         assert trainer.placement is not None
         bundles = trainer.placement.group.bundle_specs
@@ -164,7 +164,7 @@ def _start(cluster_cfg: list[str], sft_model: Path, tmp_path: Path, monkeypatch:
     )  # fmt: skip
     with MarsRLTrainer(cfg, prepare(cfg, nproc=None, resume=None), log=print) as trainer:
         ranks = trainer.group.resources()
-        engines = [ray.get(e.actor.resources.remote()) for _, e in trainer.workers]
+        engines = [ray.get(e.actor.resources.remote()) for _, e in trainer.fleet.engines]
         free = ray.available_resources().get("GPU", 0.0)
         probes = []
         if cfg.rollout.tp > 1:

@@ -82,7 +82,9 @@ class EngineFleet:
         self._store = host_store(host, timeout_s)
         self._ranks = ray.get([e.actor.transfer_ranks.remote() for _, e in self.engines])
         self.colocation = [list(c) for c in colocation] if colocation is not None else None
-        if self.colocation is not None and [len(c) for c in self.colocation] != self._ranks:
+        if self.colocation is not None and any(
+            len(c) < n for c, n in zip(self.colocation, self._ranks, strict=True)
+        ):
             raise ValueError(
                 f"colocation names {[len(c) for c in self.colocation]} host ranks per engine, the engines "
                 f"have {self._ranks} workers"
@@ -249,7 +251,7 @@ class EngineFleet:
         rank = 1
         for i in members:
             first[i] = rank
-            for host in self.colocation[i]:
+            for host in self.colocation[i][: self._ranks[i]]:  # worker w sits on the engine's bundle w
                 workers.setdefault(host, []).append(rank)
                 rank += 1
 

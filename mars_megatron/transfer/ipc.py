@@ -111,23 +111,31 @@ def _store(spec: GroupSpec) -> Any:
 
 
 class Publisher:
-    """A hosting trainer rank's side: publish each bucket's handle, wait until every worker loaded it."""
+    """A hosting trainer rank's side: publish each bucket's handle, wait until every worker loaded it.
+
+    Keys carry the push's round (counted on both sides: a failed push rebuilds the channel under a new
+    key), so an acknowledgement of one push is never taken for the next one's."""
 
     def __init__(self, spec: GroupSpec) -> None:
         self.readers = spec.world - 1
         self.timeout_s = spec.timeout_s
+        self.round = 0
         self._base, self.store = _store(spec)
+
+    def begin(self) -> None:
+        self.round += 1
 
     def publish(self, index: int, buffer: torch.Tensor) -> None:
         if buffer.device.type == "cuda":
             torch.cuda.current_stream(buffer.device).synchronize()  # the bytes are there before the handle
-        self.store.set(f"b{index}", handle_of(buffer))
+        self.store.set(f"r{self.round}/b{index}", handle_of(buffer))
 
     def wait(self, index: int) -> None:
         """Block until every reader acknowledged bucket ``index`` (then the buffer may be freed)."""
         deadline = time.monotonic() + self.timeout_s
         pause = 1e-4
-        while int(self.store.add(f"a{index}", 0)) < self.readers:
+        ack = f"r{self.round}/a{index}"
+        while int(self.store.add(ack, 0)) < self.readers:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"weight transfer: {self.readers} colocated worker(s) did not load bucket {index} within "
@@ -135,21 +143,27 @@ class Publisher:
                 )
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
-        self.store.delete_key(f"b{index}")
+        self.store.delete_key(f"r{self.round}/b{index}")
+        self.store.delete_key(ack)
 
 
 class Subscriber:
     """An engine worker's side: map each bucket its host published, load it, acknowledge."""
 
     def __init__(self, spec: GroupSpec) -> None:
+        self.round = 0
         self._base, self.store = _store(spec)
 
+    def begin(self) -> None:
+        self.round += 1
+
     def take(self, index: int) -> torch.Tensor:
-        self.store.wait([f"b{index}"])
-        return open_handle(self.store.get(f"b{index}").decode())
+        key = f"r{self.round}/b{index}"
+        self.store.wait([key])
+        return open_handle(self.store.get(key).decode())
 
     def done(self, index: int) -> None:
-        self.store.add(f"a{index}", 1)
+        self.store.add(f"r{self.round}/a{index}", 1)
 
 
 def colocated_send(
@@ -175,6 +189,8 @@ def colocated_send(
     from mars_megatron.transfer.plan import torch_dtype
 
     start = time.perf_counter()
+    if publisher is not None:
+        publisher.begin()
     buckets = list(plan.buckets)
     slot = {
         spec.name: (k, off, spec)
@@ -251,6 +267,7 @@ def colocated_receive(subscriber: Subscriber, plan: Any, load: Any) -> Any:
     start = time.perf_counter()
     tally = MemoryTally()
     loaded = 0
+    subscriber.begin()
     for k, bucket in enumerate(plan.buckets):
         view = subscriber.take(k)
         tally.hold(bucket.nbytes)  # mapped, not copied: counted while it is held all the same
