@@ -172,13 +172,12 @@ class PipelineDriver:
 
     def _lost(self, item: _InFlight) -> None:
         """The worker of ``item`` died: replace it and put its work back."""
-
         if item.kind == "rollout":
             self.counters["rollout_restarts"] += 1
             # the trainer must be idle to send the weights now; otherwise the next push brings them
             self.fleet.replace(item.worker, push=self.train_handles is None)
             name = self.fleet.engines[item.worker][0]
-            self.log_restart(item.worker, name)
+            self._log_restart(item.worker, name)
             self.busy_rollout.discard(item.worker)
             self.s.requeue(job.sample_id for job in item.payload)
         else:
@@ -188,7 +187,7 @@ class PipelineDriver:
             self.s.requeue(item.payload)
             self.to_score.extend(item.payload)
 
-    def log_restart(self, worker: int, name: str) -> None:
+    def _log_restart(self, worker: int, name: str) -> None:
         version = self.fleet.versions.get(name)
         when = "at the next push" if worker in self.fleet.stale else f"at policy version {version}"
         self.log(f"rollout worker {worker} ({name}) died: restarted, weights {when}")

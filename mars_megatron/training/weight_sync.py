@@ -4,8 +4,8 @@ Every rank walks the export (:func:`~checkpoints_conversion.model_io.export_at_s
 parameter gather it over their TP/expert-TP group, and its *sender* (the lowest rank holding it in
 TP/expert-TP rank 0 of data-parallel replica 0: one per pipeline stage and expert-parallel rank) packs it
 into a bucket and broadcasts the bucket over its transfer group (:mod:`mars_megatron.transfer`) to every
-worker of every engine at once. Nothing goes through rank 0, the host or the Ray object store; a sender
-holds at most two buckets beyond the model.
+worker of every engine at once. Nothing goes through rank 0 or the Ray object store (on GPUs nothing
+is copied to the host either); a sender holds at most two buckets beyond the model.
 
 The orchestrating driver (:class:`~mars_megatron.pipeline.fleet.EngineFleet`) asks each rank for the
 plan once, has the senders and the engines join the groups, then calls :meth:`WeightSender.send` on all
@@ -160,8 +160,8 @@ class SendsWeights:
         """Collective: every policy's bucket plan (the same on all ranks)."""
         return {name: sender.plan(model) for name, (model, sender) in self.weight_senders().items()}
 
-    def join_transfer(self, policy: str, groups: Mapping[int, GroupSpec]) -> None:
-        """This rank joins ``policy``'s transfer group if it sends (``groups`` by sending rank)."""
+    def join_transfer(self, policy: str, groups: Mapping[int, GroupSpec] | ColocatedSpec) -> None:
+        """This rank joins ``policy``'s transfer groups (:meth:`WeightSender.join`)."""
         self.weight_senders()[policy][1].join(groups)
 
     def send_weights(self, policy: str, raw: bool = False) -> dict[str, float] | None:
