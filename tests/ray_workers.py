@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mars_megatron.config import OptimizerConfig, ParallelConfig
+from mars_megatron.rollout.hf_engine import HFEngine
 from mars_megatron.training import parallel
 from mars_megatron.training.weight_sync import SendsWeights
 
@@ -72,22 +73,34 @@ def train_once(model_dir: str, layout: dict[str, int], seqs: list[list[int]], st
     return TrainerRank(model_dir, layout).train_step(seqs, **step_kwargs)
 
 
-class DyingHFEngine:
+class DyingHFEngine(HFEngine):
     """A transformers engine whose process dies (``os._exit``, as if killed) while it loads bucket
-    ``die_at`` of its first weight transfer."""
+    ``die_at`` of its ``on_transfer``-th weight transfer."""
 
-    def __new__(cls, model_dir: str, die_at: int, **kwargs: Any) -> Any:
-        from mars_megatron.rollout.hf_engine import HFEngine
+    def __init__(self, model_dir: str, die_at: int, on_transfer: int = 2, **kwargs: Any) -> None:
+        super().__init__(model_dir, **kwargs)
+        self.die_at, self.on_transfer = die_at, on_transfer
+        self.transfers = self.buckets = 0
 
-        engine = HFEngine(model_dir, **kwargs)
-        load = engine.update_weights
-        seen = [0]
+    def receive_weights(self, plan: Any, load: bool = True) -> Any:
+        self.transfers += 1
+        self.buckets = 0
+        return super().receive_weights(plan, load)
 
-        def dying(named: Any) -> int:
-            if seen[0] == die_at:
-                os._exit(3)
-            seen[0] += 1
-            return load(named)
+    def update_weights(self, named_tensors: Any) -> int:
+        if self.transfers == self.on_transfer and self.buckets == self.die_at:
+            os._exit(3)
+        self.buckets += 1
+        return super().update_weights(named_tensors)
 
-        engine.update_weights = dying  # type: ignore[method-assign]
-        return engine
+
+def start_fleet(group: Any, factories: list[Any], replacement: Any, **kwargs: Any) -> Any:
+    """An EngineFleet over ``group`` (TrainerRank workers) and engines of one policy, "policy", each in an
+    actor of its own (one per factory), over gloo on loopback; dead engines come back as ``replacement``."""
+    from mars_megatron.pipeline.fleet import EngineFleet
+    from mars_megatron.rollout.ray_engine import start_rollout_actor
+
+    engines = [("policy", start_rollout_actor(f, threads=1)) for f in factories]
+    restart = lambda i: start_rollout_actor(replacement, threads=1)  # noqa: E731
+    options = {"host": "127.0.0.1", "backend": "gloo", "timeout_s": 60, **kwargs}
+    return EngineFleet(group, engines, restart, **options)

@@ -17,10 +17,8 @@ ray = pytest.importorskip("ray")
 
 from checkpoints_conversion.qwen3_mapping import expected_hf_tensors  # noqa: E402
 from mars_megatron.models.presets import init_model  # noqa: E402
-from mars_megatron.pipeline.fleet import EngineFleet  # noqa: E402
 from mars_megatron.rollout.engine import GenerationRequest, SamplingParams  # noqa: E402
 from mars_megatron.rollout.hf_engine import HFEngine  # noqa: E402
-from mars_megatron.rollout.ray_engine import start_rollout_actor  # noqa: E402
 from mars_megatron.training import parallel  # noqa: E402
 from mars_megatron.training.hf_config import load_hf_config  # noqa: E402
 from mars_megatron.training.ray_group import (  # noqa: E402
@@ -29,7 +27,7 @@ from mars_megatron.training.ray_group import (  # noqa: E402
     RayWorkerGroup,
     make_worker_group,
 )
-from tests.ray_workers import TrainerRank, train_once  # noqa: E402
+from tests.ray_workers import TrainerRank, start_fleet, train_once  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
@@ -85,16 +83,8 @@ def test_weight_push_through_the_fleet_matches_the_trainer(group: RayWorkerGroup
     """The trainer's ranks (actors, EP=2: two senders) broadcast their buckets to two HFEngines in actors
     of their own; both then decode what the trainer computes, and the version moved once for both."""
     factory = functools.partial(HFEngine, str(moe), seed=0)
-    engines = [("policy", start_rollout_actor(factory, threads=1)) for _ in range(2)]
-    fleet = EngineFleet(
-        group,
-        engines,
-        lambda i: start_rollout_actor(factory, threads=1),
-        host="127.0.0.1",
-        backend="gloo",
-        timeout_s=60,
-    )
-    one, two = engines[0][1], engines[1][1]
+    fleet = start_fleet(group, [factory, factory], factory)
+    one, two = fleet.engines[0][1], fleet.engines[1][1]
     try:
         before = one.generate(REQUESTS)
         group.call("train_step", TRAIN, **STEP)

@@ -24,10 +24,10 @@ from mars_megatron.models.presets import init_model  # noqa: E402
 from mars_megatron.pipeline.fleet import EngineFleet, TransferError  # noqa: E402
 from mars_megatron.rollout.engine import GenerationRequest, SamplingParams  # noqa: E402
 from mars_megatron.rollout.hf_engine import HFEngine  # noqa: E402
-from mars_megatron.rollout.ray_engine import TornWeightsError, start_rollout_actor  # noqa: E402
+from mars_megatron.rollout.ray_engine import TornWeightsError  # noqa: E402
 from mars_megatron.training.hf_config import load_hf_config  # noqa: E402
 from mars_megatron.training.ray_group import RayWorkerGroup  # noqa: E402
-from tests.ray_workers import DyingHFEngine, TrainerRank  # noqa: E402
+from tests.ray_workers import DyingHFEngine, TrainerRank, start_fleet  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
@@ -51,12 +51,6 @@ def cluster() -> Iterator[None]:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-def _fleet(group: Any, factory: Any, n: int, start: Any = None) -> EngineFleet:
-    engines = [("policy", start_rollout_actor(factory, threads=1)) for _ in range(n)]
-    restart = start or (lambda i: start_rollout_actor(factory, threads=1))
-    return EngineFleet(group, engines, restart, host="127.0.0.1", backend="gloo", timeout_s=60)
 
 
 def _check_equal_to_trainer(group: Any, fleet: EngineFleet, trainer_rank: int) -> list[Any]:
@@ -84,7 +78,8 @@ def test_every_engine_matches_the_trainer_after_a_push(
 ) -> None:
     moe = models["moe"]
     group = RayWorkerGroup(TrainerRank, world, str(moe), layout, threads_per_rank=1, bucket_bytes=BUCKET)
-    fleet = _fleet(group, functools.partial(HFEngine, str(moe), seed=0), engines)
+    factory = functools.partial(HFEngine, str(moe), seed=0)
+    fleet = start_fleet(group, [factory] * engines, factory)
     try:
         before = fleet.engines[0][1].generate(REQUESTS)
         group.call("train_step", TRAIN, pack_length=48)
@@ -119,19 +114,10 @@ def test_an_engine_killed_mid_transfer_is_replaced_and_the_others_never_serve_to
     moe = models["moe"]
     group = RayWorkerGroup(TrainerRank, 1, str(moe), {}, threads_per_rank=1, bucket_bytes=BUCKET)
     healthy = functools.partial(HFEngine, str(moe), seed=0)
-    dying = functools.partial(DyingHFEngine, str(moe), 3, seed=0)
-    engines = [("policy", start_rollout_actor(f, threads=1)) for f in (healthy, dying, healthy)]
-    fleet = EngineFleet(
-        group,
-        engines,
-        lambda i: start_rollout_actor(healthy, threads=1),
-        host="127.0.0.1",
-        backend="gloo",
-        timeout_s=60,
-    )
+    dying = functools.partial(DyingHFEngine, str(moe), 3, seed=0)  # at bucket 3 of its second transfer
+    fleet = start_fleet(group, [healthy, dying, healthy], healthy)
     try:
-        fleet.versions["policy"] = 0
-        fleet.stale.clear()
+        assert fleet.push_weights({"policy": 0})["policy"].recovered == 0
         group.call("train_step", TRAIN, pack_length=48)
         with pytest.raises(
             TransferError, match=r"policy 'policy' version 1 failed at engine\(s\) \[0, 1, 2\]"
@@ -158,17 +144,8 @@ def test_a_dying_engine_recovers_within_the_push(cluster: None, models: dict[str
     moe = models["moe"]
     group = RayWorkerGroup(TrainerRank, 1, str(moe), {}, threads_per_rank=1, bucket_bytes=BUCKET)
     healthy = functools.partial(HFEngine, str(moe), seed=0)
-    dying = functools.partial(DyingHFEngine, str(moe), 2, seed=0)
-    engines = [("policy", start_rollout_actor(f, threads=1)) for f in (dying, healthy)]
-    fleet = EngineFleet(
-        group,
-        engines,
-        lambda i: start_rollout_actor(healthy, threads=1),
-        host="127.0.0.1",
-        backend="gloo",
-        timeout_s=60,
-        log=lambda _: None,
-    )
+    dying = functools.partial(DyingHFEngine, str(moe), 2, on_transfer=1, seed=0)
+    fleet = start_fleet(group, [dying, healthy], healthy, log=lambda _: None)
     try:
         group.call("train_step", TRAIN, pack_length=48)
         report = fleet.push_weights({"policy": 1})["policy"]
@@ -191,7 +168,8 @@ def test_vllm_engines_match_the_trainer_after_a_push(
 
     dense = models["dense"]
     group = RayWorkerGroup(TrainerRank, world, str(dense), layout, threads_per_rank=1, bucket_bytes=BUCKET)
-    fleet = _fleet(group, functools.partial(VLLMEngine, str(dense)), engines)
+    factory = functools.partial(VLLMEngine, str(dense))
+    fleet = start_fleet(group, [factory] * engines, factory)
     try:
         group.call("train_step", TRAIN, pack_length=48)
         report = fleet.push_weights({"policy": 1})["policy"]
@@ -212,16 +190,7 @@ def test_colocated_engines_take_the_weights_by_handle(
     moe = models["moe"]
     group = RayWorkerGroup(TrainerRank, world, str(moe), layout, threads_per_rank=1, bucket_bytes=BUCKET)
     factory = functools.partial(HFEngine, str(moe), seed=0)
-    engines = [("policy", start_rollout_actor(factory, threads=1)) for _ in range(2)]
-    fleet = EngineFleet(
-        group,
-        engines,
-        lambda i: start_rollout_actor(factory, threads=1),
-        host="127.0.0.1",
-        backend="gloo",
-        timeout_s=60,
-        colocation=[[0], [1]],
-    )
+    fleet = start_fleet(group, [factory, factory], factory, colocation=[[0], [1]])
     try:
         group.call("train_step", TRAIN, pack_length=48)
         report = fleet.push_weights({"policy": 1})["policy"]

@@ -28,6 +28,7 @@ from mars_megatron.rollout.engine import (
     Sleepable,
     TransferTarget,
 )
+from mars_megatron.transfer.channel import TransferStats
 from mars_megatron.transfer.group import GroupSpec
 from mars_megatron.transfer.plan import TransferPlan
 
@@ -47,6 +48,12 @@ class UpdateStats:
     largest_bucket: int  # bytes; at most the plan's bucket_bytes unless one tensor is larger
     peak_bytes: int  # the most bytes any worker of the engine held for the transfer
     seconds: float
+
+    @classmethod
+    def of(cls, version: int, plan: TransferPlan, stats: TransferStats, seconds: float) -> UpdateStats:
+        return cls(
+            version, stats.tensors, stats.buckets, stats.bytes, plan.largest_bucket, stats.peak_bytes, seconds
+        )
 
 
 class RolloutActor:
@@ -93,21 +100,12 @@ class RolloutActor:
         (:class:`TornWeightsError`) until a transfer completes."""
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
-        target = self._target()
         started = time.perf_counter()
         self._torn = True
-        stats = target.receive_weights(plan)
+        stats = self._target().receive_weights(plan)
         self._torn = False
         self._version = version
-        self._last = UpdateStats(
-            version,
-            stats.tensors,
-            stats.buckets,
-            stats.bytes,
-            plan.largest_bucket,
-            stats.peak_bytes,
-            time.perf_counter() - started,
-        )
+        self._last = UpdateStats.of(version, plan, stats, time.perf_counter() - started)
         return self._last
 
     def receive_discard(self, plan: TransferPlan) -> UpdateStats:
@@ -115,15 +113,7 @@ class RolloutActor:
         push, for ``tools/bench/weight_sync.py``."""
         started = time.perf_counter()
         stats = self._target().receive_weights(plan, load=False)
-        return UpdateStats(
-            self._version,
-            stats.tensors,
-            stats.buckets,
-            stats.bytes,
-            plan.largest_bucket,
-            stats.peak_bytes,
-            time.perf_counter() - started,
-        )
+        return UpdateStats.of(self._version, plan, stats, time.perf_counter() - started)
 
     def leave_transfer(self) -> None:
         self._target().leave_transfer()
