@@ -3,8 +3,8 @@
 Loading: every rank reads only the HF tensors its parameters need, one at a time, and keeps its piece.
 Export: for each parameter of the whole model (a canonical order every rank agrees on), the ranks that
 hold it gather its pieces over their TP (or expert-TP) group, one holder sends it to global rank 0, and
-rank 0 yields full HF tensors one at a time. The same export feeds HF checkpoints and, later, rollout
-engines' weight updates.
+rank 0 yields full HF tensors one at a time (HF checkpoints). The weight push to rollout engines walks the
+same export without the trip to rank 0 (:func:`export_at_senders`).
 """
 
 from __future__ import annotations
@@ -298,7 +298,8 @@ def export_at_senders(
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """The export without the trip to rank 0: on every rank, ``(hf_name, tensor)`` for each HF tensor of
     the model in export order, the tensor where this rank is the step's sender and ``None`` elsewhere.
-    Senders (one per pipeline stage and expert-parallel rank) then send on their own, in parallel."""
+    Senders (one per pipeline stage and expert-parallel rank) then send on their own, nothing goes through
+    rank 0 (:mod:`mars_megatron.training.weight_sync`)."""
     me = dist.get_rank()
     for step in steps:
         full = _gather(step, me, arch)

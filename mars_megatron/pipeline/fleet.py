@@ -309,7 +309,6 @@ class EngineFleet:
         the next push."""
         policy = self.engines[index][0]
         self._restart(index)
-        self._members.pop(policy, None)
         if push and policy in self.versions:
             self._push_recovering(policy, (index,), self.versions[policy])
         return self.engines[index][1]
@@ -324,6 +323,7 @@ class EngineFleet:
             ray.kill(old.actor)
         engine = self.start_engine(index)
         self.engines[index] = (policy, engine)
+        self._members.pop(policy, None)  # the policy's groups had the old engine in them
         self._ranks[index] = ray.get(engine.actor.transfer_ranks.remote())
         self.stale.add(index)
 
