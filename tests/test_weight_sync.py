@@ -207,3 +207,26 @@ def test_colocated_engines_take_the_weights_by_handle(
     finally:
         fleet.close()
         group.shutdown()
+
+
+@pytest.mark.vllm
+def test_a_vllm_engine_can_receive_and_drop_a_push(cluster: None, models: dict[str, Path]) -> None:
+    """The wire-speed baseline the bench measures: the same buckets reach every vLLM worker and are
+    dropped; the engine keeps its weights (same greedy decoding) and its version."""
+    pytest.importorskip("vllm")
+    from mars_megatron.rollout.vllm_engine import VLLMEngine
+
+    dense = models["dense"]
+    group = RayWorkerGroup(TrainerRank, 1, str(dense), {}, threads_per_rank=1, bucket_bytes=BUCKET)
+    factory = functools.partial(VLLMEngine, str(dense))
+    fleet = start_fleet(group, [factory], factory)
+    try:
+        engine = fleet.engines[0][1]
+        before = engine.generate(REQUESTS)
+        group.call("train_step", TRAIN, pack_length=48)
+        assert fleet.measure_wire("policy") > 0
+        after = engine.generate(REQUESTS)
+        assert [o.token_ids for o in after] == [o.token_ids for o in before] and engine.version() == 0
+    finally:
+        fleet.close()
+        group.shutdown()

@@ -49,15 +49,16 @@ class TransferWorkerExtension:
         worker: Any = self
         model = worker.model_runner.get_model()
 
-        def load(named: Sequence[tuple[str, torch.Tensor]]) -> int:
+        if not load:  # the wire-speed baseline: receive and drop
+            return end.receive(plan, len)
+
+        def load_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> int:
             model.load_weights(iter(named))
             return len(named)
 
-        if not load:  # the wire-speed baseline: receive and drop
-            return end.receive(plan, len)
         with set_current_vllm_config(worker.vllm_config), torch.no_grad():
             initialize_layerwise_reload(model)
-            stats = end.receive(plan, load)
+            stats = end.receive(plan, load_bucket)
             finalize_layerwise_reload(model, worker.model_config)
         return stats
 
