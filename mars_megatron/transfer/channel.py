@@ -53,6 +53,74 @@ class TransferStats:
     peak_bytes: int
 
 
+class BucketBuffers:
+    """The bucket buffers a sending rank holds: at most :data:`MAX_IN_FLIGHT`, each until the work that
+    reads it (its broadcast) ended and ``on_release(k)`` returned (colocated: every worker acknowledged
+    it). Buckets are named by their index in the plan; ``slot`` places each tensor ``sender`` sends."""
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        sender: int,
+        allocate: Callable[[int], torch.Tensor],
+        on_release: Callable[[int], None] | None = None,
+    ) -> None:
+        self.buckets = plan.buckets
+        self.slot = {
+            spec.name: (k, off, spec)
+            for k, b in enumerate(plan.buckets)
+            if b.sender == sender
+            for spec, off in zip(b.tensors, b.offsets, strict=True)
+        }
+        self.allocate, self.on_release = allocate, on_release
+        self.tally = MemoryTally()
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._held: collections.deque[tuple[Any, int]] = collections.deque()
+
+    def get(self, k: int, copy_held: int = 0) -> torch.Tensor:
+        """Bucket ``k``'s buffer, allocated on first use once at most one other bucket is held (none
+        while a gathered copy of ``copy_held`` bytes waits to be packed: it counts as one)."""
+        if k not in self._buffers:
+            while len(self._buffers) + (1 if copy_held else 0) >= MAX_IN_FLIGHT and self._held:
+                self.release_oldest()
+            self._buffers[k] = self.allocate(self.buckets[k].nbytes)
+            self.tally.hold(self.buckets[k].nbytes)
+        return self._buffers[k]
+
+    def hold(self, k: int, work: Any) -> None:
+        """Keep bucket ``k`` until ``work`` (None: nothing) is done."""
+        self._held.append((work, k))
+
+    def release_oldest(self) -> None:
+        work, k = self._held.popleft()
+        if work is not None:
+            work.wait()
+        if self.on_release is not None:
+            self.on_release(k)
+        self.tally.release(self.buckets[k].nbytes)
+        del self._buffers[k]
+
+    def make_room(self) -> None:
+        """Release until at most one bucket is held (before the export makes a copy)."""
+        while len(self._buffers) >= MAX_IN_FLIGHT and self._held:
+            self.release_oldest()
+
+    def drain(self) -> None:
+        while self._held:
+            self.release_oldest()
+
+    def pack(self, name: str, tensor: torch.Tensor, owned: Callable[[torch.Tensor], bool]) -> int:
+        """Copy ``tensor`` into its place in its bucket; returns the bytes of the copy the export made of
+        it (0 for memory of the model itself), which is counted with the buffers live while it existed."""
+        k, off, spec = self.slot[name]
+        fresh = 0 if owned(tensor) else tensor.numel() * tensor.element_size()
+        self.tally.transient(fresh)  # as handed out: with the buffers live while it was gathered
+        target = self.get(k, fresh)
+        self.tally.transient(fresh)
+        target[off : off + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape).copy_(tensor)
+        return fresh
+
+
 def send_buckets(
     group: TransferGroup,
     plan: TransferPlan,
@@ -75,36 +143,14 @@ def send_buckets(
     stay within two buckets; otherwise the next bucket is packed while the previous one is on the wire.
     ``copied``: filled with the names that came out as copies, to pass as ``copies`` next time."""
     start = time.perf_counter()
-    mine = plan.buckets_of(sender)
-    slot = {
-        spec.name: (k, off, spec)
-        for k, b in enumerate(mine)
-        for spec, off in zip(b.tensors, b.offsets, strict=True)
-    }
-    tally = MemoryTally()
-    buffers: dict[int, torch.Tensor] = {}
-    in_flight: collections.deque[tuple[Any, int]] = collections.deque()
+    mine = [k for k, b in enumerate(plan.buckets) if b.sender == sender]
+    pool = BucketBuffers(plan, sender, lambda n: torch.empty(n, dtype=torch.uint8, device=group.device))
     launched = 0
     tensors = 0
 
-    def wait_one() -> None:
-        work, k = in_flight.popleft()
-        work.wait()
-        tally.release(mine[k].nbytes)
-        del buffers[k]
-
-    def buffer(k: int, copy_held: int = 0) -> torch.Tensor:
-        if k not in buffers:
-            # at most two buckets held, counting a gathered copy waiting to be packed as one
-            while len(buffers) + (1 if copy_held else 0) >= MAX_IN_FLIGHT and in_flight:
-                wait_one()
-            buffers[k] = torch.empty(mine[k].nbytes, dtype=torch.uint8, device=group.device)
-            tally.hold(mine[k].nbytes)
-        return buffers[k]
-
     def launch(k: int) -> None:
-        buf = buffer(k)  # a bucket of nothing but empty tensors still goes out: receivers expect it
-        in_flight.append((group.broadcast(buf, src=0), k))
+        buf = pool.get(k)  # a bucket of nothing but empty tensors still goes out: receivers expect it
+        pool.hold(k, group.broadcast(buf, src=0))
 
     def pulled(
         source: Iterable[tuple[str, torch.Tensor | None]],
@@ -112,10 +158,9 @@ def send_buckets(
         for position, item in enumerate(source):
             yield item
             following = position + 1
-            if following < len(plan.tensors) and plan.tensors[following].name in slot:
+            if following < len(plan.tensors) and plan.tensors[following].name in pool.slot:
                 if copies is None or plan.tensors[following].name in copies:
-                    while len(buffers) >= MAX_IN_FLIGHT and in_flight:
-                        wait_one()
+                    pool.make_room()
 
     for position, (name, tensor) in enumerate(pulled(stream)):
         if plan.tensors[position].name != name:
@@ -123,30 +168,22 @@ def send_buckets(
                 f"weight transfer: export gave {name!r} at position {position}, the plan "
                 f"{plan.tensors[position].name!r}"
             )
-        while launched < len(mine) and mine[launched].due <= position:
-            launch(launched)
+        while launched < len(mine) and plan.buckets[mine[launched]].due <= position:
+            launch(mine[launched])
             launched += 1
         if tensor is None:
             continue
-        if name not in slot:
+        if name not in pool.slot:
             raise RuntimeError(f"weight transfer: rank {sender} got {name!r}, which another rank sends")
-        k, off, spec = slot[name]
-        fresh = 0 if owned(tensor) else tensor.numel() * tensor.element_size()
-        if fresh and copied is not None:
+        if pool.pack(name, tensor, owned) and copied is not None:
             copied.add(name)
-        tally.transient(fresh)  # as handed out: with the buffers live while it was gathered
-        target = buffer(k, fresh)
-        tally.transient(fresh)
-        view = target[off : off + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape)
-        view.copy_(tensor)
         tensors += 1
     while launched < len(mine):
-        launch(launched)
+        launch(mine[launched])
         launched += 1
-    while in_flight:
-        wait_one()
-    nbytes = sum(t.nbytes for b in mine for t in b.tensors)
-    return TransferStats(len(mine), tensors, nbytes, time.perf_counter() - start, tally.peak)
+    pool.drain()
+    nbytes = sum(t.nbytes for k in mine for t in plan.buckets[k].tensors)
+    return TransferStats(len(mine), tensors, nbytes, time.perf_counter() - start, pool.tally.peak)
 
 
 def receive_buckets(

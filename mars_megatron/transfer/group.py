@@ -43,12 +43,6 @@ class GroupSpec:
             )
 
 
-def default_backend() -> str:
-    """NCCL where this process has a GPU, gloo otherwise (every member must agree: the orchestrator decides
-    once and puts it in the :class:`GroupSpec`)."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def host_store(host: str, timeout_s: float = 300.0) -> Any:
     """The store every member of this run's transfer groups meets through (kept alive by the caller)."""
     return dist.TCPStore(

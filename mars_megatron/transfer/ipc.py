@@ -26,7 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mars_megatron.transfer.channel import BucketBuffers, MemoryTally, TransferStats
 from mars_megatron.transfer.group import STORE_PREFIX, GroupSpec
+from mars_megatron.transfer.plan import unpack
 
 
 @dataclass(frozen=True)
@@ -183,58 +185,30 @@ def colocated_send(
     the plan's global order as they fall due, so the walk is deadlock-free as in
     :func:`~mars_megatron.transfer.channel.send_buckets`; at most two buffers are held (a bucket stays
     held until its broadcast ended and every local worker acknowledged it)."""
-    import collections
-
-    from mars_megatron.transfer.channel import MAX_IN_FLIGHT, MemoryTally, TransferStats
-    from mars_megatron.transfer.plan import torch_dtype
-
     start = time.perf_counter()
     if publisher is not None:
         publisher.begin()
     buckets = list(plan.buckets)
-    slot = {
-        spec.name: (k, off, spec)
-        for k, b in enumerate(buckets)
-        if b.sender == me
-        for spec, off in zip(b.tensors, b.offsets, strict=True)
-    }
-    tally = MemoryTally()
-    buffers: dict[int, torch.Tensor] = {}
-    held: collections.deque[tuple[Any, int]] = collections.deque()
+    pool = BucketBuffers(
+        plan, me, lambda n: share_buffer(n, device), publisher.wait if publisher is not None else None
+    )
     handled = 0
     tensors = 0
-
-    def release_one() -> None:
-        work, k = held.popleft()
-        if work is not None:
-            work.wait()
-        if publisher is not None:
-            publisher.wait(k)
-        tally.release(buckets[k].nbytes)
-        del buffers[k]
-
-    def buffer(k: int, extra: int = 0) -> torch.Tensor:
-        if k not in buffers:
-            while len(buffers) + (1 if extra else 0) >= MAX_IN_FLIGHT and held:
-                release_one()
-            buffers[k] = share_buffer(buckets[k].nbytes, device)
-            tally.hold(buckets[k].nbytes)
-        return buffers[k]
 
     def handle(k: int) -> None:
         b = buckets[k]
         if b.sender == me:
-            buf = buffer(k)
+            buf = pool.get(k)
             work = groups[me].broadcast(buf, src=0) if me in groups else None
         elif publisher is not None and b.sender in groups:
-            buf = buffer(k)
+            buf = pool.get(k)
             groups[b.sender].broadcast(buf, src=0).wait()
             work = None
         else:
             return  # neither sender nor host: nothing to do with this bucket
         if publisher is not None:
             publisher.publish(k, buf)
-        held.append((work, k))
+        pool.hold(k, work)
 
     for position, (name, tensor) in enumerate(stream):
         while handled < len(buckets) and buckets[handled].due <= position:
@@ -242,28 +216,19 @@ def colocated_send(
             handled += 1
         if tensor is None:
             continue
-        k, off, spec = slot[name]
-        fresh = 0 if owned(tensor) else tensor.numel() * tensor.element_size()
-        tally.transient(fresh)
-        target = buffer(k, fresh)
-        tally.transient(fresh)
-        target[off : off + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape).copy_(tensor)
+        pool.pack(name, tensor, owned)
         tensors += 1
     while handled < len(buckets):
         handle(handled)
         handled += 1
-    while held:
-        release_one()
+    pool.drain()
     mine = [b for b in buckets if b.sender == me]
     nbytes = sum(t.nbytes for b in mine for t in b.tensors)
-    return TransferStats(len(mine), tensors, nbytes, time.perf_counter() - start, tally.peak)
+    return TransferStats(len(mine), tensors, nbytes, time.perf_counter() - start, pool.tally.peak)
 
 
 def colocated_receive(subscriber: Subscriber, plan: Any, load: Any) -> Any:
     """An engine worker's side: load every bucket straight from its host's buffer, in plan order."""
-    from mars_megatron.transfer.channel import MemoryTally, TransferStats
-    from mars_megatron.transfer.plan import unpack
-
     start = time.perf_counter()
     tally = MemoryTally()
     loaded = 0
