@@ -1,33 +1,46 @@
 """The agentic pipeline against the synchronous loop: (a) the real tiny run, (b) the same scheduler simulated
 at paper scale.
 
-(a) ``--real``: from one warm start (``--sft DIR``, e.g. scripts/demo.sh's ``runs/demo/sft``), ``mars train
-examples/tiny_cpu.yaml`` twice, ``pipeline.mode=sync`` then ``pipeline.mode=agentic``, same config, same
-machine, one after the other. Prints trained samples per second of training wall time (the sum of
-``time/step``), the trainer's idle fraction (1 - time/train / time/step), and each role's reward rise.
+(a) ``--real``: from one warm start, ``mars train examples/tiny_cpu.yaml`` twice, ``pipeline.mode=sync``
+then ``pipeline.mode=agentic``, same config, same machine, one after the other. The warm start is ``--sft
+DIR`` (a `mars sft` checkpoint, e.g. scripts/demo.sh's ``runs/demo/sft``) or, without ``--sft``, one built
+under ``--out`` first (``init-model`` + ``mars sft``, as the other tiny-task benchmarks do), so that a
+fresh clone can run it. Prints trained samples per second of training wall time (the sum of
+``time/step``), the trainer's idle fraction (1 - time/train / time/step), and each role's reward rise,
+with the sync run as the baseline (its row is 1.00x).
 
 (b) ``--sim``: :mod:`mars_megatron.pipeline.simulate` runs the real scheduler on a virtual clock at MarsRL's
 scale — G = 8, 128 problems per update, 5 positions, 64k-token responses decoded in 4 segments of 16k,
 long-tail lengths (log-normal, most 5k-30k, capped at 64k) — with per-token costs measured here: one
 decode step of the tiny MoE's transformers engine at batch 1 and 64, and the trainer's seconds per token
 from run (a)'s synchronous metrics (or ``--train-s-per-token``). Sync is the same scheduler with staleness
-0 and whole responses. One simulated token stands for ``--block`` real ones (the schedule is unchanged up
-to rounding; it keeps the simulation to seconds).
+0 and whole responses, the baseline of each row. One simulated token stands for ``--block`` real ones (the
+schedule is unchanged up to rounding; it keeps the simulation to seconds). The decode steps run on
+``--sft``'s model, else on the warm start of (a), else on a random tiny MoE (a decode step's cost does not
+depend on the weights: every request decodes a fixed number of tokens).
 
 Targets (issue 5): >= 1.3x samples/s on the tiny CPU run, >= 2.0x in the paper-scale simulation, trainer
 idle <= 10%.
 
+With no arguments it prints its usage and the modes to choose from on stderr and exits 2: the two modes
+answer different questions and (a) takes about ten minutes on 2 cores, so neither is run unasked.
+``--sim`` alone needs ``--train-s-per-token`` (it has no run (a) to measure the trainer in) and takes
+about a minute (72 s on 2 cores, mostly the decode measurement).
+
 Anything here starts Ray: run it inside a loopback-only network namespace, e.g.
+    unshare -n sh -c 'ip link set lo up && python tools/bench/pipeline.py --real --sim'
     unshare -n sh -c 'ip link set lo up && python tools/bench/pipeline.py --real --sft runs/demo/sft --sim'
+    python tools/bench/pipeline.py --sim --train-s-per-token 8.5e-5   # the README's measured trainer cost
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, mars
+from common import REPO, mars, warm_start
 
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.trajectory import TrainingConfig
@@ -137,25 +150,69 @@ def paper_sim(
     return sim.run(updates)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, checked before anything runs: a mode must be chosen (usage and exit 2 otherwise,
+    never a silent exit 0), and a missing input is named by its flag instead of failing minutes later."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--real", action="store_true", help="(a): the real tiny run, sync vs agentic")
-    parser.add_argument("--sft", type=Path, default=REPO / "runs/demo/sft", help="warm start for (a)")
-    parser.add_argument("--out", type=Path, default=REPO / "runs/bench_pipeline")
+    parser.add_argument(
+        "--sft",
+        type=Path,
+        default=None,
+        help="warm start for (a) and the model (b) decodes with: a `mars sft` checkpoint such as "
+        "runs/demo/sft (default: (a) builds one under --out; --sim alone uses a random tiny MoE)",
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "runs/bench_pipeline", help="(a)'s new run folder")
     parser.add_argument("--sim", action="store_true", help="(b): the paper-scale simulation")
-    parser.add_argument("--train-s-per-token", type=float, default=None)
-    parser.add_argument("--block", type=int, default=256)
-    parser.add_argument("--updates", type=int, default=6)
+    parser.add_argument(
+        "--train-s-per-token",
+        type=float,
+        default=None,
+        help="(b)'s trainer cost in seconds per token (default: measured by --real)",
+    )
+    parser.add_argument("--block", type=int, default=256, help="(b): real tokens per simulated token")
+    parser.add_argument("--updates", type=int, default=6, help="(b): simulated updates per run")
     parser.add_argument("overrides", nargs="*", help="extra mars train overrides for (a)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not (args.real or args.sim):
+        parser.error(
+            "choose a mode: --real (the tiny run, sync vs agentic; minutes), --sim --train-s-per-token S "
+            "(the paper-scale simulation; about a minute), or --real --sim (both: the simulation costed "
+            "by the run)"
+        )
+    if args.sim and not args.real and args.train_s_per_token is None:
+        parser.error("--sim needs --real (to measure the trainer) or --train-s-per-token")
+    if args.overrides and not args.real:
+        parser.error(f"mars train overrides {args.overrides} apply to --real only")
+    if args.block < 1 or args.updates < 1:
+        parser.error("--block and --updates must be >= 1")
+    if args.sft is not None:
+        from checkpoints_conversion.convert import is_mcore_checkpoint
+
+        if not args.sft.is_dir():
+            parser.error(
+                f"--sft {args.sft}: no such directory (make one with scripts/demo.sh, or leave --sft out)"
+            )
+        if not is_mcore_checkpoint(args.sft) or not (args.sft / "hf").is_dir():
+            parser.error(f"--sft {args.sft}: not a `mars sft` checkpoint (one with an hf/ folder)")
+    if args.real and args.out.exists():
+        parser.error(f"--out {args.out} exists; remove it or pass another --out")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     train_s_per_token = args.train_s_per_token
+    sft: Path | None = args.sft.resolve() if args.sft is not None else None
     if args.real:
-        if args.out.exists():
-            raise SystemExit(f"{args.out} exists; remove it or pass another --out")
-        runs = real_runs(args.sft.resolve(), args.out.resolve(), args.overrides)
-        print(f"\n(a) tiny run on this machine, same config and warm start ({args.sft})")
+        out = args.out.resolve()
+        if sft is None:
+            folder, _ = warm_start(str(out))
+            sft = folder / "sft"
+        runs = real_runs(sft, out, args.overrides)
+        print(f"\n(a) tiny run on this machine, same config and warm start ({sft})")
         header = f"{'mode':<9}{'samples/s':>10}{'trainer idle':>14}{'train s':>9}{'samples':>9}"
         print(header + "   reward rise S / V / C")
         base = None
@@ -170,10 +227,14 @@ def main() -> None:
             r["tokens"] for r in sync
         )
     if args.sim:
-        if train_s_per_token is None:
-            raise SystemExit("--sim needs --real (to measure the trainer) or --train-s-per-token")
-        hf = args.sft.resolve() / "hf"
-        step1, step64 = measure_decode(hf)
+        assert train_s_per_token is not None  # parse_args asks for --real or --train-s-per-token
+        if sft is not None:
+            step1, step64 = measure_decode(sft / "hf")
+        else:
+            from mars_megatron.models.presets import init_model
+
+            with tempfile.TemporaryDirectory(prefix="mars-bench-pipeline-") as tmp:
+                step1, step64 = measure_decode(init_model("tiny-moe", Path(tmp) / "hf", seed=0))
         costs = Costs(step1, (step64 - step1) / 63, train_s_per_token, sync_s=0.0)
         print(
             f"\n(b) paper-scale simulation; measured here: decode step {step1 * 1e3:.2f} ms at batch 1, "
