@@ -16,6 +16,10 @@ and the worker's memory next to the checkpoint size: peak RSS from ``getrusage``
 into anonymous memory (what the process owns) and file-backed pages (memory-mapped source shards, which
 the kernel can drop). Everything is written under a temporary directory that is removed at the end.
 
+With no arguments it runs the default measurement (a tiny-moe widened to ~330 MB float32, 3 repeats) and
+prints the table above, raw safetensors copy first as the baseline: under a minute on 2 cores. Nothing
+has to exist beforehand; ``--workdir``, when given, must be an existing directory.
+
     python tools/bench/convert.py                      # tiny-moe, ~330 MB float32
     python tools/bench/convert.py --layers 8 --experts 16 --moe-intermediate 512
     python tools/bench/convert.py --preset tiny-dense --layers 8 --intermediate 8192
@@ -210,8 +214,14 @@ def parse_args() -> argparse.Namespace:
         "checkpoint; in a real model a shard is a small part of it, so the bench keeps it that way",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each step; the median is shown")
-    p.add_argument("--workdir", default=None, help="where to make the temporary directory")
-    return p.parse_args()
+    p.add_argument("--workdir", default=None, help="an existing directory to make the temporary one in")
+    args = p.parse_args()
+    # Checked here, not by mkdtemp's traceback: the flag named before any work is done.
+    if args.workdir is not None and not Path(args.workdir).is_dir():
+        p.error(f"--workdir {args.workdir}: no such directory")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
 
 
 def main() -> None:
