@@ -10,6 +10,10 @@ boxed response that is right and one that is off by one, repeated to ``--checks`
 - ``AnswerChecker``: ``check_many`` on the whole batch, with 1 worker and with one worker per CPU. Worker
   start-up is excluded (a warm-up batch runs first). Per core = checks/s divided by the worker count.
 
+With no arguments it runs the default measurement (2,000 checks, median of 3; its inputs are in the
+repository) and prints checks/s, their range and per core for each path, direct first as the baseline,
+then the per-core target met or not: under 20 seconds on 2 cores.
+
     python tools/bench/rewards.py [--checks 2000] [--repeats 3]
 """
 
@@ -64,10 +68,14 @@ def timed(fn, pairs, repeats: int) -> tuple[list[float], list[bool]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checks", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--checks", type=int, default=2000, help="checks per timed batch")
+    parser.add_argument("--repeats", type=int, default=3, help="timed batches per path (median shown)")
     args = parser.parse_args()
+    if args.checks < 1 or args.repeats < 1:
+        parser.error("--checks and --repeats must be >= 1")
     pairs = make_pairs(args.checks)
     cpus = len(os.sched_getaffinity(0))
 
