@@ -35,6 +35,8 @@ from mars_megatron.tasks.sft import SFTConfig, step_batches
 
 COMPACT = prompt_set("compact")
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(scope="module")
 def codec() -> ChatCodec:
@@ -74,6 +76,35 @@ def test_written_problems_load_as_mars_eval_data(tmp_path: Path) -> None:
     loaded = load_problems(path)
     assert loaded.skipped == [] and loaded.problems == problems
     assert json.loads(path.read_text().splitlines()[0]).keys() == {"qid", "problem", "answer"}
+
+
+def test_the_held_out_split_is_disjoint_from_everything_trained_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/data/arith_test.jsonl is never trained on: disjoint from the RL training file and from the
+    problems of the SFT demos (tiny_sft.yaml reads the same training file), and both files are the
+    generator's split, so they can be rebuilt."""
+    from mars_megatron.config import load_config
+    from mars_megatron.tasks.arith import load_arith_file, train_test_split
+    from mars_megatron.tasks.sft import SFTConfig
+
+    data = REPO / "examples" / "data"
+    train, test = load_arith_file(data / "arith_train.jsonl"), load_arith_file(data / "arith_test.jsonl")
+    assert (train, test) == train_test_split(25)
+    assert len(train) == 75 and len(test) == 25
+    assert not {p.problem_id for p in train} & {p.problem_id for p in test}
+    assert {p.problem_id for p in train} | {p.problem_id for p in test} == {
+        p.problem_id for p in arith_problems(100)
+    }
+    rl = load_config(REPO / "examples" / "tiny_cpu.yaml")
+    assert Path(rl.data.train_file).name == "arith_train.jsonl"
+    monkeypatch.chdir(REPO)  # the example configs name repository-relative files
+    sft = load_config(REPO / "examples" / "tiny_sft.yaml", root=SFTConfig)
+    assert not {p.problem_id for p in sft.problem_set()} & {p.problem_id for p in test}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "Find 2+2.", "answer": 5}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: answer 5 is not 2\+2"):
+        load_arith_file(bad)
 
 
 # ------------------------------------------------------------------------------------------------- prompts

@@ -12,6 +12,7 @@ parses, so a generated set can be evaluated with ``mars eval --data``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -69,6 +70,41 @@ def arith_problems(
         )
     chosen = random.Random(seed).sample(pairs, n)
     return [Problem(f"add-{a}-{b}", problem_text(a, b), a + b, i + 1) for i, (a, b) in enumerate(chosen)]
+
+
+def train_test_split(
+    test: int, seed: int = 0, *, max_operand: int = 9, max_sum: int | None = None
+) -> tuple[list[Problem], list[Problem]]:
+    """Every problem of the operand range, in :func:`arith_problems`' seeded order, split into a training
+    set and a held-out test set of the last ``test`` problems: disjoint by construction, and the same on
+    every machine. ``examples/data/arith_{train,test}.jsonl`` are ``train_test_split(25)``."""
+    every = arith_problems(
+        len(operand_pairs(max_operand, max_sum)), seed, max_operand=max_operand, max_sum=max_sum
+    )
+    if not 1 <= test < len(every):
+        raise ValueError(f"test must be in 1..{len(every) - 1}, got {test}")
+    train, held_out = every[: len(every) - test], every[len(every) - test :]
+    return train, [dataclasses.replace(p, line=i + 1) for i, p in enumerate(held_out)]
+
+
+def load_arith_file(path: str | Path) -> list[Problem]:
+    """The addition problems of a JSONL file (``mars eval --data`` format); a ValueError names the file and
+    line of anything that is not a problem of this task."""
+    from mars_megatron.evaluation.data import load_problems
+
+    dataset = load_problems(path)
+    if dataset.skipped:
+        raise ValueError(f"unusable lines in {path}: {'; '.join(dataset.skipped)}")
+    for p in dataset.problems:
+        try:
+            a, b = operands(p)
+        except ValueError as e:
+            raise ValueError(f"{path}:{p.line}: {e}") from None
+        if str(p.reference) != str(a + b):
+            raise ValueError(f"{path}:{p.line}: answer {p.reference!r} is not {a}+{b}")
+    if not dataset.problems:
+        raise ValueError(f"{path}: no problems")
+    return dataset.problems
 
 
 def write_jsonl(problems: Sequence[Problem], path: str | Path) -> Path:

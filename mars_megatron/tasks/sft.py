@@ -26,7 +26,7 @@ from mars_megatron.agents.trajectory import Strategy
 from mars_megatron.config import ConfigError, ParallelConfig, Section, _field
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.rewards import AnswerChecker, CheckerConfig
-from mars_megatron.tasks.arith import arith_problems, operand_pairs
+from mars_megatron.tasks.arith import arith_problems, load_arith_file, operand_pairs
 from mars_megatron.tasks.demos import DemoConfig, build_demos, encode_demo
 
 
@@ -70,6 +70,11 @@ class SFTConfig(Section):
     weight_decay: float = _field(0.0, "Decoupled weight decay.", min=0)
     clip_grad: float = _field(1.0, "Global gradient-norm clip; 0 = off.", min=0)
     prompts: Literal["marsrl", "compact"] = _field("compact", "Prompt set the demos are written in.")
+    train_file: str | None = _field(
+        None,
+        "JSONL of the addition problems the demos are drawn from (the RL run's data.train_file), so the "
+        "warm start never sees a held-out problem; null = generate `problems` from max_operand/problem_seed.",
+    )
     problems: int = _field(100, "Distinct addition problems the demos are drawn from.", min=1)
     max_operand: int = _field(9, "Operands range over 0..max_operand.", min=1)
     max_sum: int | None = _field(None, "Only problems whose answer is at most this; null = no bound.", min=1)
@@ -84,6 +89,10 @@ class SFTConfig(Section):
             raise ConfigError(f"must be in [0, 1], got {self.skill_careful}", "skill_careful")
         if self.min_lr_ratio > 1:
             raise ConfigError(f"must be in [0, 1], got {self.min_lr_ratio}", "min_lr_ratio")
+        if self.train_file is not None:
+            if not Path(self.train_file).is_file():
+                raise ConfigError(f"{self.train_file}: no such file", "train_file")
+            return
         available = len(operand_pairs(self.max_operand, self.max_sum))
         if self.problems > available:
             raise ConfigError(
@@ -93,6 +102,8 @@ class SFTConfig(Section):
             )
 
     def problem_set(self) -> list[Problem]:
+        if self.train_file is not None:
+            return load_arith_file(self.train_file)
         return arith_problems(
             self.problems, self.problem_seed, max_operand=self.max_operand, max_sum=self.max_sum
         )
