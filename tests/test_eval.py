@@ -31,6 +31,7 @@ STEP_FIELDS = {
     "text",
     "truncated",
     "verdict",
+    "solution",
     "prompt_tokens",
     "output_tokens",
     "seed",
@@ -39,7 +40,7 @@ STEP_FIELDS = {
 RECORD_FIELDS = {
     "problem_id", "sample", "line", "reference", "steps", "final_solution", "final_answer", "accepted",
     "stop_reason", "correct_votes", "system_correct", "system_check", "solver_answer", "solver_correct",
-    "solver_check",
+    "solver_check", "solutions_correct",
 }  # fmt: skip
 
 
@@ -168,9 +169,113 @@ def test_runner_batches_every_loop_per_round_and_records_each_step():
         corrected["final_answer"] == "5" and corrected["system_correct"] and not corrected["solver_correct"]
     )
     assert by_key[("b", 0)]["system_correct"] is False and by_key[("b", 0)]["stop_reason"] == "accepted"
+    # every solution is checked, and each step names the solution it made (Solver, Corrector) or judged
+    assert corrected["solutions_correct"] == [False, True]
+    assert [s["solution"] for s in corrected["steps"]] == [0, 0, 1, 1, 1]
     assert all(set(r) == RECORD_FIELDS and all(STEP_FIELDS <= set(s) for s in r["steps"]) for r in records)
     assert plain["steps"][0]["seed"] == step_seed(0, "a", 0, 0) != step_seed(0, "a", 1, 0)
     assert plain["steps"][0]["prompt_tokens"] == 1 and plain["steps"][1]["prompt_tokens"] == 2
+
+
+class RoleEngine(ScriptedEngine):
+    """A ScriptedEngine that records the roles it was asked to answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.roles: set[str] = set()
+
+    def generate(self, requests):
+        self.roles |= {r.request_id.rsplit("/", 1)[1] for r in requests}
+        return super().generate(requests)
+
+
+def test_each_role_is_answered_by_its_own_engine_and_codec() -> None:
+    """algorithm.policies=per_role: every request goes to its role's engine (one call per engine and
+    round), outputs are decoded by that role's codec, and the results equal a single engine's."""
+    from mars_megatron.agents.roles import Role
+
+    engines = {role: RoleEngine() for role in Role}
+    codecs = {role: ScriptedCodec() for role in Role}
+    runner, records, jobs = run_scripted(engines, codec=codecs)
+    assert runner.run(jobs) == 4
+    assert {role.value: e.roles for role, e in engines.items()} == {r.value: {r.value} for r in Role}
+    single, reference, _ = run_scripted(ScriptedEngine())
+    single.run(jobs)
+
+    def key(r: dict) -> tuple:
+        return r["problem_id"], r["sample"]
+
+    assert sorted(records, key=key) == sorted(reference, key=key)
+    with pytest.raises(ValueError, match="no engine or codec for role"):
+        EvalRunner({Role.SOLVER: ScriptedEngine()}, ScriptedCodec(), ExactChecker())
+
+
+def test_the_loop_speaks_the_prompt_set_it_is_given() -> None:
+    """A model trained on the compact prompts is evaluated with them: every role's messages come from the
+    set given to the runner, not from the marsrl texts."""
+    from mars_megatron.agents.prompts import PROMPT_SETS
+
+    class Recording(ScriptedCodec):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list = []
+
+        def encode(self, messages):
+            self.seen.append(messages)
+            return super().encode(messages)
+
+    codec = Recording()
+    runner, _, jobs = run_scripted(ScriptedEngine(), codec=codec, prompts=PROMPT_SETS["compact"])
+    runner.run(jobs)
+    compact = PROMPT_SETS["compact"]
+    first = codec.seen[0]
+    assert first == compact.solver_messages("2+2?")
+    verifier = next(m for m in codec.seen if "Correctness: Correct or Wrong" in m[-1]["content"])
+    assert verifier[0]["role"] == "user"  # compact has no system message; marsrl's Verifier has one
+    assert not any("meticulous reviewer" in m["content"] for msgs in codec.seen for m in msgs)
+
+
+def test_role_accuracy_scores_each_verdict_against_what_it_judged() -> None:
+    from mars_megatron.evaluation.metrics import role_accuracy
+
+    def step(role, solution, verdict=None):
+        return {"role": role, "solution": solution, "verdict": verdict}
+
+    records = [
+        {  # wrong solution: rejected (right), corrected to a right one, accepted (right)
+            "solutions_correct": [False, True],
+            "steps": [
+                step("solver", 0),
+                step("verifier", 0, False),
+                step("corrector", 1),
+                step("verifier", 1, True),
+            ],
+        },
+        {  # right solution: rejected (wrong), the correction breaks it, accepted anyway (wrong)
+            "solutions_correct": [True, False],
+            "steps": [
+                step("solver", 0),
+                step("verifier", 0, None),
+                step("corrector", 1),
+                step("verifier", 1, True),
+            ],
+        },
+        {  # a dropped (truncated) correction of a wrong solution fixes nothing
+            "solutions_correct": [False],
+            "steps": [step("solver", 0), step("verifier", 0, False), step("corrector", None)],
+        },
+        {"steps": []},  # a line from before solutions were checked: left out
+    ]
+    got = role_accuracy(records)
+    assert got["verifier"] == {
+        "acc_on_right": 1 / 2, "acc_on_wrong": 2 / 3, "calls_on_right": 2, "calls_on_wrong": 3,
+    }  # fmt: skip
+    assert got["corrector"] == {
+        "fix_rate": 1 / 2,
+        "break_rate": 1.0,
+        "calls_on_wrong": 2,
+        "calls_on_right": 1,
+    }
 
 
 def test_runner_limits_concurrency_and_keeps_results_finished_before_an_engine_failure():

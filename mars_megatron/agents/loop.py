@@ -12,12 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
-from mars_megatron.agents.prompts import (
-    corrector_messages,
-    solver_messages,
-    strip_thinking,
-    verifier_messages,
-)
+from mars_megatron.agents.prompts import PROMPT_SETS, PromptSet, strip_thinking
 from mars_megatron.agents.roles import Message, Role
 from mars_megatron.agents.verdict import bug_report, parse_verdict
 
@@ -62,6 +57,10 @@ class LoopStep:
     text: str
     truncated: bool = False
     verdict: bool | None = None
+    solution: int | None = None
+    """Index into :attr:`LoopResult.solutions`: for the Solver and Corrector the solution this output
+    became (None when it was dropped, truncated), for the Verifier the solution it judged; so an
+    evaluation can score the Verifier against the truth of what it saw, not of the final answer."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +75,10 @@ class LoopResult:
     """How many times the chosen solution was judged ``Correct``."""
     calls: dict[Role, int]
     history: tuple[LoopStep, ...]
+    solutions: tuple[str, ...] = ()
+    """Visible text of every complete solution, in the order they were made."""
+    chosen: int = 0
+    """Index of ``solution`` in :attr:`solutions`."""
 
 
 class _Phase(Enum):
@@ -88,9 +91,14 @@ class _Phase(Enum):
 class InferenceLoop:
     """Runs one problem through the V–C system; see the module docstring for the flow."""
 
-    def __init__(self, problem: str, config: SystemConfig | None = None) -> None:
+    def __init__(
+        self, problem: str, config: SystemConfig | None = None, prompts: PromptSet | None = None
+    ) -> None:
+        """``prompts``: the prompt set the roles were trained with (default ``"marsrl"``); a model trained
+        on ``compact`` prompts must be evaluated with them, or it answers text it never saw."""
         self.problem = problem
         self.config = config or SystemConfig()
+        self.prompts = prompts or PROMPT_SETS["marsrl"]
         self._phase = _Phase.SOLVE
         self._history: list[LoopStep] = []
         self._solutions: list[str] = []  # visible text of every complete solution, in order
@@ -109,11 +117,11 @@ class InferenceLoop:
     def next_request(self) -> Request | None:
         """The next agent call, or None once the loop has finished."""
         if self._phase is _Phase.SOLVE:
-            return Request(Role.SOLVER, solver_messages(self.problem))
+            return Request(Role.SOLVER, self.prompts.solver_messages(self.problem))
         if self._phase is _Phase.VERIFY:
-            return Request(Role.VERIFIER, verifier_messages(self.problem, self._solutions[-1]))
+            return Request(Role.VERIFIER, self.prompts.verifier_messages(self.problem, self._solutions[-1]))
         if self._phase is _Phase.CORRECT:
-            messages = corrector_messages(self.problem, self._solutions[-1], self._last_report)
+            messages = self.prompts.corrector_messages(self.problem, self._solutions[-1], self._last_report)
             return Request(Role.CORRECTOR, messages)
         return None
 
@@ -129,12 +137,14 @@ class InferenceLoop:
             self._observe_corrector(output_text, truncated)
 
     def _observe_solver(self, text: str, truncated: bool) -> None:
-        self._history.append(LoopStep(Role.SOLVER, text, truncated))
         self._solver_runs += 1
+        last_try = self._solver_runs > self.config.solver_retries
+        kept = len(self._solutions) if not truncated or last_try else None
+        self._history.append(LoopStep(Role.SOLVER, text, truncated, solution=kept))
         if not truncated:
             self._add_solution(text)
             self._phase = _Phase.VERIFY
-        elif self._solver_runs > self.config.solver_retries:
+        elif last_try:
             # Nothing complete to verify: answer with what the last run made visible (often "").
             self._add_solution(text)
             self._finish("solver_truncated")
@@ -142,7 +152,7 @@ class InferenceLoop:
     def _observe_verifier(self, text: str, truncated: bool) -> None:
         # A truncated report never reached a deliberate verdict, whatever its text happens to say.
         verdict = None if truncated else parse_verdict(text)
-        self._history.append(LoopStep(Role.VERIFIER, text, truncated, verdict))
+        self._history.append(LoopStep(Role.VERIFIER, text, truncated, verdict, len(self._solutions) - 1))
         self._iterations += 1
         if verdict is True:
             self._votes[-1] += 1
@@ -163,7 +173,8 @@ class InferenceLoop:
             self._phase = _Phase.CORRECT
 
     def _observe_corrector(self, text: str, truncated: bool) -> None:
-        self._history.append(LoopStep(Role.CORRECTOR, text, truncated))
+        kept = None if truncated else len(self._solutions)
+        self._history.append(LoopStep(Role.CORRECTOR, text, truncated, solution=kept))
         if not truncated:
             self._add_solution(text)
         # A truncated revision is dropped: the previous solution is verified again next iteration.
@@ -191,6 +202,8 @@ class InferenceLoop:
             correct_votes=self._votes[index],
             calls=calls,
             history=tuple(self._history),
+            solutions=tuple(self._solutions),
+            chosen=index,
         )
 
 

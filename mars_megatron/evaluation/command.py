@@ -1,5 +1,12 @@
-"""``mars eval``: load problems, build the engine, run the V–C system over every problem × sample,
-write ``results.jsonl`` as loops finish and ``summary.json`` at the end (see :mod:`.results`)."""
+"""``mars eval``: load problems, resolve which model answers each role, build the engines, run the V–C
+system over every problem × sample, write ``results.jsonl`` as loops finish and ``summary.json`` at the
+end (see :mod:`.results`).
+
+What is evaluated is what training made: an HF model or mars checkpoint folder (``--model``, one model
+for every role), or a ``mars train`` checkpoint (``--checkpoint``: its shared policy, or each role's own
+under ``algorithm.policies=per_role``), with the prompt set and agent budgets of the run that trained it
+(``--config``, e.g. the ``config.yaml`` a run writes into its run directory, or ``--prompts``).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from mars_megatron.agents.loop import SystemConfig
+from mars_megatron.agents.prompts import PROMPT_SETS
+from mars_megatron.agents.roles import Role
 from mars_megatron.evaluation.sampling import SamplingConfig
 from mars_megatron.rollout.chat import MAX_INPUT_TOKENS
 
@@ -20,12 +29,49 @@ SAMPLING_OPTIONS = {f.name: f.name.replace("_", "-") for f in dataclasses.fields
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``mars eval``; unset numbers take the defaults of SamplingConfig / SystemConfig."""
+    """The options of ``mars eval``; unset numbers take the defaults of SamplingConfig / SystemConfig, or
+    of the training config given with ``--config``."""
     p.add_argument("--data", required=True, help="JSONL of problems (problem|query|input, answer|ans_box)")
-    p.add_argument("--model", required=True, help="HF model directory (weights and tokenizer)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "--model", default=None, help="one model for every role: an HF directory or a mars checkpoint folder"
+    )
+    what.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a `mars train` checkpoint (step_N folder, or its checkpoint.save_dir for the newest): each "
+        "role is answered by its policy (shared, or its own with algorithm.policies=per_role)",
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="ROLE=DIR",
+        help="answer ROLE (solver|verifier|corrector) with another model; repeatable",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the training config of the model (e.g. RUN_DIR/config.yaml): its prompt set "
+        "(agents.prompts), response and input budgets (rollout.max_response_tokens, "
+        "rollout.max_input_tokens) and dtype become the defaults",
+    )
+    p.add_argument(
+        "--prompts",
+        default=None,
+        choices=sorted(PROMPT_SETS),
+        help="prompt set (default: --config's, else marsrl)",
+    )
     p.add_argument("--engine", required=True, choices=ENGINES)
     p.add_argument("--endpoint", default=None, help="server URL for --engine openai")
-    p.add_argument("--served-model", default=None, help="model name at the endpoint (default: --model)")
+    p.add_argument(
+        "--served-model",
+        action="append",
+        default=[],
+        metavar="[ROLE=]NAME",
+        help="--engine openai: the model name at the endpoint, for every role or per role (default: the "
+        "policy's name, or --model)",
+    )
     p.add_argument("--samples", type=int, required=True, help="samples per problem (K of avg@K, pass@k)")
     p.add_argument("--out", required=True, help="output directory (must be new or empty unless --resume)")
     p.add_argument("--resume", action="store_true", help="continue OUT, skipping finished (problem, sample)")
@@ -37,7 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for name, flag in SYSTEM_OPTIONS.items():
         default = getattr(SystemConfig(), name)
         p.add_argument(f"--{flag}", type=int, default=None, help=f"V–C loop; default {default}")
-    p.add_argument("--max-input-tokens", type=int, default=MAX_INPUT_TOKENS, help="agent input cap")
+    p.add_argument(
+        "--max-input-tokens", type=int, default=None, help=f"agent input cap (default {MAX_INPUT_TOKENS})"
+    )
     p.add_argument(
         "--truncate-long-prompts",
         action="store_true",
@@ -45,33 +93,121 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-concurrent", type=int, default=256, help="inference loops in flight at once")
     p.add_argument("--checker-workers", type=int, default=None, help="answer-checker processes")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-
-
-def _chosen(args: argparse.Namespace, options: dict[str, str], cls: type) -> Any:
-    return cls(**{name: getattr(args, name) for name in options if getattr(args, name) is not None})
-
-
-def _engine(args: argparse.Namespace, max_model_len: int) -> Any:
-    if args.engine == "transformers":
-        from mars_megatron.rollout.hf_engine import HFEngine
-
-        return HFEngine(args.model, dtype=args.dtype, max_batch=max(1, min(args.max_concurrent, 64)))
-    if args.engine == "vllm":
-        from mars_megatron.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(args.model, dtype=args.dtype, max_model_len=max_model_len)
-    from mars_megatron.rollout.openai_engine import OpenAIEngine
-
-    return OpenAIEngine(
-        args.endpoint, args.served_model or args.model, max_concurrency=max(1, min(args.max_concurrent, 64))
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default float32"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """Everything that shapes the results, resolved from flags over ``--config`` over defaults (so a
+    resumed run can be checked against the first, and the summary says what produced it)."""
+
+    prompts: str
+    sampling: SamplingConfig
+    system: SystemConfig
+    max_input_tokens: int
+    dtype: str
+
+
+def _key_values(items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def settings(args: argparse.Namespace) -> EvalSettings:
+    """Flags first, then the training config's (``--config``), then the evaluation defaults."""
+    trained: dict[str, Any] = {}
+    if args.config is not None:
+        from mars_megatron.config import load_config
+
+        if not Path(args.config).is_file():
+            raise FileNotFoundError(f"--config {args.config}: no such file")
+        cfg = load_config(args.config)
+        trained = {
+            "prompts": cfg.agents.prompts,
+            "max_tokens": cfg.rollout.max_response_tokens,
+            "max_input_tokens": cfg.rollout.max_input_tokens,
+            "dtype": cfg.model.dtype,
+        }
+    sampling = _chosen(args, SAMPLING_OPTIONS, SamplingConfig, {"max_tokens": trained.get("max_tokens")})
+    return EvalSettings(
+        prompts=args.prompts or trained.get("prompts", "marsrl"),
+        sampling=sampling,
+        system=_chosen(args, SYSTEM_OPTIONS, SystemConfig, {}),
+        max_input_tokens=args.max_input_tokens or trained.get("max_input_tokens", MAX_INPUT_TOKENS),
+        dtype=args.dtype or trained.get("dtype", "float32"),
+    )
+
+
+def _chosen(args: argparse.Namespace, options: dict[str, str], cls: type, fallback: dict[str, Any]) -> Any:
+    values = {name: getattr(args, name) for name in options}
+    values = {k: v if v is not None else fallback.get(k) for k, v in values.items()}
+    return cls(**{k: v for k, v in values.items() if v is not None})
+
+
+def _sources(args: argparse.Namespace) -> dict[Role, Any]:
+    from mars_megatron.evaluation.policies import checkpoint_policies, model_policies, override_roles
+
+    if args.checkpoint is not None:
+        sources = checkpoint_policies(args.checkpoint)[1]
+    else:
+        sources = model_policies(args.model)
+    return override_roles(sources, _key_values(args.policy, "--policy"))
+
+
+def _served_names(args: argparse.Namespace, sources: dict[Role, Any]) -> dict[Role, str]:
+    """``--served-model``: one NAME for every role and/or ``ROLE=NAME`` per role; else the policy's name
+    (``--model``'s path when one model answers every role)."""
+    plain = [n for n in args.served_model if "=" not in n]
+    per = _key_values([n for n in args.served_model if "=" in n], "--served-model")
+    unknown = sorted(set(per) - {r.value for r in Role})
+    if len(plain) > 1 or unknown:
+        raise ValueError(f"--served-model: give one NAME and/or ROLE=NAME per role, got {args.served_model}")
+    default = {r: args.model if args.model and s.name == "model" else s.name for r, s in sources.items()}
+    return {r: per.get(r.value, plain[0] if plain else default[r]) for r in Role}
+
+
+def _engines(
+    args: argparse.Namespace, hf: dict[Role, Path], served: dict[Role, str], max_model_len: int, dtype: str
+) -> dict[Role, Any]:
+    """One engine per distinct model (roles sharing a policy share its engine)."""
+    batch = max(1, min(args.max_concurrent, 64))
+    key = {r: (str(hf[r]), served[r]) for r in Role}
+    distinct = list(dict.fromkeys(key.values()))
+    built: dict[tuple[str, str], Any] = {}
+    for model_dir, name in distinct:
+        if args.engine == "transformers":
+            from mars_megatron.rollout.hf_engine import HFEngine
+
+            built[(model_dir, name)] = HFEngine(model_dir, dtype=dtype, max_batch=batch)
+        elif args.engine == "vllm":
+            from mars_megatron.rollout.vllm_engine import VLLMEngine
+
+            built[(model_dir, name)] = VLLMEngine(  # the models share the GPU(s)
+                model_dir,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=0.9 / len(distinct),
+            )
+        else:
+            from mars_megatron.rollout.openai_engine import OpenAIEngine
+
+            built[(model_dir, name)] = OpenAIEngine(args.endpoint, name, max_concurrency=batch)
+    return {r: built[key[r]] for r in Role}
 
 
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     """The ``mars eval`` job; returns the summary it wrote."""
+    from mars_megatron.agents.prompts import prompt_set
     from mars_megatron.evaluation.data import load_problems
     from mars_megatron.evaluation.metrics import summarize
+    from mars_megatron.evaluation.policies import convert_with_mars, describe, hf_dirs
     from mars_megatron.evaluation.results import OutputDir
     from mars_megatron.evaluation.runner import EvalRunner
     from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
@@ -84,17 +220,20 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--samples must be >= 1 and --limit >= 0, got {args.samples} and {args.limit}")
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data}: no such file")
-    sampling = _chosen(args, SAMPLING_OPTIONS, SamplingConfig)
-    system = _chosen(args, SYSTEM_OPTIONS, SystemConfig)
+    chosen = settings(args)
+    sources = _sources(args)
+    served = _served_names(args, sources) if args.engine == "openai" else {}
     config = {
         "data": str(Path(args.data).resolve()),
-        "model": str(args.served_model or args.model),
+        "model": describe(sources),
         "engine": args.engine,
+        "served_model": {r.value: n for r, n in served.items()},
         "samples": args.samples,
-        "max_input_tokens": args.max_input_tokens,
+        "prompts": chosen.prompts,
+        "max_input_tokens": chosen.max_input_tokens,
         "truncate_long_prompts": args.truncate_long_prompts,
-        "sampling": dataclasses.asdict(sampling),
-        "system": dataclasses.asdict(system),
+        "sampling": dataclasses.asdict(chosen.sampling),
+        "system": dataclasses.asdict(chosen.system),
     }
     dataset = load_problems(args.data, args.limit)
     out = OutputDir(args.out, config, resume=args.resume)
@@ -103,18 +242,24 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     resumed = args.samples * len(dataset.problems) - len(jobs)
     try:
         if jobs:
-            codec = ChatCodec.from_pretrained(
-                args.model, max_input_tokens=args.max_input_tokens, truncate=args.truncate_long_prompts
-            )
-            engine = _engine(args, args.max_input_tokens + sampling.max_tokens)
+            hf = hf_dirs(sources, out.path, convert_with_mars)
+            codecs = {
+                role: ChatCodec.from_pretrained(
+                    path, max_input_tokens=chosen.max_input_tokens, truncate=args.truncate_long_prompts
+                )
+                for role, path in hf.items()
+            }
+            max_len = chosen.max_input_tokens + chosen.sampling.max_tokens
+            engines = _engines(args, hf, served or {r: "" for r in Role}, max_len, chosen.dtype)
             checker = AnswerChecker(CheckerConfig(num_workers=args.checker_workers))
             _run_jobs(
                 EvalRunner(
-                    engine,
-                    codec,
+                    engines,
+                    codecs,
                     checker,
-                    sampling=sampling,
-                    system=system,
+                    sampling=chosen.sampling,
+                    system=chosen.system,
+                    prompts=prompt_set(chosen.prompts),
                     max_concurrent=args.max_concurrent,
                 ),
                 jobs,

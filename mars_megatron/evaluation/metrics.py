@@ -3,6 +3,11 @@
 pass@k is the unbiased estimator of Chen et al. (2021): with ``n`` samples of a problem of which ``c``
 are correct, ``pass@k = 1 - C(n-c, k) / C(n, k)``, averaged over problems. It is reported for
 k = 1, 2, 4, … up to K and for K itself. Accuracies are avg@K: the mean correctness of all samples.
+
+The roles are also scored on their own (:func:`role_accuracy`), because the system beats its Solver
+only when the Verifier tells right from wrong and the Corrector fixes what it is told is wrong: the
+Verifier's accuracy on right and on wrong solutions (each verdict against the truth of the solution it
+judged) and the Corrector's fix rate (a correction of a wrong solution that is right).
 """
 
 from __future__ import annotations
@@ -61,6 +66,56 @@ def _tokens(records: Sequence[dict]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _rate(hits: int, total: int) -> float | None:
+    return hits / total if total else None
+
+
+def role_accuracy(records: Sequence[dict]) -> dict[str, dict[str, float | int | None]]:
+    """The Verifier's accuracy on right and on wrong solutions, and the Corrector's fix and break rates,
+    over every call of ``records`` (results lines that carry ``solutions_correct``)."""
+    v_right = v_right_ok = v_wrong = v_wrong_ok = 0
+    c_wrong = c_fixed = c_right = c_broken = 0
+    for r in records:
+        correct = r.get("solutions_correct")
+        if correct is None:  # a line written before solutions were checked one by one
+            continue
+        judged: int | None = None
+        for step in r["steps"]:
+            if step["role"] == Role.VERIFIER.value and step.get("solution") is not None:
+                judged = step["solution"]
+                if correct[judged]:
+                    v_right += 1
+                    v_right_ok += step["verdict"] is True
+                else:
+                    v_wrong += 1
+                    v_wrong_ok += step["verdict"] is not True
+            elif step["role"] == Role.CORRECTOR.value and judged is not None:
+                made = step.get("solution")
+                now = made is not None and bool(
+                    correct[made]
+                )  # a dropped (truncated) correction fixes nothing
+                if correct[judged]:
+                    c_right += 1
+                    c_broken += not now
+                else:
+                    c_wrong += 1
+                    c_fixed += now
+    return {
+        "verifier": {
+            "acc_on_right": _rate(v_right_ok, v_right),
+            "acc_on_wrong": _rate(v_wrong_ok, v_wrong),
+            "calls_on_right": v_right,
+            "calls_on_wrong": v_wrong,
+        },
+        "corrector": {
+            "fix_rate": _rate(c_fixed, c_wrong),
+            "break_rate": _rate(c_broken, c_right),
+            "calls_on_wrong": c_wrong,
+            "calls_on_right": c_right,
+        },
+    }
+
+
 def summarize(records: Sequence[dict], problem_ids: Sequence[str], samples: int) -> dict[str, Any]:
     """Metrics over the records of ``problem_ids`` with sample < ``samples``, in a fixed order (so a
     resumed run, whose file holds the same records in another order, gives the same numbers)."""
@@ -86,6 +141,7 @@ def summarize(records: Sequence[dict], problem_ids: Sequence[str], samples: int)
             "system": _pass_at(by_problem, "system_correct", samples),
         },
         "accepted_rate": _mean([float(r["accepted"]) for r in chosen]),
+        "roles": role_accuracy(chosen),
         "stop_reasons": dict(sorted(Counter(r["stop_reason"] for r in chosen).items())),
         "tokens": _tokens(chosen),
         "prompts_too_long": sum(s["prompt_too_long"] for r in chosen for s in r["steps"]),

@@ -1,21 +1,28 @@
-"""Drives many V–C inference loops (one per problem × sample) concurrently on one engine.
+"""Drives many V–C inference loops (one per problem × sample) concurrently.
 
-Each round collects the next request of every active loop, sends them all in one ``generate`` call and
-feeds the outputs back; loops that finish are checked against the reference (the system's answer and,
-for Solver-alone accuracy, the loop's first Solver output) and handed to ``on_result`` at once, so a
+Each round collects the next request of every active loop, sends them in one ``generate`` call per
+engine and feeds the outputs back; loops that finish are checked against the reference (every solution
+the loop made, so the Verifier can be scored against what it judged; the chosen one is the system's
+answer, the loop's first Solver output the Solver-alone answer) and handed to ``on_result`` at once, so a
 crash loses only unfinished loops. Every agent call has its own seed, derived from (base seed,
 problem, sample, step), so results do not depend on batching order or on a run being resumed.
+
+Roles may be answered by different models (``algorithm.policies=per_role``): ``engine`` and ``codec``
+are then mappings from role to that role's engine and tokenizer, and a round calls the distinct engines
+side by side (threads: an engine call is I/O or native code that releases the GIL).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mars_megatron.agents.loop import InferenceLoop, LoopResult, SystemConfig
+from mars_megatron.agents.prompts import PromptSet
 from mars_megatron.agents.roles import Message, Role
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.evaluation.sampling import SamplingConfig
@@ -29,6 +36,20 @@ class Codec(Protocol):
     def encode(self, messages: Sequence[Message]) -> tuple[int, ...]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+PerRole = Mapping[Role, Any]
+"""Role -> what answers it (an engine or a codec)."""
+
+
+def per_role(value: Any) -> dict[Role, Any]:
+    """``value`` for every role, or the mapping given (which must name every role)."""
+    if isinstance(value, Mapping):
+        missing = [r.value for r in Role if r not in value]
+        if missing:
+            raise ValueError(f"no engine or codec for role(s) {', '.join(missing)}")
+        return {r: value[r] for r in Role}
+    return dict.fromkeys(Role, value)
 
 
 class Checker(Protocol):
@@ -58,20 +79,24 @@ class EvalRunner:
 
     def __init__(
         self,
-        engine: RolloutEngine,
-        codec: Codec,
+        engine: RolloutEngine | PerRole,
+        codec: Codec | PerRole,
         checker: Checker,
         *,
         sampling: SamplingConfig | None = None,
         system: SystemConfig | None = None,
+        prompts: PromptSet | None = None,
         max_concurrent: int = 256,
         on_result: Callable[[dict[str, Any]], None] = lambda record: None,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-        self.engine, self.codec, self.checker = engine, codec, checker
+        self.engines: dict[Role, RolloutEngine] = per_role(engine)
+        self.codecs: dict[Role, Codec] = per_role(codec)
+        self.checker = checker
         self.sampling = sampling or SamplingConfig()
         self.system = system or SystemConfig()
+        self.prompts = prompts
         self.max_concurrent = max_concurrent
         self.on_result = on_result
 
@@ -80,37 +105,59 @@ class EvalRunner:
         pending = deque(jobs)
         active: list[_Slot] = []
         handed_out = 0
-        while pending or active:
-            while pending and len(active) < self.max_concurrent:
-                problem, sample = pending.popleft()
-                active.append(_Slot(problem, sample, InferenceLoop(problem.text, self.system)))
-            requests, waiting = self._requests(active)
-            if requests:
-                try:
-                    outputs = self.engine.generate(requests)
-                except Exception as e:
-                    raise EngineFailure(f"engine failed: {type(e).__name__}: {e}") from e
-                for slot, request, output in zip(waiting, requests, outputs, strict=True):
-                    truncated = output.finish_reason == "length"
-                    slot.calls.append(_call(request, len(output.token_ids), output.finish_reason))
-                    slot.loop.observe(self.codec.decode(output.token_ids), truncated)
-            finished = [slot for slot in active if slot.loop.done]
-            active = [slot for slot in active if not slot.loop.done]
-            for record in self._records(finished):
-                self.on_result(record)
-                handed_out += 1
+        with ThreadPoolExecutor(max_workers=len({id(e) for e in self.engines.values()})) as pool:
+            while pending or active:
+                while pending and len(active) < self.max_concurrent:
+                    problem, sample = pending.popleft()
+                    loop = InferenceLoop(problem.text, self.system, self.prompts)
+                    active.append(_Slot(problem, sample, loop))
+                requests, waiting = self._requests(active)
+                if requests:
+                    outputs = self._generate(pool, requests, waiting)
+                    for (slot, role), request, output in zip(waiting, requests, outputs, strict=True):
+                        truncated = output.finish_reason == "length"
+                        slot.calls.append(_call(request, len(output.token_ids), output.finish_reason))
+                        slot.loop.observe(self.codecs[role].decode(output.token_ids), truncated)
+                finished = [slot for slot in active if slot.loop.done]
+                active = [slot for slot in active if not slot.loop.done]
+                for record in self._records(finished):
+                    self.on_result(record)
+                    handed_out += 1
         return handed_out
 
-    def _requests(self, active: list[_Slot]) -> tuple[list[GenerationRequest], list[_Slot]]:
+    def _generate(
+        self, pool: ThreadPoolExecutor, requests: list[GenerationRequest], waiting: list[tuple[_Slot, Role]]
+    ) -> list[Any]:
+        """One ``generate`` call per distinct engine (side by side), outputs back in request order."""
+        groups: dict[int, list[int]] = {}
+        for i, (_, role) in enumerate(waiting):
+            groups.setdefault(id(self.engines[role]), []).append(i)
+        by_id = {id(e): e for e in self.engines.values()}
+        futures = {
+            key: pool.submit(by_id[key].generate, [requests[i] for i in indices])
+            for key, indices in groups.items()
+        }
+        outputs: list[Any] = [None] * len(requests)
+        for key, future in futures.items():
+            try:
+                results = future.result()
+            except Exception as e:
+                raise EngineFailure(f"engine failed: {type(e).__name__}: {e}") from e
+            for i, output in zip(groups[key], results, strict=True):
+                outputs[i] = output
+        return outputs
+
+    def _requests(self, active: list[_Slot]) -> tuple[list[GenerationRequest], list[tuple[_Slot, Role]]]:
         """The next request of every active loop; a prompt over the input budget is observed as an
         empty truncated output at once (the agent could not run), which may finish its loop."""
-        requests, waiting = [], []
+        requests: list[GenerationRequest] = []
+        waiting: list[tuple[_Slot, Role]] = []
         for slot in active:
             while (request := slot.loop.next_request()) is not None:
                 step = len(slot.calls)
                 seed = step_seed(self.sampling.seed, slot.problem.problem_id, slot.sample, step)
                 try:
-                    prompt_ids = self.codec.encode(request.messages)
+                    prompt_ids = self.codecs[request.role].encode(request.messages)
                 except PromptTooLongError as e:
                     slot.calls.append(
                         {
@@ -125,24 +172,26 @@ class EvalRunner:
                     continue
                 request_id = f"{slot.problem.problem_id}/{slot.sample}/{step}/{request.role.value}"
                 requests.append(GenerationRequest(request_id, prompt_ids, self.sampling.params(seed)))
-                waiting.append(slot)
+                waiting.append((slot, request.role))
                 break
         return requests, waiting
 
     def _records(self, finished: list[_Slot]) -> list[dict[str, Any]]:
+        """Check every solution of each finished loop and its first Solver output in one batch."""
         if not finished:
             return []
         results = [slot.loop.result() for slot in finished]
         pairs: list[tuple[str, str | int | float]] = []
+        spans: list[tuple[int, int]] = []
         for slot, result in zip(finished, results, strict=True):
-            pairs += [
-                (_first_solver_text(result), slot.problem.reference),
-                (result.solution, slot.problem.reference),
-            ]
+            start = len(pairs)
+            pairs.append((_first_solver_text(result), slot.problem.reference))
+            pairs += [(text, slot.problem.reference) for text in result.solutions]
+            spans.append((start, len(pairs)))
         checks = self.checker.check_many(pairs)
         return [
-            _record(slot, result, checks[2 * i], checks[2 * i + 1])
-            for i, (slot, result) in enumerate(zip(finished, results, strict=True))
+            _record(slot, result, checks[start], checks[start + 1 : end])
+            for slot, result, (start, end) in zip(finished, results, spans, strict=True)
         ]
 
 
@@ -160,24 +209,31 @@ def _first_solver_text(result: LoopResult) -> str:
     return next(step.text for step in result.history if step.role is Role.SOLVER)
 
 
-def _record(slot: _Slot, result: LoopResult, solver: CheckResult, system: CheckResult) -> dict[str, Any]:
-    """One results.jsonl line: every agent output in order, the answer and both correctness checks."""
+def _record(
+    slot: _Slot, result: LoopResult, solver: CheckResult, solutions: Sequence[CheckResult]
+) -> dict[str, Any]:
+    """One results.jsonl line: every agent output in order (with the index of the solution it made or
+    judged), the answer, and the checks of the Solver's first output, of every solution and of the
+    system's answer."""
     steps = [
         {
             "role": step.role.value,
             "text": step.text,
             "truncated": step.truncated,
             "verdict": step.verdict,
+            "solution": step.solution,
             **call,
         }
         for step, call in zip(result.history, slot.calls, strict=True)
     ]
+    system = solutions[result.chosen]
     return {
         "problem_id": slot.problem.problem_id,
         "sample": slot.sample,
         "line": slot.problem.line,
         "reference": slot.problem.reference,
         "steps": steps,
+        "solutions_correct": [check.correct for check in solutions],
         "final_solution": result.solution,
         "final_answer": extract_boxed(result.solution),
         "accepted": result.accepted,

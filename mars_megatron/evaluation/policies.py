@@ -1,0 +1,171 @@
+"""What ``mars eval`` evaluates: which model answers each role, as an HF directory the engines can load.
+
+A training run leaves its policies in a ``mars train`` checkpoint (one ``shared`` policy folder, or one
+per role with ``algorithm.policies=per_role``). Each policy folder is a mars Megatron checkpoint: model
+weights in Megatron's distributed format and the tokenizer under ``hf/``. Inference engines (transformers,
+vLLM) load HF safetensors, so a policy without HF weights is converted once (``mars convert mcore-to-hf``,
+in child processes) into ``<out>/models/<policy>/`` and reused by ``--resume``. An SFT output's ``hf/`` is
+a complete HF model already and is used as it is.
+
+Pure path logic stays apart from the conversion, so the routing (which role reads which folder) is
+checked before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from mars_megatron.agents.roles import Role
+
+SHARED = "shared"
+MODELS_DIR = "models"
+"""Under ``--out``: HF conversions of policies that had none."""
+
+
+class PolicyError(ValueError):
+    """A model or checkpoint path that cannot be evaluated; the message names the path and the flag."""
+
+
+@dataclass(frozen=True)
+class PolicySource:
+    """One model to load: ``name`` (``shared``, a role, or ``model``) and the folder the user gave."""
+
+    name: str
+    path: Path
+
+
+def _is_hf_model(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _is_mars_checkpoint(path: Path) -> bool:
+    from checkpoints_conversion.convert import META
+
+    return (path / META).is_file()
+
+
+def checkpoint_step(checkpoint: str | Path) -> Path:
+    """The step folder of a ``mars train`` checkpoint: ``checkpoint`` itself when it is one, else the
+    newest complete one under it (a ``checkpoint.save_dir``)."""
+    from mars_megatron.checkpoint.store import STATE_FILE, CheckpointStore
+
+    path = Path(checkpoint)
+    if (path / STATE_FILE).is_file():
+        return path
+    if not path.is_dir():
+        raise PolicyError(f"--checkpoint {path}: no such directory")
+    latest = CheckpointStore(path, keep_last=1).latest()
+    if latest is None:
+        raise PolicyError(
+            f"--checkpoint {path}: neither a checkpoint (no {STATE_FILE}) nor a checkpoint.save_dir holding "
+            "a complete one"
+        )
+    return latest
+
+
+def checkpoint_policies(checkpoint: str | Path) -> tuple[Path, dict[Role, PolicySource]]:
+    """The step folder of ``checkpoint`` and, for every role, the policy folder that answers it (the
+    ``shared`` one, or the role's own under ``algorithm.policies=per_role``)."""
+    from mars_megatron.checkpoint.store import CheckpointStore
+
+    step = checkpoint_step(checkpoint)
+    try:
+        names = CheckpointStore.load_state(step)["policies"]
+    except KeyError:
+        raise PolicyError(f"--checkpoint {step}: its trainer state lists no 'policies'") from None
+    if names == [SHARED]:
+        routing = dict.fromkeys(Role, SHARED)
+    elif sorted(names) == sorted(r.value for r in Role):
+        routing = {r: r.value for r in Role}
+    else:
+        raise PolicyError(f"--checkpoint {step}: policies {names} are neither ['shared'] nor one per role")
+    sources = {}
+    for role, name in routing.items():
+        folder = step / name
+        if not _is_mars_checkpoint(folder):
+            raise PolicyError(f"--checkpoint {step}: policy folder {folder} is missing or incomplete")
+        sources[role] = PolicySource(name, folder)
+    return step, sources
+
+
+def model_policies(model: str | Path) -> dict[Role, PolicySource]:
+    """One model (an HF directory or a mars checkpoint folder) for every role."""
+    path = Path(model)
+    if not path.is_dir():
+        raise PolicyError(f"--model {path}: no such directory")
+    if not (_is_hf_model(path) or _is_mars_checkpoint(path)):
+        raise PolicyError(
+            f"--model {path}: neither an HF model (config.json and *.safetensors) nor a mars checkpoint"
+        )
+    return dict.fromkeys(Role, PolicySource("model", path))
+
+
+def override_roles(
+    sources: Mapping[Role, PolicySource], overrides: Mapping[str, str]
+) -> dict[Role, PolicySource]:
+    """``--policy ROLE=DIR``: answer ``ROLE`` with another model (e.g. a trained Verifier beside an
+    untrained Solver)."""
+    out = dict(sources)
+    for role_name, folder in overrides.items():
+        try:
+            role = Role(role_name)
+        except ValueError:
+            valid = ", ".join(r.value for r in Role)
+            raise PolicyError(f"--policy {role_name}=...: unknown role; valid roles: {valid}") from None
+        path = Path(folder)
+        if not (_is_hf_model(path) or _is_mars_checkpoint(path)):
+            raise PolicyError(f"--policy {role_name}={path}: neither an HF model nor a mars checkpoint")
+        out[role] = PolicySource(role_name, path)
+    return out
+
+
+def describe(sources: Mapping[Role, PolicySource]) -> dict[str, str]:
+    """``{role: path}``, for config.json and logs (what answered each role)."""
+    return {role.value: str(source.path.resolve()) for role, source in sources.items()}
+
+
+Convert = Callable[[Path, Path], None]
+"""``convert(mcore_dir, hf_out)``: write an HF model of a mars checkpoint (atomically)."""
+
+
+def hf_dirs(sources: Mapping[Role, PolicySource], cache: Path, convert: Convert) -> dict[Role, Path]:
+    """An HF directory per role: HF models as they are, an SFT output's complete ``hf/``, else a
+    conversion under ``cache`` (made once per distinct folder, reused when already complete)."""
+    made: dict[Path, Path] = {}
+    out = {}
+    for role, source in sources.items():
+        path = source.path.resolve()
+        if path not in made:
+            made[path] = _hf_dir(source, cache, convert)
+        out[role] = made[path]
+    return out
+
+
+def _hf_dir(source: PolicySource, cache: Path, convert: Convert) -> Path:
+    if _is_hf_model(source.path):
+        return source.path
+    if _is_hf_model(source.path / "hf"):
+        return source.path / "hf"
+    target = cache / MODELS_DIR / source.name
+    stamp = target / "converted_from.json"
+    origin = str(source.path.resolve())
+    if _is_hf_model(target) and stamp.is_file() and json.loads(stamp.read_text())["source"] == origin:
+        return target
+    if target.exists():
+        raise PolicyError(f"{target}: holds another conversion; remove it or choose another --out")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    convert(source.path, target)
+    stamp.write_text(json.dumps({"source": origin}) + "\n")
+    return target
+
+
+def convert_with_mars(mcore_dir: Path, out: Path) -> None:
+    """:data:`Convert` by ``mars convert mcore-to-hf``'s job, on the smallest layout (one process)."""
+    from mars_megatron import jobs
+    from mars_megatron.config import ParallelConfig
+
+    layout = ParallelConfig()
+    jobs.run(jobs.mcore_to_hf_job, layout, str(mcore_dir), str(out), layout, 5 * 2**30, "auto", nproc=1)
