@@ -219,7 +219,8 @@ class TrainConfig(Section):
     updates_per_batch: int = _field(
         1,
         "Optimizer steps per rollout batch: the batch is split into this many mini-batches of whole groups "
-        "(old log-probs are taken once, before the first).",
+        "(old log-probs are taken once, before the first). More than 1 needs algorithm.importance none or "
+        "tis.",
         min=1,
     )
     seed: int = _field(1234, "Random seed for initialisation, sampling and data order.", min=0)
@@ -341,11 +342,19 @@ class AlgorithmConfig(Section):
         0.0, "KL penalty to the initial (reference) policy; 0 = no reference model.", min=0
     )
     kl_kind: Literal["k1", "k2", "k3"] = _field("k3", "KL estimator (Schulman).")
+    kl_clamp: float = _field(
+        10.0,  # = algorithm.losses.KL_CLAMP
+        "Bound of each token's KL value, clamped to [-kl_clamp, kl_clamp] (verl, NeMo-RL: 10): a token far "
+        "from the reference adds at most this to the loss and, beyond it, no gradient (k3 alone reaches "
+        "5e8). Only used with kl_coef > 0.",
+        gt=0,
+    )
     importance: Literal["none", "tis", "pois"] = _field(
         "pois",
         "'pois': old log-probs = the current model's (ratio 1 at the first update; MarsRL/UloRL); 'none': "
         "the trainer's log-probs before the update; 'tis': 'none' times truncated IS weights against the "
-        "rollout engine's log-probs.",
+        "rollout engine's log-probs. 'pois' needs train.updates_per_batch = 1 (its ratio is 1 in every "
+        "mini-batch, so the clip would never act).",
     )
     tis_cap: float = _field(2.0, "Upper bound of the TIS weight.", gt=0)
     dmmpt: bool = _field(False, "Mask mastered tokens of correct answers while entropy is low (UloRL).")
@@ -539,6 +548,19 @@ class MarsConfig(Section):
                 f"{pack} is shorter than rollout.max_response_tokens ({self.rollout.max_response_tokens}): "
                 "every long response would be cut",
                 "train.pack_length",
+            )
+        updates = self.train.updates_per_batch
+        if self.algorithm.importance == "pois" and updates > 1:
+            # POIS's old log-probs are the current model's, detached, in every mini-batch: each one's
+            # ratio is exactly 1, so after the first update nothing holds the policy near the one that
+            # scored the batch. Several updates per batch need old log-probs scored once, before the first.
+            raise ConfigError(
+                f"'pois' with train.updates_per_batch = {updates}: POIS takes the current model's own "
+                "log-probs as the old ones, so the ratio is 1 in every mini-batch and the clip never acts "
+                "(no trust region across the batch's updates); use algorithm.importance=none or tis (old "
+                "log-probs scored once, before the first update) with several updates per batch, or "
+                "train.updates_per_batch=1 with pois",
+                "algorithm.importance",
             )
 
     def check_world_size(self, world_size: int) -> int:

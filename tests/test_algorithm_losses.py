@@ -8,6 +8,7 @@ import torch
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.trajectory import Position
 from mars_megatron.algorithm import (
+    KL_CLAMP,
     LossConfig,
     LossInputs,
     Sample,
@@ -15,7 +16,9 @@ from mars_megatron.algorithm import (
     dmmpt_mask,
     entropy_estimate,
     entropy_from_logits,
+    entropy_sums,
     kl_penalty,
+    kl_per_token,
     loss_inputs,
     make_loss_fn,
     pois_old_logprobs,
@@ -88,6 +91,60 @@ def test_kl_estimators_by_hand():
         kl_penalty(logprobs, ref, both, "k4")
 
 
+def _kl_value_and_grad(log_rho: float, kind: str, **kwargs) -> tuple[float, float]:
+    """KL of one token whose log ρ = ref − logprob is ``log_rho``, and its gradient d/d logprob."""
+    logprobs = t([[0.0]]).requires_grad_()
+    kl = kl_per_token(logprobs, t([[log_rho]]), kind, **kwargs)
+    kl.sum().backward()
+    return kl.item(), logprobs.grad.item()
+
+
+@pytest.mark.parametrize(
+    ("kind", "log_rho", "value", "grad"),
+    [
+        # far outside the band: clamped to ±10, no gradient (before the clamp: k3 = e^20 − 21 ≈ 4.9e8,
+        # gradient −(e^20 − 1) ≈ −4.9e8; k2 = 200; k1 = −20)
+        ("k3", 20.0, KL_CLAMP, 0.0),
+        ("k2", 20.0, KL_CLAMP, 0.0),
+        ("k1", 20.0, -KL_CLAMP, 0.0),
+        ("k1", -20.0, KL_CLAMP, 0.0),
+        ("k3", -20.0, KL_CLAMP, 0.0),  # e^−20 + 19 ≈ 19 > 10
+        ("k3", 1e6, KL_CLAMP, 0.0),  # past the log-ratio bound as well
+        # inside the band: the exact estimators, d/dlogp k1 = 1, k2 = −log ρ, k3 = −(ρ − 1)
+        ("k3", 0.5, math.exp(0.5) - 1.5, -(math.exp(0.5) - 1.0)),
+        ("k2", 0.5, 0.125, -0.5),
+        ("k1", 0.5, -0.5, 1.0),
+        ("k3", 2.0, math.exp(2.0) - 3.0, -(math.exp(2.0) - 1.0)),  # 4.39: still inside
+        ("k3", 3.0, KL_CLAMP, 0.0),  # e^3 − 4 = 16.1: a moderate log-ratio already reaches the bound
+    ],
+)
+def test_kl_per_token_is_clamped(kind: str, log_rho: float, value: float, grad: float):
+    got_value, got_grad = _kl_value_and_grad(log_rho, kind)
+    assert got_value == pytest.approx(value, rel=1e-12)
+    assert math.isfinite(got_grad) and got_grad == pytest.approx(grad, rel=1e-12, abs=0.0)
+
+
+def test_kl_clamp_is_a_setting():
+    # log ρ = 2: k3 = e^2 − 3 = 4.389, under the default bound, over a bound of 4
+    assert _kl_value_and_grad(2.0, "k3")[0] == pytest.approx(math.exp(2.0) - 3.0)
+    assert _kl_value_and_grad(2.0, "k3", clamp=4.0) == (4.0, 0.0)
+    with pytest.raises(ValueError, match="clamp"):
+        kl_per_token(t([[0.0]]), t([[0.0]]), "k3", clamp=0.0)
+    # through the objective: one wild token adds kl_coef · kl_clamp, with a finite, zero KL gradient
+    logprobs = t([[0.0, 0.0]]).requires_grad_()
+    inputs = LossInputs(advantages=t([1.0]), mask=t([[1, 1]]), ref_logprobs=t([[20.0, 0.5]]))
+    for clamp in (KL_CLAMP, 4.0):
+        logprobs.grad = None
+        loss, count, stats = compute_loss(logprobs, inputs, LossConfig(kl_coef=0.1, kl_clamp=clamp))
+        assert count.item() == 2
+        k3 = math.exp(0.5) - 1.5
+        assert loss.item() == pytest.approx(-2.0 + 0.1 * (clamp + k3))  # POIS: −A per token, + β·KL
+        assert stats["kl"].item() == pytest.approx((clamp + k3) / 2)
+        loss.backward()
+        # d/dlogp: −A (POIS) + β·(0 for the clamped token, −(e^.5 − 1) for the other)
+        torch.testing.assert_close(logprobs.grad, t([[-1.0, -1.0 - 0.1 * (math.exp(0.5) - 1.0)]]))
+
+
 # ------------------------------------------------------------------------------------ TIS and POIS
 def test_tis_weights_capped_and_detached():
     old = t([[LN(0.5), LN(0.25), LN(0.5)]]).requires_grad_()
@@ -123,6 +180,46 @@ def test_dmmpt_masks_mastered_positive_tokens_below_target_only():
     torch.testing.assert_close(out, t([[0, 1, 0], [1, 1, 1], [1, 1, 1]]))
     assert dmmpt_mask(logprobs, mask, adv, 0.3, **kwargs) is mask  # at the target: no masking
     assert dmmpt_mask(logprobs, mask, adv, torch.tensor(0.5), **kwargs) is mask
+
+
+def test_dmmpt_decision_given_overrides_the_micro_batch_entropy():
+    """The update's decision (from the whole batch's entropy) is what the loss applies, whatever this
+    pack's or rank's own entropy says: packs and context-parallel ranks of one update cannot disagree."""
+    config = LossConfig(dmmpt=True, dmmpt_prob_threshold=0.99, dmmpt_entropy_target=0.3)
+    # this pack's estimate mean(−ln p) = (−ln .995 − ln .2)/2 ≈ .807 ≥ .3: on its own, DMMPT is off
+    logprobs = t([[LN(0.995), LN(0.2)]])
+    high = {"advantages": t([1.0]), "mask": t([[1, 1]])}
+    _, count, stats = compute_loss(logprobs, LossInputs(**high), config)
+    assert count.item() == 2 and stats["dmmpt_active"].item() == 0.0
+    # the batch decided "on": the mastered token (p = .995 > .99, A > 0) leaves the loss and the count
+    loss, count, stats = compute_loss(logprobs, LossInputs(**high, dmmpt_active=True), config)
+    assert count.item() == 1 and loss.item() == pytest.approx(-1.0)
+    assert stats["dmmpt_active"].item() == 1.0 and stats["dmmpt_masked_fraction"].item() == 0.5
+    # the decision wins over a given entropy too (the trainer passes both: entropy is reported)
+    inputs = LossInputs(**high, entropy=5.0, dmmpt_active=True)
+    _, count, stats = compute_loss(logprobs, inputs, config)
+    assert count.item() == 1 and stats["entropy"].item() == 5.0
+    # a low-entropy pack (≈ .005 < .3 would mask both tokens) under a batch decision of "off"
+    low = t([[LN(0.995), LN(0.995)]])
+    _, count, _ = compute_loss(low, LossInputs(**high), config)
+    assert count.item() == 0
+    _, count, stats = compute_loss(low, LossInputs(**high, dmmpt_active=False), config)
+    assert count.item() == 2 and stats["dmmpt_active"].item() == 0.0
+    # a context-parallel rank's share keeps the decision (LossInputs.select)
+    packed = LossInputs(advantages=t([[1.0, 1.0]]), mask=t([[1, 1]]), dmmpt_active=True)
+    share = packed.select(torch.tensor([1]))
+    assert share.dmmpt_active is True
+    _, count, _ = compute_loss(t([[LN(0.2)]]), share, config)
+    assert count.item() == 1  # p = .2: not mastered, kept; the decision did not make it mask more
+
+
+def test_entropy_sums_add_up_to_the_batch_estimate():
+    a, mask_a = t([[LN(0.5), LN(0.25), LN(0.01)]]), t([[1, 1, 0]])
+    b, mask_b = t([[LN(0.125)]]), t([[1]])
+    parts = [entropy_sums(a, mask_a), entropy_sums(b, mask_b)]
+    total, count = (sum(p[i].item() for p in parts) for i in range(2))
+    assert count == 3 and total / count == pytest.approx((LN(2) + LN(4) + LN(8)) / 3)  # = 2 ln 2
+    assert parts[0][0].item() / parts[0][1].item() == pytest.approx(entropy_estimate(a, mask_a).item())
 
 
 def test_entropy_exact_and_estimate():
@@ -232,6 +329,7 @@ def test_loss_inputs_align_with_micro_batches_and_make_loss_fn():
         ({"clip_low": 1.0}, "clip_low"),
         ({"clip_high": -0.1}, "clip_high"),
         ({"kl_coef": -1.0}, "kl_coef"),
+        ({"kl_clamp": 0.0}, "kl_clamp"),
         ({"kl_kind": "k9"}, "kl_kind"),
         ({"importance": "ppo"}, "importance"),
         ({"tis_cap": 0.0}, "tis_cap"),

@@ -2,10 +2,14 @@
 
 from mars_megatron.algorithm.advantages import assign_advantages, grpo_advantages, zero_variance_groups
 from mars_megatron.algorithm.losses import (
+    KL_CLAMP,
     clipped_surrogate,
+    dmmpt_active,
+    dmmpt_drop,
     dmmpt_mask,
     entropy_estimate,
     entropy_from_logits,
+    entropy_sums,
     kl_penalty,
     kl_per_token,
     pois_old_logprobs,
@@ -25,6 +29,7 @@ from mars_megatron.algorithm.objective import (
 from mars_megatron.algorithm.sample import Sample, Segment
 
 __all__ = [
+    "KL_CLAMP",
     "LossConfig",
     "LossInputs",
     "Sample",
@@ -32,9 +37,12 @@ __all__ = [
     "assign_advantages",
     "clipped_surrogate",
     "compute_loss",
+    "dmmpt_active",
+    "dmmpt_drop",
     "dmmpt_mask",
     "entropy_estimate",
     "entropy_from_logits",
+    "entropy_sums",
     "grpo_advantages",
     "kl_penalty",
     "kl_per_token",

@@ -20,6 +20,10 @@ from mars_megatron.algorithm.sample import Sample
 
 KLKind = Literal["k1", "k2", "k3"]
 _MAX_LOG_RATIO = 20.0  # exp() argument bound for k3 and ratios: keeps one wild token finite
+KL_CLAMP = 10.0
+"""Default bound of the per-token KL value (``algorithm.kl_clamp``): verl's ``kl_penalty`` and NeMo-RL's
+KL both clamp it to ±10. The log-ratio bound alone lets k3 reach ``e^20 ≈ 5e8`` with a gradient of the
+same size, so one token far from the reference could swamp the whole batch's update."""
 
 
 def _per_token(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -96,29 +100,43 @@ def policy_loss(
 
 
 # ------------------------------------------------------------------------------------------------ KL
-def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind = "k3") -> torch.Tensor:
+def kl_per_token(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind = "k3", clamp: float = KL_CLAMP
+) -> torch.Tensor:
     """Schulman's estimators of KL(π ‖ π_ref) from tokens sampled by π (http://joschu.net/blog/kl-approx.html).
 
     With ``log ρ = ref_logprobs − logprobs`` (ρ = π_ref/π):
     - ``k1 = −log ρ``: unbiased, high variance, can be negative;
     - ``k2 = ½ (log ρ)²``: biased, low variance, always ≥ 0;
     - ``k3 = (ρ − 1) − log ρ``: unbiased, low variance, always ≥ 0 (GRPO's choice).
+
+    The value is clamped to ``[−clamp, clamp]`` (:data:`KL_CLAMP`, as verl and NeMo-RL do), so a token far
+    from the reference adds at most ``clamp`` to the loss and, outside the band, no gradient (that of
+    ``torch.clamp``); inside the band the estimators are exact.
     """
+    if not clamp > 0:
+        raise ValueError(f"kl_per_token: clamp must be > 0, got {clamp}")
     log_rho = (ref_logprobs.detach() - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     if kind == "k1":
-        return -log_rho
-    if kind == "k2":
-        return 0.5 * log_rho**2
-    if kind == "k3":
-        return torch.exp(log_rho) - 1.0 - log_rho
-    raise ValueError(f"kl_per_token: kind must be 'k1', 'k2' or 'k3', got {kind!r}")
+        kl = -log_rho
+    elif kind == "k2":
+        kl = 0.5 * log_rho**2
+    elif kind == "k3":
+        kl = torch.exp(log_rho) - 1.0 - log_rho
+    else:
+        raise ValueError(f"kl_per_token: kind must be 'k1', 'k2' or 'k3', got {kind!r}")
+    return kl.clamp(-clamp, clamp)
 
 
 def kl_penalty(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kind: KLKind = "k3"
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kind: KLKind = "k3",
+    clamp: float = KL_CLAMP,
 ) -> torch.Tensor:
     """Sum of :func:`kl_per_token` over masked tokens."""
-    kl = kl_per_token(logprobs, ref_logprobs, kind)
+    kl = kl_per_token(logprobs, ref_logprobs, kind, clamp)
     return (kl * mask.to(kl.dtype)).sum()
 
 
@@ -146,7 +164,9 @@ def pois_old_logprobs(current_logprobs: torch.Tensor) -> torch.Tensor:
     tokens. POIS treats every sample as on-policy for the latest weights, trading a bias bounded by
     the staleness limit for low variance, and needs no copy of old weights. Computing it inside the
     loss is exact when each batch gets one optimizer step (MarsRL); for several steps per batch, take
-    the log-probs from the trainer before the first step and pass them as ``old_logprobs`` instead.
+    the log-probs from the trainer before the first step and pass them as ``old_logprobs`` instead: here
+    every mini-batch's ratio would be 1 and the clip would never act, so the config refuses
+    ``importance=pois`` with ``train.updates_per_batch > 1``.
     """
     return current_logprobs.detach()
 
@@ -169,6 +189,32 @@ def entropy_estimate(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return masked_mean(-logprobs.detach(), mask)
 
 
+def entropy_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ −logprob, token count)`` over masked tokens, detached: the parts of
+    :func:`entropy_estimate` that add up across packs and ranks, so a token-weighted batch mean is one
+    all-reduce of two numbers away."""
+    mask = mask.to(logprobs.dtype)
+    return (-logprobs.detach() * mask).sum(), mask.sum()
+
+
+def dmmpt_active(entropy: float | torch.Tensor, entropy_target: float) -> bool:
+    """DMMPT's on/off decision: the policy entropy is below ``entropy_target``. Taken once per update
+    from the whole batch's entropy (see :class:`~mars_megatron.algorithm.objective.LossInputs`), so
+    every pack and rank of that update masks alike."""
+    return float(entropy) < entropy_target
+
+
+def dmmpt_drop(
+    logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, *, prob_threshold: float
+) -> torch.Tensor:
+    """``mask`` without the well-mastered tokens of positively-rewarded responses (advantage > 0; with
+    binary rewards exactly the correct answers of a mixed group): those the model already predicts with
+    ``p > prob_threshold``. Unconditional: the entropy decision is the caller's (:func:`dmmpt_active`)."""
+    adv = _per_token(advantages, logprobs)
+    mastered = (adv > 0) & (logprobs.detach() > math.log(prob_threshold))
+    return mask * (~mastered).to(mask.dtype)
+
+
 def dmmpt_mask(
     logprobs: torch.Tensor,
     mask: torch.Tensor,
@@ -179,15 +225,12 @@ def dmmpt_mask(
     entropy_target: float,
 ) -> torch.Tensor:
     """DMMPT (dynamic masking of well-mastered positive tokens, UloRL): while the policy entropy is
-    below ``entropy_target``, drop from ``mask`` the tokens of positively-rewarded responses
-    (advantage > 0; with binary rewards exactly the correct answers of a mixed group) that the model
-    already predicts with ``p > prob_threshold``. At or above the target the mask is returned as is.
-    ``entropy`` is the batch's (a scalar); both thresholds are configuration (unpublished)."""
-    if float(entropy) >= entropy_target:
+    below ``entropy_target`` (:func:`dmmpt_active`), :func:`dmmpt_drop`; at or above the target the mask
+    is returned as is. ``entropy`` is the batch's (a scalar); both thresholds are configuration
+    (unpublished)."""
+    if not dmmpt_active(entropy, entropy_target):
         return mask
-    adv = _per_token(advantages, logprobs)
-    mastered = (adv > 0) & (logprobs.detach() > math.log(prob_threshold))
-    return mask * (~mastered).to(mask.dtype)
+    return dmmpt_drop(logprobs, mask, advantages, prob_threshold=prob_threshold)
 
 
 # --------------------------------------------------------------------------------------- role weights

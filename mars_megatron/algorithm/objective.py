@@ -2,11 +2,13 @@
 
 Order of :func:`compute_loss` (each step named in the stats it reports):
 
-1. **masks** — the response loss mask; DMMPT then drops well-mastered positive tokens (if on);
+1. **masks** — the response loss mask; DMMPT then drops well-mastered positive tokens (if on, and if the
+   update's entropy decision, :attr:`LossInputs.dmmpt_active`, says so);
 2. **importance weights** — the "old" log-probs: the trainer's (``none``/``tis``) or POIS's detached
    current ones; ``tis`` multiplies each token by ``min(exp(old − behaviour), tis_cap)``;
 3. **clipped surrogate** — token-level PPO loss with clip-higher, times the importance weight;
-4. **KL** — ``+ kl_coef · KL_k(π ‖ π_ref)`` per token (skipped when ``kl_coef == 0``);
+4. **KL** — ``+ kl_coef · KL_k(π ‖ π_ref)`` per token, each token's KL clamped to ``±kl_clamp``
+   (skipped when ``kl_coef == 0``);
 5. **role weights** — each token's loss times its sample's role weight.
 
 The loss is the sum over the final mask and the token count is that mask's sum (tokens DMMPT drops
@@ -45,6 +47,8 @@ class LossConfig:
     """β of the KL penalty to the reference policy; the paper gives none, so 0 (no reference needed)."""
     kl_kind: L.KLKind = "k3"
     """Schulman estimator: k1, k2 or k3."""
+    kl_clamp: float = L.KL_CLAMP
+    """Bound of each token's KL value, ``[−kl_clamp, kl_clamp]`` (verl, NeMo-RL: 10); > 0."""
     importance: Importance = "pois"
     """``none``: ratios against the trainer's old log-probs; ``tis``: the same times truncated IS
     weights against the rollout engine's log-probs; ``pois``: old = latest model (MarsRL/UloRL)."""
@@ -69,6 +73,8 @@ class LossConfig:
             raise bad("clip_high", ">= 0")
         if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
             raise bad("kl_coef", "finite and >= 0")
+        if not self.kl_clamp > 0.0:
+            raise bad("kl_clamp", "> 0")
         if self.kl_kind not in _KL_KINDS:
             raise bad("kl_kind", f"one of {_KL_KINDS}")
         if self.importance not in _IMPORTANCE:
@@ -106,8 +112,13 @@ class LossInputs:
     token_weights: torch.Tensor | None = None
     """Role weights per token (:func:`losses.role_weights`); None weighs all 1."""
     entropy: float | torch.Tensor | None = None
-    """The batch's policy entropy for DMMPT; None estimates it from this micro-batch's log-probs (under
-    context parallelism: from this rank's share of them)."""
+    """The batch's policy entropy for DMMPT (reported as the ``entropy`` stat); None estimates it from
+    this micro-batch's log-probs (under context parallelism: from this rank's share of them)."""
+    dmmpt_active: bool | None = None
+    """DMMPT's on/off decision for this update, taken once from the whole batch's entropy (the trainer
+    all-reduces it over ranks before the update), so that every pack and rank masks alike; it overrides
+    ``entropy`` for the decision. None decides from ``entropy`` (or the micro-batch's estimate): per
+    micro-batch and rank, which only a single-pack, single-rank caller should rely on."""
 
     def select(self, index: torch.Tensor) -> LossInputs:
         """The columns ``index`` of every per-token field: a context-parallel rank's share of a pack."""
@@ -145,16 +156,19 @@ def compute_loss(
     mask = inputs.mask.to(logprobs.dtype)
     if config.dmmpt:  # 1. masks
         entropy = inputs.entropy if inputs.entropy is not None else L.entropy_estimate(logprobs, mask)
-        kept = L.dmmpt_mask(
-            logprobs,
-            mask,
-            inputs.advantages,
-            entropy,
-            prob_threshold=config.dmmpt_prob_threshold,
-            entropy_target=config.dmmpt_entropy_target,
+        active = inputs.dmmpt_active
+        if active is None:
+            active = L.dmmpt_active(entropy, config.dmmpt_entropy_target)
+        kept = (
+            L.dmmpt_drop(logprobs, mask, inputs.advantages, prob_threshold=config.dmmpt_prob_threshold)
+            if active
+            else mask
         )
         stats["dmmpt_masked_fraction"] = 1.0 - kept.sum() / mask.sum().clamp(min=1)
-        stats["entropy"] = torch.as_tensor(entropy, dtype=logprobs.dtype).detach()
+        # on the log-probs' device: the trainer stacks each stat across micro-batches
+        dtype, device = logprobs.dtype, logprobs.device
+        stats["dmmpt_active"] = torch.tensor(float(active), dtype=dtype, device=device)
+        stats["entropy"] = torch.as_tensor(entropy, dtype=dtype, device=device).detach()
         mask = kept
 
     if config.importance == "pois":  # 2. importance weights
@@ -176,7 +190,7 @@ def compute_loss(
 
     if config.kl_coef > 0:  # 4. KL
         ref = _need(inputs.ref_logprobs, "ref_logprobs", "when kl_coef > 0")
-        kl = L.kl_per_token(logprobs, ref, config.kl_kind)
+        kl = L.kl_per_token(logprobs, ref, config.kl_kind, config.kl_clamp)
         stats["kl"] = L.masked_mean(kl.detach(), mask)
         per_token = per_token + config.kl_coef * kl
 
@@ -253,12 +267,15 @@ def packed_loss_inputs(
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     excluded: Collection[int] = (),
+    entropy: float | None = None,
+    dmmpt_active: bool | None = None,
 ) -> LossInputs:
     """Tensors ``[1, T]`` for one pack: sample ``pack.sample_ids[j]`` (an index into ``samples``) sits at
     ``pack.sample_spans[j]``; its response token i is predicted at ``start + len(prompt) − 1 + i``.
     Tokens cut off by truncation are left out, and so are the samples ``excluded`` (indices into
     ``samples``: masked importance sampling). ``old_logprobs``/``ref_logprobs`` are the trainer's and the
-    reference's log-probs of this very pack (already laid out like the pack)."""
+    reference's log-probs of this very pack (already laid out like the pack). ``entropy`` and
+    ``dmmpt_active``: the update's batch entropy and DMMPT decision (:class:`LossInputs`)."""
     length = pack.length
     advantages = torch.zeros(1, length)
     mask = torch.zeros(1, length)
@@ -290,6 +307,8 @@ def packed_loss_inputs(
         behaviour_logprobs=behaviour,
         ref_logprobs=ref_logprobs,
         token_weights=weights,
+        entropy=entropy,
+        dmmpt_active=dmmpt_active,
     )
 
 

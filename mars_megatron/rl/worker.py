@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mars_megatron.agents.roles import Role
+from mars_megatron.algorithm import losses as L
 from mars_megatron.algorithm.mismatch import SUM_KEYS, MismatchTally, mismatch_metrics
 from mars_megatron.algorithm.objective import LossConfig, make_loss_fn, packed_loss_inputs
 from mars_megatron.algorithm.sample import Sample
@@ -32,6 +33,7 @@ def loss_config(cfg: MarsConfig) -> LossConfig:
         clip_high=a.clip_high,
         kl_coef=a.kl_coef,
         kl_kind=a.kl_kind,
+        kl_clamp=a.kl_clamp,
         importance=a.importance,
         tis_cap=a.tis_cap,
         dmmpt=a.dmmpt,
@@ -158,11 +160,14 @@ class PolicyWorker(SendsWeights):
         # measure it: MIS must know the outliers before the loss, and of several updates per batch only
         # the first runs on the old weights. Otherwise the single update's own forward measures the
         # mismatch (and, under R3, the routing the trainer would have changed) on the way, for free.
+        # DMMPT scores the batch too: its on/off decision is taken once, from the whole batch's entropy
+        # under the old weights, before any loss sees a pack (one pack's or rank's entropy would let the
+        # packs and ranks of one update disagree).
         a = self.cfg.algorithm
         stores: list[dict | None] = [{} if replay == "R2" else None for _ in packed]
         # mismatch needs the engine's log-probs (samples built without an engine have none)
         watch = (a.mismatch_metrics or a.mis) and any(s.behaviour_logprobs is not None for s in samples)
-        loss_needs_old = self.loss.importance != "pois" or replay == "R2"
+        loss_needs_old = self.loss.importance != "pois" or replay == "R2" or self.loss.dmmpt
         in_update = not loss_needs_old and len(packed) == 1 and not a.mis
         need_old = loss_needs_old or (watch and not in_update)
         tally = MismatchTally(a.mismatch_threshold) if watch else None
@@ -195,6 +200,11 @@ class PolicyWorker(SendsWeights):
                 engine, tally, replay == "R3", whole_packs=True
             )
             outliers = found if tally is not None else outliers
+        entropy: float | None = None
+        dmmpt_on: bool | None = None
+        if self.loss.dmmpt:
+            entropy = self._batch_entropy(engine, packed, old)
+            dmmpt_on = L.dmmpt_active(entropy, self.loss.dmmpt_entropy_target)
         metrics: dict[str, float] = {}
         stats: list[dict[str, torch.Tensor]] = []
         truncated = 0
@@ -219,6 +229,8 @@ class PolicyWorker(SendsWeights):
                     old_logprobs=old_lp[k] if old_lp is not None and pass_old else None,
                     ref_logprobs=ref_lp[k] if ref_lp is not None else None,
                     excluded=excluded,
+                    entropy=entropy,
+                    dmmpt_active=dmmpt_on,
                 )
 
             loss_fn = make_loss_fn(self.loss, inputs_for, stats)
@@ -238,12 +250,41 @@ class PolicyWorker(SendsWeights):
             policy.reference.routing_changes()  # its scoring forwards replay too: not what is reported
         if routing_changed is not None:
             metrics["routing_changed"] = routing_changed
+        if entropy is not None and dmmpt_on is not None:  # the same on every rank
+            metrics["dmmpt_active"] = float(dmmpt_on)
+            metrics["dmmpt_batch_entropy"] = entropy
         metrics["packs"] = float(sum(len(mbs) for _, _, mbs in packed))
         metrics["truncated_samples"] = float(truncated)
         metrics.update(mismatch_metrics(sums))
         if a.mis and sums:
             metrics["mis_masked_samples"] = sums["all"][SUM_KEYS.index("seqs_over")]
         return metrics
+
+    def _batch_entropy(
+        self,
+        engine: Any,
+        packed: Sequence[tuple[Sequence[Sample], Any, Sequence[MicroBatch]]],
+        old: Sequence[Sequence[torch.Tensor] | None],
+    ) -> float:
+        """Token-mean entropy estimate (:func:`~mars_megatron.algorithm.losses.entropy_estimate`) of the
+        whole rollout batch under the pre-update weights: every mini-batch's response tokens (MIS outliers
+        included: they are known only later), summed on each rank, then one all-reduce over the
+        data-parallel replicas, so every rank (all TP/PP/CP ranks too) gets the same number and DMMPT one
+        decision per update. The old log-probs are whole packs on every CP rank: CP rank 0 counts them."""
+        from megatron.core import parallel_state as ps
+
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (mini, _, mbs), old_lp in zip(packed, old, strict=True):
+            if old_lp is None:
+                continue  # not the last pipeline stage: contributes nothing, receives the sum
+            for mb, lp in zip(mbs, old_lp, strict=True):
+                assert mb.pack is not None
+                mask = packed_loss_inputs(mini, mb.pack, self.loss).mask
+                parts.append(L.entropy_sums(lp, mask.to(lp.device)))
+        # one host copy for the whole batch, then one all-reduce of two numbers
+        local = torch.stack([torch.stack(p).double() for p in parts]).sum(0).tolist() if parts else [0.0, 0.0]
+        total, count = engine._global_sum(local, ps.get_context_parallel_rank() == 0)
+        return total / max(count, 1.0)
 
     def _first_forward_sums(
         self, engine: Any, tally: MismatchTally | None, routing: bool, *, whole_packs: bool
