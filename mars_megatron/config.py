@@ -477,6 +477,41 @@ class MoeConfig(Section):
 
 
 @dataclass
+class EvalConfig(Section):
+    """Held-out evaluation during training: the V–C system and its Solver alone on problems never trained
+    on, on the run's own engines and weights (``mars eval`` does the same on a saved checkpoint)."""
+
+    test_file: str | None = _field(
+        None, "JSONL of held-out problems (mars eval --data format); null = no evaluation during training."
+    )
+    interval: int = _field(
+        0,
+        "Evaluate before the first update, every this many updates and after the last; 0 = never.",
+        min=0,
+    )
+    samples: int = _field(4, "K of avg@K: samples per problem.", min=1)
+    limit: int | None = _field(None, "Use only the first this many problems of test_file.", min=1)
+    temperature: float = _field(
+        0.6, "Sampling temperature of every agent call (MarsRL's evaluation: 0.6).", min=0
+    )
+    top_p: float = _field(0.95, "Nucleus sampling mass (MarsRL's evaluation: 0.95).", gt=0)
+    max_iterations: int = _field(
+        10, "V–C loop: Verifier calls at most (each may be followed by a Corrector).", min=1
+    )
+    accept_after: int = _field(4, "V–C loop: accept after this many consecutive Correct verdicts.", min=1)
+    give_up_after: int = _field(10, "V–C loop: stop after this many consecutive errors.", min=1)
+    seed: int = _field(
+        0, "Base of every evaluation call's seed (the same problems get the same seeds).", min=0
+    )
+
+    def validate(self) -> None:
+        if self.interval and self.test_file is None:
+            raise ConfigError(
+                f"is {self.interval} but test_file is null, so there is nothing to evaluate", "interval"
+            )
+
+
+@dataclass
 class LoggingConfig(Section):
     run_dir: str = _field("runs/default", "Directory for logs, metrics and the resolved config of this run.")
     tensorboard: bool = _field(False, "Also write TensorBoard event files under run_dir.")
@@ -513,6 +548,9 @@ class MarsConfig(Section):
         default_factory=MoeConfig, metadata={"help": "MoE train-rollout consistency (routing replay)."}
     )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
+    evaluation: EvalConfig = field(
+        default_factory=EvalConfig, metadata={"help": "Held-out evaluation during training."}
+    )
     logging: LoggingConfig = field(
         default_factory=LoggingConfig, metadata={"help": "Logs and run directory."}
     )

@@ -3,7 +3,8 @@
 # after the first run's set-up).
 #   1. build the random tiny model;  2. `mars sft`: warm start on careful/careless role demonstrations;
 #   3. `mars train`: MarsRL (Solver -> Verifier -> Corrector, agent-specific rewards) with 2 Megatron
-#      trainer ranks (EP=2) and a transformers rollout engine, all Ray actors; prints per-agent rewards.
+#      trainer ranks (EP=2) and a transformers rollout engine, all Ray actors; prints per-agent rewards,
+#      and the held-out accuracy of the V–C system and of its Solver alone before, halfway and after.
 # Extra arguments are config overrides for `mars train` (e.g. algorithm.reward=shared train.steps=20).
 # Ray listens on every interface; as root, the run goes into a network namespace with only loopback up.
 set -euo pipefail
@@ -20,5 +21,5 @@ rm -rf "$RUN" && mkdir -p "$RUN"
 mars init-model --preset tiny-moe --out "$RUN/hf"
 mars sft examples/tiny_sft.yaml --model-dir "$RUN/hf" --out "$RUN/sft"
 mars train examples/tiny_cpu.yaml model.mcore_dir="$RUN/sft" logging.run_dir="$RUN/train" \
-  checkpoint.save_dir="$RUN/checkpoints" "$@"
+  checkpoint.save_dir="$RUN/checkpoints" evaluation.interval=30 "$@"
 echo "metrics: $RUN/train/metrics.jsonl   plot: $RUN/train/rewards.png   tensorboard: $RUN/train/tensorboard"

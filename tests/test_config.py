@@ -415,7 +415,7 @@ def test_config_to_dict_is_plain() -> None:
     data = config_to_dict(load_config(None, ["parallel.tp=2"]))
     assert list(data) == [
         "model", "parallel", "optimizer", "train", "data", "agents", "rollout", "algorithm", "pipeline",
-        "moe", "checkpoint", "logging",
+        "moe", "checkpoint", "evaluation", "logging",
     ]  # fmt: skip
     assert data["parallel"]["tp"] == 2 and data["optimizer"]["lr"] == 1e-6
     assert yaml.safe_load(yaml.safe_dump(data)) == data

@@ -421,3 +421,32 @@ def test_chat_codec_refuses_or_truncates_long_prompts(model_dir):
     cut = ChatCodec.from_pretrained(model_dir, max_input_tokens=64, truncate=True).encode(messages)
     assert len(cut) == 64 and cut[:48] == full[:48] and cut[48:] == full[-16:]  # head and generation prompt
     assert ChatCodec.from_pretrained(model_dir).decode(full).startswith("user")
+
+
+def test_training_refuses_an_evaluation_that_is_not_held_out(tmp_path: Path) -> None:
+    """`mars train` checks evaluation.* before anything starts: an interval without a test file, a missing
+    file, and a test file that shares problems with data.train_file (a score on trained problems)."""
+    from mars_megatron.config import ConfigError, load_config
+    from mars_megatron.models.presets import init_model
+    from mars_megatron.rl.trainer import prepare
+
+    data = REPO / "examples" / "data"
+    model = init_model("tiny-moe", tmp_path / "hf")
+    common = [f"model.hf_dir={model}", f"data.train_file={data / 'arith_train.jsonl'}",
+              f"logging.run_dir={tmp_path / 'run'}", "evaluation.interval=5"]  # fmt: skip
+    example = REPO / "examples" / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match=r"evaluation\.interval: is 5 but test_file is null"):
+        load_config(example, [*common, "evaluation.test_file=null"])
+    cfg = load_config(example, [*common, f"evaluation.test_file={tmp_path / 'none.jsonl'}"])
+    with pytest.raises(ConfigError, match=r"evaluation\.test_file: .*none\.jsonl: no such file"):
+        prepare(cfg, nproc=None, resume=None, check_machine=False)
+    cfg = load_config(example, [*common, f"evaluation.test_file={data / 'arith_train.jsonl'}"])
+    with pytest.raises(
+        ConfigError, match=r"evaluation\.test_file: 75 of its problems are also in data\.train_file"
+    ):
+        prepare(cfg, nproc=None, resume=None, check_machine=False)
+    cfg = load_config(
+        example, [*common, f"evaluation.test_file={data / 'arith_test.jsonl'}", "evaluation.limit=7"]
+    )
+    plan = prepare(cfg, nproc=None, resume=None, check_machine=False)
+    assert len(plan.eval_problems) == 7 and len(plan.problems) == 75

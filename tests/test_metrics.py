@@ -249,3 +249,39 @@ def test_plot_runs_compares_two_runs(tmp_path: Path) -> None:
         plot_runs([tmp_path / "missing"], ["x"], tmp_path / "x.png")
     with pytest.raises(ValueError, match="no reward"):
         plot_rewards([{"step": 1, "loss": 1.0}], tmp_path / "x.png")
+
+
+def test_held_out_evaluations_go_to_eval_jsonl_tensorboard_and_a_second_panel(tmp_path: Path) -> None:
+    """Evaluations: eval.jsonl (step 0 = before training), TensorBoard once per step (not twice though the
+    trainer also puts them in metrics.jsonl), a taller plot with the held-out panel, and a resume that drops
+    the evaluations after its checkpoint."""
+    evals = {
+        0: {"eval/solver_acc": 0.3, "eval/system_acc": 0.25},
+        2: {"eval/solver_acc": 0.5, "eval/system_acc": 0.6},
+    }
+    with MetricsSink(tmp_path, tensorboard=True, total_steps=3, progress=False) as sink:
+        sink.log_eval(0, evals[0])
+        for step in range(1, 4):
+            extra = evals.get(step, {})
+            if extra:
+                sink.log_eval(step, extra)
+            sink.log(step, {**step_metrics(step), **extra})
+        with pytest.raises(ValueError, match="evaluation of step 2 is not after the last one logged"):
+            sink.log_eval(2, evals[2])
+    assert read_metrics(tmp_path / "eval.jsonl") == [{"step": s, **m} for s, m in evals.items()]
+    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1, 2, 3]
+    assert read_metrics(tmp_path / METRICS_FILE)[1]["eval/system_acc"] == 0.6
+    assert tb_scalars(tmp_path, "eval/system_acc") == [(0, pytest.approx(0.25)), (2, pytest.approx(0.6))]
+    image = Image.open(tmp_path / REWARDS_PNG)
+    assert image.size == (800, 750)  # the held-out panel below the rewards
+
+    with MetricsSink(tmp_path, tensorboard=False, total_steps=3, resume_step=1, progress=False) as sink:
+        assert [r["step"] for r in sink.eval_records] == [0]
+    assert [r["step"] for r in read_metrics(tmp_path / "eval.jsonl")] == [0]
+
+
+def test_a_run_without_evaluations_writes_no_eval_file(tmp_path: Path) -> None:
+    with MetricsSink(tmp_path, tensorboard=False, total_steps=1, progress=False) as sink:
+        sink.log(1, step_metrics(1))
+    assert not (tmp_path / "eval.jsonl").exists()
+    assert Image.open(tmp_path / REWARDS_PNG).size == (800, 450)

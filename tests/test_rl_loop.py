@@ -112,10 +112,19 @@ def test_killed_run_resumes_exactly(sft_model: Path, uninterrupted: tuple[Path, 
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
 
 
-def test_a_separate_policy_per_role(sft_model: Path, tmp_path: Path) -> None:
-    """algorithm.policies=per_role: three models, three engines, each trained on its own role's samples."""
+def test_a_separate_policy_per_role_evaluated_during_and_after_training(
+    sft_model: Path, tmp_path: Path
+) -> None:
+    """algorithm.policies=per_role: three models, three engines, each trained on its own role's samples.
+    The run evaluates the held-out split before and after each update (each role answered by its own
+    policy's engine), and `mars eval --checkpoint` evaluates the saved policies, each role by its own."""
+    from PIL import Image
+
     run = tmp_path / "run"
-    _finish(_train(sft_model, run, "algorithm.policies=per_role", "train.steps=2"))
+    test = REPO / "examples" / "data" / "arith_test.jsonl"
+    evaluation = [f"evaluation.test_file={test}", "evaluation.interval=1", "evaluation.limit=4",
+                  "evaluation.samples=2"]  # fmt: skip
+    _finish(_train(sft_model, run, "algorithm.policies=per_role", "train.steps=2", *evaluation))
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     for role in ("solver", "verifier", "corrector"):
@@ -123,6 +132,53 @@ def test_a_separate_policy_per_role(sft_model: Path, tmp_path: Path) -> None:
         assert records[-1][f"train/{role}/tokens"] > 0
     saved = sorted(p.name for p in (run / "ckpt" / "step_000002").iterdir() if p.is_dir())
     assert saved == ["corrector", "solver", "verifier"]
+    # held-out evaluation: before training (step 0) and after each update, into eval.jsonl and metrics.jsonl
+    evals = read_metrics(run / "eval.jsonl")
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    for r in evals:
+        assert 0 <= r["eval/solver_acc"] <= 1 and 0 <= r["eval/system_acc"] <= 1 and r["eval/time"] > 0
+    assert all(records[i]["eval/system_acc"] == evals[i + 1]["eval/system_acc"] for i in range(2))
+    lines = (run / "eval" / "step_000002" / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 4 * 2 and all(json.loads(line)["steps"] for line in lines)
+    assert Image.open(run / "rewards.png").size == (800, 750)  # with the held-out panel
+
+    out = tmp_path / "eval"
+    ok(mars("eval", "--checkpoint", run / "ckpt", "--config", run / "config.yaml", "--data", test,
+            "--limit", "3", "--samples", "1", "--engine", "transformers", "--out", out,
+            "--checker-workers", "1", cwd=tmp_path))  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"] == {r: str((run / "ckpt" / "step_000002" / r).resolve()) for r in saved}
+    assert (
+        config["prompts"] == "compact" and config["sampling"]["max_tokens"] == 24
+    )  # the run's, from --config
+    converted = {
+        r: b"".join(f.read_bytes() for f in sorted((out / "models" / r).glob("*.safetensors"))) for r in saved
+    }
+    assert len(set(converted.values())) == 3  # three different trained models answered
+    assert json.loads((out / "summary.json").read_text())["results"] == 3
+
+
+def test_eval_of_the_trained_checkpoint_in_its_own_prompts(
+    uninterrupted: tuple[Path, str], tmp_path: Path
+) -> None:
+    """`mars eval --prompts compact` on the trained tiny model: the Solver's prompt is the compact one
+    (a few tokens, not the marsrl texts), and the model answers in the format it learned under it."""
+    run = uninterrupted[0]
+    out = tmp_path / "eval"
+    test = REPO / "examples" / "data" / "arith_test.jsonl"
+    ok(mars("eval", "--checkpoint", run / "ckpt" / "step_000004", "--prompts", "compact", "--data", test,
+            "--samples", "2", "--limit", "10", "--max-tokens", "24", "--engine", "transformers", "--out", out,
+            "--checker-workers", "1", cwd=tmp_path))  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["prompts"] == "compact" and summary["results"] == 20
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert max(r["steps"][0]["prompt_tokens"] for r in results) < 40  # the marsrl Solver prompt is longer
+    # the model answers in the format it learned under these prompts: boxed answers, parseable verdicts
+    # (this briefly trained model still guesses most sums; the accuracy is the benchmark's business)
+    assert sum(r["solver_answer"] is not None for r in results) >= 18
+    verdicts = [s["verdict"] for r in results for s in r["steps"] if s["role"] == "verifier"]
+    assert verdicts and sum(v is not None for v in verdicts) >= 0.9 * len(verdicts)
+    assert summary["prompts_too_long"] == 0
 
 
 def test_trained_policy_checkpoint_exports_and_scores(

@@ -3,7 +3,9 @@
 One line per ``reward/<role>`` metric (solver, verifier, corrector first, in a fixed colour each, then any
 other ``reward/*``). Rewards are noisy from step to step, so with more than a few points the raw values are
 drawn faint and a trailing moving average solid. Other runs (``compare``; e.g. the
-``algorithm.reward=shared`` ablation) reuse the role colours with dashed, dotted, … lines.
+``algorithm.reward=shared`` ablation) reuse the role colours with dashed, dotted, … lines. When the run
+evaluated on held-out problems (``eval.jsonl``), a second panel draws the V–C system's accuracy against its
+Solver's alone: the paper's comparison, step by step.
 
 matplotlib is imported inside the functions and drawn on an Agg canvas directly (no pyplot, no global
 backend switch), so this works headless, in threads and without slowing ``import mars_megatron``.
@@ -66,9 +68,11 @@ def plot_rewards(
     compare: dict[str, Sequence[dict[str, Any]]] | None = None,
     label: str | None = None,
     window: int | None = None,
+    evals: Sequence[dict[str, Any]] | None = None,
 ) -> Path:
     """Draw the ``reward/*`` curves of ``records`` (and of each ``compare`` run, dashed) to ``out_png``.
 
+    ``evals``: the run's held-out evaluations (``eval.jsonl`` records), drawn in a second panel.
     ``label`` names this run in the legend when runs are compared. ``window``: moving-average length
     (None: :func:`auto_window`; 1: raw values only). The file is written to a temporary name and renamed,
     so a reader (or a kill) never sees half a PNG. Raises ``ValueError`` when no run has a reward metric.
@@ -85,9 +89,10 @@ def plot_rewards(
         raise ValueError("no reward/* metrics to plot")
     colours = {key: f"C{i}" for i, key in enumerate(keys)}
 
-    fig = Figure(figsize=(8, 4.5), dpi=100)
+    held_out = [(key, name) for key, name in _EVAL_CURVES if _series(evals or [], key)[0]]
+    fig = Figure(figsize=(8, 7.5 if held_out else 4.5), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(2, 1, 1) if held_out else fig.add_subplot()
     low, high, smoothed = 0.0, 1.0, False
     for name, run, style in runs:
         for key in keys:
@@ -111,6 +116,8 @@ def plot_rewards(
     ax.legend(loc="best", fontsize="small")
     if title:
         ax.set_title(title)
+    if held_out:
+        _plot_held_out(fig.add_subplot(2, 1, 2), evals or [], held_out)
     fig.tight_layout()
 
     out_png = Path(out_png)
@@ -119,6 +126,23 @@ def plot_rewards(
     fig.savefig(tmp, format="png")
     os.replace(tmp, out_png)
     return out_png
+
+
+_EVAL_CURVES = (("eval/system_acc", "V–C system"), ("eval/solver_acc", "Solver alone"))
+
+
+def _plot_held_out(ax: Any, evals: Sequence[dict[str, Any]], curves: Sequence[tuple[str, str]]) -> None:
+    for key, name in curves:
+        steps, values = _series(evals, key)
+        style = "-o" if key == "eval/system_acc" else "--s"
+        ax.plot(
+            steps, values, style, color="k" if key == "eval/system_acc" else "0.5", label=name, markersize=4
+        )
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out accuracy (avg@K)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
 
 
 def plot_runs(run_dirs: Sequence[str | Path], labels: Sequence[str], out_png: str | Path) -> Path:

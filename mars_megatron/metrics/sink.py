@@ -11,6 +11,11 @@ last checkpoint logged steps that the resumed run is about to redo) by rewriting
 opens TensorBoard with ``purge_step=resume_step + 1`` so the viewer discards those steps' old events. The
 same rule holds for ``resume_step=0``: a fresh run in a directory with an old ``metrics.jsonl`` starts it
 over. Only one process (the driver, or rank 0) should own a sink for a run directory.
+
+Held-out evaluations (``evaluation.*``) go through :meth:`MetricsSink.log_eval` into ``eval.jsonl`` (one
+line per evaluation, step 0 being the model before any update) and TensorBoard; the trainer also puts them
+into the ``metrics.jsonl`` line of the step they were taken after, so both files tell the same story and
+``metrics.jsonl`` keeps exactly one line per update. ``rewards.png`` draws them in a second panel.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from typing import Any
 from tqdm import tqdm
 
 METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+EVAL_PREFIX = "eval/"
 TENSORBOARD_DIR = "tensorboard"
 REWARDS_PNG = "rewards.png"
 REWARD_PREFIX = "reward/"
@@ -150,6 +157,11 @@ class MetricsSink:
         self.dropped_lines = 0
         if self.metrics_path.exists():
             self.records, self.dropped_lines = _truncate_metrics(self.metrics_path, resume_step)
+        self.eval_path = self.run_dir / EVAL_FILE
+        self.eval_records: list[dict[str, Any]] = []
+        if self.eval_path.exists():
+            self.eval_records = _truncate_metrics(self.eval_path, resume_step)[0]
+        self._eval_file: Any = None  # opened by the first log_eval: runs that evaluate nothing get no file
         self._last_step = max([resume_step, *(r["step"] for r in self.records)])
         self._plotted_step = self._last_step
         self._file = self.metrics_path.open("a", encoding="utf-8")
@@ -178,19 +190,41 @@ class MetricsSink:
         if "step" in metrics:
             raise ValueError("metrics must not contain 'step'; it is the log() argument")
         values = {key: _scalar(key, value) for key, value in metrics.items()}
-        record = {"step": step, **{key: _json_value(value) for key, value in values.items()}}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self.records.append(record)
+        self.records.append(self._append(self._file, step, values))
         self._last_step = step
+        # eval/* reached TensorBoard through log_eval (which also has the evaluation before step 1)
+        self._scalars(step, {k: v for k, v in values.items() if not k.startswith(EVAL_PREFIX)})
+        self._advance_bar(step, self.records[-1])
+        if self.plot_every and step - self._plotted_step >= self.plot_every:
+            self._plot()
+
+    def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record a held-out evaluation taken after ``step`` updates (0: before the first) in
+        ``eval.jsonl`` and TensorBoard."""
+        if self._closed:
+            raise RuntimeError("MetricsSink.log_eval() after close()")
+        last = self.eval_records[-1]["step"] if self.eval_records else -1
+        if step <= last:
+            raise ValueError(f"evaluation of step {step} is not after the last one logged ({last})")
+        values = {key: _scalar(key, value) for key, value in metrics.items()}
+        if self._eval_file is None:
+            self._eval_file = self.eval_path.open("a", encoding="utf-8")
+        self.eval_records.append(self._append(self._eval_file, step, values))
+        self._scalars(step, values)
+
+    @staticmethod
+    def _append(file: Any, step: int, values: Mapping[str, int | float]) -> dict[str, Any]:
+        record = {"step": step, **{key: _json_value(value) for key, value in values.items()}}
+        file.write(json.dumps(record, allow_nan=False) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+        return record
+
+    def _scalars(self, step: int, values: Mapping[str, int | float]) -> None:
         if self._writer is not None:
             for key, value in values.items():
                 self._writer.add_scalar(key, value, global_step=step)
             self._writer.flush()
-        self._advance_bar(step, record)
-        if self.plot_every and step - self._plotted_step >= self.plot_every:
-            self._plot()
 
     def _advance_bar(self, step: int, record: Mapping[str, Any]) -> None:
         parts = [
@@ -207,7 +241,7 @@ class MetricsSink:
 
         self._plotted_step = self._last_step
         if reward_keys(self.records):
-            plot_rewards(self.records, self.plot_path, title=self.run_dir.name)
+            plot_rewards(self.records, self.plot_path, title=self.run_dir.name, evals=self.eval_records)
 
     def close(self) -> None:
         """Draw the final plot and close the file, TensorBoard writer and bar; a second call does nothing."""
@@ -219,6 +253,8 @@ class MetricsSink:
                 self._plot()
         finally:
             self._file.close()
+            if self._eval_file is not None:
+                self._eval_file.close()
             if self._writer is not None:
                 self._writer.close()
             self._bar.close()

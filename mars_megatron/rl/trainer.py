@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ class Plan:
     problems: list[Any]
     world_size: int
     resume_from: Path | None
+    eval_problems: list[Any] = field(default_factory=list)
+    """Held-out problems of ``evaluation.test_file`` (empty when training evaluates nothing)."""
 
 
 def prepare(
@@ -83,6 +85,7 @@ def prepare(
     dataset = load_problems(cfg.data.train_file)
     if not dataset.problems:
         raise ValueError(f"{cfg.data.train_file}: no usable problems ({len(dataset.skipped)} bad lines)")
+    eval_problems = _eval_problems(cfg, dataset.problems)
     resume_from = None
     if resume:
         if cfg.checkpoint.save_dir is None:
@@ -97,7 +100,31 @@ def prepare(
         )
     if check_machine:
         check_this_machine(cfg)
-    return Plan(model_dir, str(tokenizer_dir(model_dir)), dataset.problems, world, resume_from)
+    return Plan(model_dir, str(tokenizer_dir(model_dir)), dataset.problems, world, resume_from, eval_problems)
+
+
+def _eval_problems(cfg: MarsConfig, train: list[Any]) -> list[Any]:
+    """``evaluation.test_file``'s problems, refused when any is also a training problem: a held-out score
+    on problems the run trains on would measure memory, not the skill."""
+    from mars_megatron.evaluation.data import load_problems
+
+    ev = cfg.evaluation
+    if not ev.interval or ev.test_file is None:
+        return []
+    if not Path(ev.test_file).is_file():
+        raise ConfigError(f"{ev.test_file}: no such file", "evaluation.test_file")
+    problems = load_problems(ev.test_file, ev.limit).problems
+    if not problems:
+        raise ConfigError(f"{ev.test_file}: no usable problems", "evaluation.test_file")
+    seen = {p.text.strip() for p in train}
+    shared = [p.problem_id for p in problems if p.text.strip() in seen]
+    if shared:
+        raise ConfigError(
+            f"{len(shared)} of its problems are also in data.train_file ({', '.join(shared[:5])}"
+            f"{', ...' if len(shared) > 5 else ''}): held-out problems must not be trained on",
+            "evaluation.test_file",
+        )
+    return problems
 
 
 def check_this_machine(cfg: MarsConfig) -> None:
@@ -200,6 +227,11 @@ class MarsRLTrainer:
         )
         self.step = 0
         self.driver = self._pipeline(codec)
+        self.held_out = None
+        if plan.eval_problems:
+            from mars_megatron.rl.evaluate import HeldOutEval
+
+            self.held_out = HeldOutEval(cfg, plan.eval_problems, plan.engine_dir)
 
     def _start_engine(self, index: int) -> Any:
         """Rollout engine ``index`` as a Ray actor, started as the placement says
@@ -335,10 +367,30 @@ class MarsRLTrainer:
             metrics.update({f"policy_version/{n}": float(v) for n, v in self.versions.items()})
         return metrics
 
+    def evaluate(self) -> dict[str, float]:
+        """The held-out evaluation of the current policies (``eval/*`` metrics), each role answered by the
+        engines of its policy that hold the current weights; nothing when no evaluation is configured."""
+        from mars_megatron.rl.evaluate import EnginePool
+
+        if self.held_out is None:
+            return {}
+        pools = {}
+        for name in self.names:
+            current = [
+                self.fleet.engines[i][1] for i in self.fleet.indices(name) if i not in self.fleet.stale
+            ]
+            if not current:
+                self.log(f"held-out evaluation skipped at step {self.step}: no engine of {name!r} is current")
+                return {}
+            pools[name] = EnginePool(current)
+        return self.held_out.run({role: pools[policy_of(role, self.names)] for role in Role}, self.step)
+
     # ----------------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
         import ray
 
+        if self.held_out is not None:
+            self.held_out.close()
         self.group.shutdown()
         self.fleet.close()
         for reward in self.driver.rewards:
@@ -502,6 +554,27 @@ def _line(step: int, total: int, m: Mapping[str, float]) -> str:
     )
 
 
+def _eval_line(step: int, m: Mapping[str, float]) -> str:
+    acc = "  ".join(
+        f"{name} {m[key]:.3f}"
+        for name, key in (("solver", "eval/solver_acc"), ("system", "eval/system_acc"))
+        if key in m
+    )
+    return f"eval {step:4d}  held-out {acc}  ({m.get('eval/time', 0.0):.1f}s)"
+
+
+def _log_eval(trainer: MarsRLTrainer, sink: Any) -> dict[str, float]:
+    """Evaluate the held-out split now and log it (eval.jsonl, TensorBoard, a line); the metrics, for the
+    step's metrics.jsonl line (none when the evaluation was skipped)."""
+    from tqdm import tqdm
+
+    evaluated = trainer.evaluate()
+    if evaluated:
+        sink.log_eval(trainer.step, evaluated)
+        tqdm.write(_eval_line(trainer.step, evaluated))
+    return evaluated
+
+
 def train(
     cfg: MarsConfig, *, nproc: int | None = None, resume: str | bool | None = None
 ) -> list[dict[str, float]]:
@@ -523,8 +596,13 @@ def train(
             total_steps=cfg.train.steps,
             resume_step=trainer.step,
         ) as sink:
+            held_out = trainer.held_out
+            if held_out is not None and trainer.step == 0:  # the start of the curve: the warm start
+                _log_eval(trainer, sink)
             while trainer.step < cfg.train.steps:
                 metrics = trainer.train_step()
+                if held_out is not None and held_out.due(trainer.step):
+                    metrics.update(_log_eval(trainer, sink))
                 sink.log(trainer.step, metrics)
                 history.append({"step": trainer.step, **metrics})
                 if trainer.step % cfg.logging.log_interval == 0:

@@ -1,0 +1,139 @@
+"""Held-out evaluation during training (``evaluation.*``): the V–C system and its Solver alone on problems
+the run never trains on, on the run's own rollout engines right after a weight push.
+
+Why on the training engines: they already hold the newest weights (no conversion, no second copy of the
+model), and between updates they are idle in the synchronous loop. In the agentic pipeline the calls queue
+behind the rollouts in flight on the same actors, which lengthens that step's wall time (``eval/time``
+says by how much) but changes no weights: pushes happen only inside an update.
+
+Each evaluation also writes its ``results.jsonl`` and ``summary.json`` (the ``mars eval`` format) under
+``run_dir/eval/step_NNNNNN/``, so a number on the curve can be traced to the outputs that made it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from mars_megatron.agents.loop import SystemConfig
+from mars_megatron.agents.prompts import prompt_set
+from mars_megatron.agents.roles import Role
+from mars_megatron.config import MarsConfig
+from mars_megatron.evaluation.data import Problem
+from mars_megatron.evaluation.sampling import SamplingConfig
+from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, RolloutEngine
+
+EVAL_DIR = "eval"
+
+
+class EnginePool:
+    """Several engines of one policy behind one ``generate``: the requests are split into contiguous
+    shares, one per engine, decoded side by side, and returned in request order."""
+
+    def __init__(self, engines: Sequence[RolloutEngine]) -> None:
+        if not engines:
+            raise ValueError("EnginePool: no engines")
+        self.engines = list(engines)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        n = min(len(self.engines), len(requests))
+        if n <= 1:
+            return self.engines[0].generate(requests)
+        bounds = [len(requests) * i // n for i in range(n + 1)]
+        shares = [requests[bounds[i] : bounds[i + 1]] for i in range(n)]
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            results = list(pool.map(lambda engine, share: engine.generate(share), self.engines[:n], shares))
+        return [output for share in results for output in share]
+
+
+def settings(cfg: MarsConfig) -> tuple[SamplingConfig, SystemConfig]:
+    """The sampling and loop budgets of a held-out evaluation: the responses are as long as training's."""
+    ev = cfg.evaluation
+    sampling = SamplingConfig(
+        max_tokens=cfg.rollout.max_response_tokens, temperature=ev.temperature, top_p=ev.top_p, seed=ev.seed
+    )
+    system = SystemConfig(
+        max_iterations=ev.max_iterations, accept_after=ev.accept_after, give_up_after=ev.give_up_after
+    )
+    return sampling, system
+
+
+def eval_metrics(summary: Mapping[str, Any], seconds: float) -> dict[str, float]:
+    """The scalars a summary puts on the training curve (``eval/*``); unmeasured ones are left out."""
+    k = str(summary["samples"])
+    roles = summary["roles"]
+    values = {
+        "eval/solver_acc": summary["solver_acc"],
+        "eval/system_acc": summary["system_acc"],
+        f"eval/solver_pass@{k}": summary["pass@k"]["solver"].get(k),
+        f"eval/system_pass@{k}": summary["pass@k"]["system"].get(k),
+        "eval/accepted_rate": summary["accepted_rate"],
+        "eval/verifier_acc_on_right": roles["verifier"]["acc_on_right"],
+        "eval/verifier_acc_on_wrong": roles["verifier"]["acc_on_wrong"],
+        "eval/corrector_fix_rate": roles["corrector"]["fix_rate"],
+        "eval/time": seconds,
+    }
+    return {key: float(v) for key, v in values.items() if v is not None}
+
+
+class HeldOutEval:
+    """Evaluates the current policies on ``problems``; :meth:`run` takes the engines of each role."""
+
+    def __init__(self, cfg: MarsConfig, problems: Sequence[Problem], tokenizer_dir: str) -> None:
+        from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
+        from mars_megatron.rollout.chat import ChatCodec
+
+        self.cfg, self.problems = cfg, list(problems)
+        self.sampling, self.system = settings(cfg)
+        self.codec = ChatCodec.from_pretrained(tokenizer_dir, max_input_tokens=cfg.rollout.max_input_tokens)
+        self.checker = AnswerChecker(CheckerConfig(num_workers=1))
+        self.root = Path(cfg.logging.run_dir) / EVAL_DIR
+
+    def due(self, step: int) -> bool:
+        """Before the first update, every ``evaluation.interval`` updates, and after the last."""
+        interval = self.cfg.evaluation.interval
+        return bool(interval) and (step % interval == 0 or step == self.cfg.train.steps)
+
+    def run(self, engines: Mapping[Role, RolloutEngine], step: int) -> dict[str, float]:
+        from mars_megatron.checkpoint.store import checkpoint_name
+        from mars_megatron.evaluation.metrics import summarize
+        from mars_megatron.evaluation.results import OutputDir
+        from mars_megatron.evaluation.runner import EvalRunner
+
+        started = time.perf_counter()
+        folder = self.root / checkpoint_name(step)
+        if folder.exists():  # left by a run killed after this step; the same seeds redo it exactly
+            shutil.rmtree(folder)
+        config = {
+            "step": step,
+            "problems": len(self.problems),
+            "samples": self.cfg.evaluation.samples,
+            "prompts": self.cfg.agents.prompts,
+            "sampling": dataclasses.asdict(self.sampling),
+            "system": dataclasses.asdict(self.system),
+        }
+        out = OutputDir(folder, config, resume=False)
+        runner = EvalRunner(
+            dict(engines),
+            self.codec,
+            self.checker,
+            sampling=self.sampling,
+            system=self.system,
+            prompts=prompt_set(self.cfg.agents.prompts),
+            on_result=out.append,
+        )
+        try:
+            runner.run([(p, s) for p in self.problems for s in range(self.cfg.evaluation.samples)])
+        finally:
+            out.close()
+        summary = summarize(out.records, [p.problem_id for p in self.problems], self.cfg.evaluation.samples)
+        out.write_summary({**summary, "config": config})
+        return eval_metrics(summary, time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.checker.close()
