@@ -390,6 +390,21 @@ def test_cli_refuses_bad_setups(model_dir, whole_run, tmp_path):
     args = [a if a != "transformers" else "openai" for a in eval_args(model_dir, tmp_path / "o3")]
     proc = mars(*args)
     assert proc.returncode == 2 and "--engine openai needs --endpoint" in proc.stderr
+    # what answers each role: a missing checkpoint, a folder that is no model, an unknown role
+    base = ("--data", AIME, "--engine", "transformers", "--samples", 1, "--out", tmp_path / "o4")
+    proc = mars(*base, "--checkpoint", tmp_path / "none")
+    assert proc.returncode == 2 and f"--checkpoint {tmp_path / 'none'}: no such directory" in proc.stderr
+    proc = mars(*base, "--checkpoint", tmp_path)
+    assert proc.returncode == 2 and "neither a checkpoint (no trainer_state.json) nor" in proc.stderr
+    proc = mars(*base, "--model", tmp_path)
+    assert proc.returncode == 2 and "neither an HF model (config.json and *.safetensors) nor" in proc.stderr
+    proc = mars(*base, "--model", model_dir, "--policy", f"judge={model_dir}")
+    assert proc.returncode == 2 and "--policy judge=...: unknown role" in proc.stderr
+    proc = mars(*base, "--model", model_dir, "--checkpoint", tmp_path)
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+    proc = mars(*base, "--model", model_dir, "--config", tmp_path / "run.yaml")
+    assert proc.returncode == 2 and "--config" in proc.stderr and "no such file" in proc.stderr
+    assert not (tmp_path / "o4").exists()  # refused before anything was written
 
 
 def test_cli_counts_bad_data_lines_and_reports_an_unreachable_endpoint(model_dir, tmp_path):
