@@ -25,6 +25,13 @@ dense model with DP2). Layers are megatron's local implementation (the CPU path;
 Engine the trainer would use THD packs instead of the mask). ``--profile`` adds a cProfile of our steps.
 Target: ours <= 1.10x bare.
 
+With no arguments it runs the default measurement (tiny-moe, both shapes, one process, 6 timed steps per
+side; the model is built in a temporary directory) and prints per shape the bare loop's and our median
+step time, their ratio against the target, the per-step work breakdown and every timed step. It is the
+longest benchmark: 13 minutes measured on 2 cores shared with other work, most of it the long shape
+(``--shapes short`` alone: 3 minutes there); a line on stderr says which shape is running. ``--quick``
+is the smoke run (about 30 s).
+
     python tools/bench/train_step.py [--model tiny-moe|tiny-dense] [--shapes short,long] [--nproc 1]
     python tools/bench/train_step.py --quick      # tiny sizes, a smoke run
 """
@@ -37,6 +44,7 @@ import io
 import pstats
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -388,6 +396,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print a cProfile of our steps (rank 0)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke run")
     args = ap.parse_args()
+    if args.nproc < 1 or args.repeats < 1 or args.warmup < 0:
+        ap.error("--nproc and --repeats must be >= 1, --warmup >= 0")
     if args.quick:
         args.repeats, args.warmup = 2, 1
     shapes = _shapes(args)
@@ -400,7 +410,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(init_model(args.model, Path(tmp) / "hf"))
         for name in names:
-            run = (model_dir, overrides, shapes[name], args.repeats, args.warmup, args.profile)
+            shape = shapes[name]
+            # The table comes at the end, minutes later: say on stderr what runs, so that it is not silent.
+            print(
+                f"{name} shape: {shape.samples} samples in packs of {shape.pack_length}, "
+                f"{args.warmup} + {args.repeats} steps per side ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            run = (model_dir, overrides, shape, args.repeats, args.warmup, args.profile)
             r = parallel.launch(worker, args.nproc, *run)[0]
             rows.append((shapes[name], r))
     print(
