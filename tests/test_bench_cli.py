@@ -33,8 +33,6 @@ RUNS_BY_DEFAULT = {
 # Benchmarks whose modes are a choice: no arguments prints the usage and exits 2.
 ASKS_FOR_A_MODE = {"pipeline.py": ["--real", "--sim", "--sft", "--out", "--train-s-per-token"]}
 NOT_BENCHMARKS = {"common.py"}  # the library the tiny-task benchmarks share
-# Their docstrings belong to the change that owns them (paper_table.py's says "No arguments needed").
-DOCSTRING_EXEMPT = {"tiny_run.py", "paper_table.py"}
 
 
 def run(script: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -63,7 +61,7 @@ def test_every_script_is_classified() -> None:
     assert known <= scripts, f"benchmarks gone: {sorted(known - scripts)}"
 
 
-@pytest.mark.parametrize("script", sorted((set(RUNS_BY_DEFAULT) | set(ASKS_FOR_A_MODE)) - DOCSTRING_EXEMPT))
+@pytest.mark.parametrize("script", sorted(set(RUNS_BY_DEFAULT) | set(ASKS_FOR_A_MODE)))
 def test_docstring_says_what_no_arguments_does(script: str) -> None:
     doc = ast.get_docstring(ast.parse((BENCH / script).read_text())) or ""
     text = " ".join(doc.split())

@@ -20,9 +20,9 @@ with the run's prompt set (``--config``) and MarsRL's evaluation sampling (tempe
 The RL runs also evaluate the held-out split every ``--eval-interval`` updates, so their ``rewards.png``
 shows the system against its Solver step by step.
 
-No arguments needed: ``python tools/bench/paper_table.py`` builds its warm start (about 4 min on 2 cores),
-trains both runs (about 4 min each) and evaluates three models on both splits (about 1-2 min each), about
-20 minutes in all; it prints a Markdown table and writes ``table.md``/``table.json`` under ``--out``.
+With no arguments it builds its warm start (about 4 min on 2 cores), trains both runs (about 4 min each)
+and evaluates the three models on both splits (about 1-2 min each), about 20 minutes in all; it prints
+the Markdown table and writes ``table.md``/``table.json`` under ``--out``.
 
 Anything here starts Ray: run it inside a loopback-only network namespace, e.g.
     unshare -n sh -c 'ip link set lo up && python tools/bench/paper_table.py'
