@@ -465,3 +465,32 @@ def test_training_refuses_an_evaluation_that_is_not_held_out(tmp_path: Path) -> 
     )
     plan = prepare(cfg, nproc=None, resume=None, check_machine=False)
     assert len(plan.eval_problems) == 7 and len(plan.problems) == 75
+
+
+def test_served_model_names_per_role_for_an_openai_endpoint() -> None:
+    """--engine openai: one NAME for every role, ROLE=NAME per role, else each policy's own name (a
+    per-role checkpoint is served as solver/verifier/corrector); anything else is refused."""
+    import argparse
+
+    from mars_megatron.agents.roles import Role
+    from mars_megatron.evaluation.command import _served_names
+    from mars_megatron.evaluation.policies import PolicySource
+
+    per_role = {r: PolicySource(r.value, Path(r.value)) for r in Role}
+    one = dict.fromkeys(Role, PolicySource("model", Path("m")))
+
+    def names(served: list[str], sources: dict, model: str | None = None) -> dict[str, str]:
+        got = _served_names(argparse.Namespace(served_model=served, model=model), sources)
+        return {r.value: n for r, n in got.items()}
+
+    assert names([], per_role) == {"solver": "solver", "verifier": "verifier", "corrector": "corrector"}
+    assert names([], one, model="ckpt/x") == dict.fromkeys(["solver", "verifier", "corrector"], "ckpt/x")
+    assert names(["all", "verifier=judge"], per_role) == {
+        "solver": "all",
+        "verifier": "judge",
+        "corrector": "all",
+    }
+    with pytest.raises(ValueError, match="--served-model"):
+        names(["a", "b"], per_role)
+    with pytest.raises(ValueError, match="--served-model"):
+        names(["judge=x"], per_role)
