@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from mars_megatron.checkpoint import (
     STATE_FILE,
@@ -244,3 +245,69 @@ def test_resume_under_ep2_pp2_and_cp2_repeats_the_uninterrupted_run(tmp_path: Pa
         assert kind == "CheckpointError"
         assert f"{dirs['ep2'] / POLICY}: saved with parallel layout (" in message
         assert "ep=2" in message and "ep=1" in message and "differ in ep, expert_dp" in message
+
+
+# ------------------------------------------------------------------------------ files that must not run code
+class _Payload:
+    """Unpickling this runs ``touch MARKER`` (what a crafted checkpoint file would do)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_files_that_could_run_code_are_refused(tmp_path: Path) -> None:
+    """pipeline_state.pt and the other torch.save files are loaded with weights_only and numeric numpy
+    arrays only: a crafted file is refused naming it, before anything in it runs; a real schedule state
+    (token ids, log-probs, uint8 expert ids, plain containers) loads unchanged; a cut file is named too."""
+    from checkpoints_conversion.hf_io import CheckpointError
+    from mars_megatron.checkpoint.safe_load import load_plain
+
+    marker = tmp_path / "ran"
+    crafted = tmp_path / "pipeline_state.pt"
+    torch.save({"scheduler": _Payload(str(marker)), "mode": "agentic"}, crafted)
+    with pytest.raises(CheckpointError, match=r"pipeline_state\.pt: refused: .* could run code"):
+        load_plain(crafted)
+    assert not marker.exists()
+    objects = tmp_path / "objects.pt"
+    torch.save({"a": np.array([print, 1], dtype=object)}, objects)
+    with pytest.raises(CheckpointError, match=r"objects\.pt: refused"):
+        load_plain(objects)
+
+    state = {
+        "scheduler": {
+            "seqs": [
+                {
+                    "prompt_ids": np.arange(5, dtype=np.int64),
+                    "logprobs": np.full(3, -0.5, np.float32),
+                    "routing": np.zeros((3, 2, 2), np.uint8),
+                    "segments": [(0, 3, 1)],
+                    "text": "x",
+                    "reward": None,
+                    "state": "done",
+                }
+            ],
+            "groups": {"g": ["a", "b"]},
+            "trained": [1, 2],
+        },
+        "counters": {"rollout_restarts": 0},
+        "mode": "agentic",
+        "weights": torch.ones(2),
+    }
+    good = tmp_path / "good.pt"
+    torch.save(state, good)
+    back = load_plain(good)
+    seq = back["scheduler"]["seqs"][0]
+    assert seq["routing"].dtype == np.uint8 and seq["prompt_ids"].tolist() == [0, 1, 2, 3, 4]
+    assert seq["segments"] == [(0, 3, 1)] and back["mode"] == "agentic" and back["weights"].tolist() == [1, 1]
+
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(good.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"cut\.pt: unreadable or cut short"):
+        load_plain(cut)
+    with pytest.raises(CheckpointError, match=r"none\.pt: missing"):
+        load_plain(tmp_path / "none.pt")

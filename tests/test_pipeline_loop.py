@@ -58,15 +58,15 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
 
 
 def test_agentic_run_resumes_its_in_flight_state(sft_model: Path, tmp_path: Path) -> None:
-    """The step-2 checkpoint holds sequences still in flight; --resume continues the schedule from it."""
-    import torch
-
+    """The step-2 checkpoint holds sequences still in flight; --resume continues the schedule from it. The
+    schedule's file loads without unpickling anything but tensors, numeric arrays and containers."""
+    from mars_megatron.checkpoint.safe_load import load_plain
     from mars_megatron.rl.trainer import in_flight, train
 
     run = tmp_path / "run"
     ckpt = [f"checkpoint.save_dir={run / 'ckpt'}", "checkpoint.save_interval=1"]
     first = train(_config(sft_model, run, "train.steps=2", *ckpt))
-    state = torch.load(run / "ckpt" / "step_000002" / "pipeline_state.pt", weights_only=False)
+    state = load_plain(run / "ckpt" / "step_000002" / "pipeline_state.pt")
     # outputs not yet trained: still decoding or scoring, or scored and queued for the next update (which
     # of the two depends on how fast the trainer is against the engines)
     assert in_flight(state["scheduler"])

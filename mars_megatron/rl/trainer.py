@@ -442,9 +442,9 @@ class MarsRLTrainer:
         set_python_rng_state(state["python_rng"])
         saved_pipeline = state["unfinished_samples"]
         if saved_pipeline:
-            import torch
+            from mars_megatron.checkpoint.safe_load import load_plain
 
-            pipeline_state = torch.load(self.plan.resume_from / saved_pipeline, weights_only=False)
+            pipeline_state = load_plain(self.plan.resume_from / saved_pipeline)
             saved_mode = pipeline_state.get("mode", "agentic")
             if saved_mode != self.cfg.pipeline.mode and in_flight(pipeline_state["scheduler"]):
                 raise ConfigError(

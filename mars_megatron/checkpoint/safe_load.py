@@ -1,0 +1,61 @@
+"""Loading the project's own ``torch.save`` files without running code from them.
+
+A checkpoint directory is input: it may come from another machine, a shared filesystem or a download, and
+``torch.load(weights_only=False)`` runs whatever a crafted pickle asks for. Every file the project writes
+with ``torch.save`` holds tensors, numpy arrays of plain numeric types and plain containers (dict, list,
+tuple, str, int, float, bool, None), so it loads under ``weights_only=True`` with numpy's array
+reconstruction admitted for those dtypes only. Anything else in the file (a class, a function, an object
+array) is refused with an error that names the file; nothing from it has run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from checkpoints_conversion.hf_io import CheckpointError
+
+_ARRAY_DTYPES = (
+    np.bool_,
+    np.uint8,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.float16,
+    np.float32,
+    np.float64,
+)
+"""What the scheduler's state holds (token ids, log-probs, expert ids): no object dtype, which would
+unpickle its elements."""
+
+
+def _array_globals() -> list[Any]:
+    from numpy._core.multiarray import _reconstruct
+
+    return [np.ndarray, np.dtype, _reconstruct, *(type(np.dtype(t)) for t in _ARRAY_DTYPES)]
+
+
+def load_plain(path: str | Path) -> Any:
+    """The object ``torch.save`` stored in ``path``, if it is made of tensors, numeric numpy arrays and plain
+    containers only; :class:`CheckpointError` naming the file otherwise (or when it is missing or cut)."""
+    import pickle
+
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        with torch.serialization.safe_globals(_array_globals()):
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path}: refused: it holds more than tensors, numeric arrays and plain containers, so loading "
+            f"it could run code; not loaded ({reason[:200]})"
+        ) from None
+    except (EOFError, RuntimeError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable or cut short ({type(e).__name__}: {e})") from None
