@@ -405,6 +405,40 @@ def test_cli_refuses_bad_setups(model_dir, whole_run, tmp_path):
     proc = mars(*base, "--model", model_dir, "--config", tmp_path / "run.yaml")
     assert proc.returncode == 2 and "--config" in proc.stderr and "no such file" in proc.stderr
     assert not (tmp_path / "o4").exists()  # refused before anything was written
+    # bad sampling flags are refused before OUT is written (a rerun is then still possible)
+    for flags, message in (
+        (("--max-tokens", 0), "--max-tokens must be >= 1, got 0"),
+        (("--top-p", 2), "--top-p must be in (0, 1], got 2.0"),
+        (("--temperature", "nan"), "--temperature must be a finite number >= 0, got nan"),
+        (("--max-concurrent", 0), "--max-concurrent must be >= 1, got 0"),
+    ):
+        proc = mars(*base, "--model", model_dir, *flags)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert not (tmp_path / "o4").exists()
+
+
+def test_resume_refuses_changed_data_and_a_missing_config(model_dir, whole_run, tmp_path):
+    """The data file is fingerprinted: the same path with other contents is not resumed into old results;
+    results whose config.json was deleted are not resumed either (their settings are unknown)."""
+    import shutil
+
+    data = tmp_path / "aime.jsonl"
+    data.write_text(AIME.read_text())
+    out = tmp_path / "out"
+    args = list(eval_args(model_dir, out))
+    args[args.index(AIME)] = data
+    ok_run = mars(*args, "--limit", 1, "--samples", 1)
+    assert ok_run.returncode == 0, ok_run.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert len(config["data_sha256"]) == 64
+    data.write_text(AIME.read_text().replace('"ans_box"', '"answer"', 1))  # same path, other contents
+    proc = mars(*args, "--limit", 1, "--samples", 1, "--resume")
+    assert proc.returncode == 2 and "other settings" in proc.stderr and "data_sha256" in proc.stderr
+    copy = tmp_path / "copy"
+    shutil.copytree(whole_run, copy)
+    (copy / "config.json").unlink()
+    proc = mars(*eval_args(model_dir, copy, "--resume"))
+    assert proc.returncode == 2 and "has no config.json beside it" in proc.stderr
 
 
 def test_cli_counts_bad_data_lines_and_reports_an_unreachable_endpoint(model_dir, tmp_path):

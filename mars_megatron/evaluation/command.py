@@ -145,6 +145,16 @@ def settings(args: argparse.Namespace) -> EvalSettings:
     )
 
 
+def file_sha256(path: str | Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _chosen(args: argparse.Namespace, options: dict[str, str], cls: type, fallback: dict[str, Any]) -> Any:
     values = {name: getattr(args, name) for name in options}
     values = {k: v if v is not None else fallback.get(k) for k, v in values.items()}
@@ -216,15 +226,20 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     if args.engine == "openai" and not args.endpoint:
         raise ValueError("--engine openai needs --endpoint URL (an OpenAI-compatible completions server)")
-    if args.samples < 1 or (args.limit is not None and args.limit < 0):
-        raise ValueError(f"--samples must be >= 1 and --limit >= 0, got {args.samples} and {args.limit}")
+    for flag, value, low in (("--samples", args.samples, 1), ("--limit", args.limit, 0),
+                             ("--max-concurrent", args.max_concurrent, 1),
+                             ("--max-input-tokens", args.max_input_tokens, 1),
+                             ("--checker-workers", args.checker_workers, 1)):  # fmt: skip
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data}: no such file")
-    chosen = settings(args)
+    chosen = settings(args)  # every flag checked before OUT is touched
     sources = _sources(args)
     served = _served_names(args, sources) if args.engine == "openai" else {}
     config = {
         "data": str(Path(args.data).resolve()),
+        "data_sha256": file_sha256(args.data),  # --resume against changed data is refused
         "model": describe(sources),
         "engine": args.engine,
         "served_model": {r.value: n for r, n in served.items()},

@@ -79,8 +79,20 @@ class OutputDir:
     def _check_config(self, config: dict[str, Any]) -> None:
         saved_path = self.path / CONFIG
         if not saved_path.exists():
+            if (self.path / RESULTS).exists():
+                raise ValueError(
+                    f"--resume: {self.path / RESULTS} has no {CONFIG} beside it, so the settings that "
+                    "produced its results are unknown; evaluate into a new --out"
+                )
             return
-        saved = json.loads(saved_path.read_text(encoding="utf-8"))
+        try:
+            saved = json.loads(saved_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(
+                f"--resume: {saved_path} is unreadable ({e}); evaluate into a new --out"
+            ) from None
+        if not isinstance(saved, dict):
+            raise ValueError(f"--resume: {saved_path} is not a JSON object; evaluate into a new --out")
         changed = sorted(k for k in saved.keys() | config.keys() if saved.get(k) != config.get(k))
         if changed:
             details = ", ".join(f"{k}: {saved.get(k)!r} -> {config.get(k)!r}" for k in changed)

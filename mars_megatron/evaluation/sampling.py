@@ -19,6 +19,25 @@ class SamplingConfig:
     seed: int = 0
     """Base of every agent call's seed (see :func:`step_seed`)."""
 
+    def __post_init__(self) -> None:
+        """Checked when built, so ``mars eval`` refuses a bad flag before it writes anything (messages
+        name the flag)."""
+        import math
+
+        problems = []
+        if self.max_tokens < 1:
+            problems.append(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            problems.append(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            problems.append(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            problems.append(f"--top-k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.seed < 2**31:
+            problems.append(f"--seed must be in [0, 2**31), got {self.seed}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
     def params(self, seed: int) -> Any:
         """Engine sampling parameters for one call."""
         from mars_megatron.rollout.engine import SamplingParams
