@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -241,3 +242,208 @@ def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as reply:
         return json.loads(reply.read())
+
+
+class Recorder:
+    """A second origin: records the headers of every request it receives and answers a valid completion."""
+
+    def __init__(self) -> None:
+        self.headers: list[dict[str, str]] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                recorder.headers.append(dict(self.headers))
+                data = json.dumps(OK_BODY).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self) -> Recorder:
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_redirect_is_refused_and_the_key_never_leaves_the_origin(
+    status: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_ENV, "s3cret")
+    with Recorder() as elsewhere:
+        target = elsewhere.url + "/v1/completions"
+
+        class Redirect(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(status)
+                self.send_header("Location", target)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        with ThreadingHTTPServer(("127.0.0.1", 0), Redirect) as httpd:
+            threading.Thread(target=httpd.serve_forever, daemon=True).start()
+            url = f"http://127.0.0.1:{httpd.server_address[1]}"
+            engine = OpenAIEngine(url, "m", api_key_env=KEY_ENV, backoff_s=10)
+            try:
+                with pytest.raises(EngineError) as failure:
+                    engine.generate(requests(GREEDY)[:1])
+            finally:
+                httpd.shutdown()
+    assert f"POST {url}/v1/completions answered HTTP {status}, a redirect to '{target}'" in str(failure.value)
+    assert elsewhere.headers == []  # never contacted, so never saw the Authorization header
+
+
+class Stub:
+    """A fast engine for the server's input checks: answers ``max_tokens`` copies of token 5."""
+
+    def __init__(self, max_model_len: int | None = None) -> None:
+        self.calls = 0
+        if max_model_len is not None:
+            self.max_model_len = max_model_len
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        self.calls += 1
+        return [
+            GenerationOutput(
+                r.request_id, [5] * r.sampling.max_tokens, [-0.5] * r.sampling.max_tokens, "length"
+            )
+            for r in requests
+        ]
+
+
+@pytest.fixture
+def stub_server() -> Iterator[OpenAICompletionsServer]:
+    with OpenAICompletionsServer(
+        Stub(), max_tokens_limit=100, read_timeout_s=0.5, max_connections=3
+    ) as server:
+        yield server
+
+
+def port_of(server: OpenAICompletionsServer) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+def post_raw(server: OpenAICompletionsServer, body: bytes) -> tuple[int, str]:
+    """POST ``body`` as is (NaN and Infinity included) and return the status and error message."""
+    conn = http.client.HTTPConnection("127.0.0.1", port_of(server), timeout=5)
+    try:
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        payload = json.loads(reply.read())
+    finally:
+        conn.close()
+    return reply.status, (payload.get("error") or {}).get("message", "")
+
+
+def exchange(port: int, data: bytes, timeout: float = 5) -> bytes:
+    """Send ``data`` on a fresh connection and return everything received until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        received = b""
+        while chunk := s.recv(65536):
+            received += chunk
+    return received
+
+
+@pytest.mark.parametrize(
+    ("header", "status"),
+    [
+        (b"Content-Length: -1\r\n", b"400"),
+        (b"Content-Length: abc\r\n", b"400"),
+        (b"", b"411"),
+        (b"Content-Length: 999999999999\r\n", b"413"),
+    ],
+)
+def test_bad_content_length_is_answered_at_once(
+    stub_server: OpenAICompletionsServer, header: bytes, status: bytes
+) -> None:
+    start = time.monotonic()
+    reply = exchange(port_of(stub_server), b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n")
+    assert reply.split(b"\r\n", 1)[0].split(b" ")[1] == status
+    assert time.monotonic() - start < 2  # not held until a body that never comes
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"prompt": [1, 2], "temperature": NaN}', "non-finite number NaN"),
+        (b'{"prompt": [1, 2], "top_p": Infinity}', "non-finite number Infinity"),
+        (b'{"prompt": [1, 2], "temperature": -Infinity}', "non-finite number -Infinity"),
+        (b'{"prompt": [1, 2], "temperature": 1e999}', "'temperature' must be a finite number"),
+        (b'{"prompt": [1, 2], "temperature": "0.5"}', "'temperature' must be a finite number"),
+        (b'{"prompt": [1, 2], "temperature": -0.5}', "'temperature' must be >= 0"),
+        (b'{"prompt": [1, 2], "top_p": 1.5}', "'top_p' must be in (0, 1]"),
+        (b'{"prompt": [1, 2], "top_p": 0}', "'top_p' must be in (0, 1]"),
+        (b'{"prompt": [1, 2], "max_tokens": 101}', "'max_tokens' must be an integer in [1, 100]"),
+        (b'{"prompt": [1, 2], "max_tokens": 10000000}', "'max_tokens' must be an integer in [1, 100]"),
+        (b'{"prompt": [1, 2], "max_tokens": 0}', "'max_tokens' must be an integer in [1, 100]"),
+        (b'{"prompt": [1, 2], "max_tokens": 8.5}', "'max_tokens' must be an integer in [1, 100]"),
+        (b'{"prompt": [1, 2], "seed": 1e999}', "'seed' must be a 64-bit integer"),
+        (b'{"prompt": [1, 2], "top_k": 2.5}', "'top_k' must be an integer"),
+        (b"[" * 100000 + b"]" * 100000, "invalid JSON"),
+    ],
+)
+def test_invalid_numbers_are_refused_naming_the_field(
+    stub_server: OpenAICompletionsServer, body: bytes, message: str
+) -> None:
+    status, error = post_raw(stub_server, body)
+    assert (status, error[: len(message)]) == (400, message)
+    assert stub_server.engine.calls == 0  # type: ignore[attr-defined]
+
+
+def test_max_tokens_at_the_limit_is_served(stub_server: OpenAICompletionsServer) -> None:
+    status, _ = post_raw(
+        stub_server, b'{"prompt": [1, 2], "max_tokens": 100, "temperature": 0.7, "top_p": 1}'
+    )
+    assert status == 200
+    out = post_json(stub_server.url + "/v1/completions", {"prompt": [1], "max_tokens": 3, "logprobs": 0})
+    assert out["choices"][0]["logprobs"]["tokens"] == ["token_id:5"] * 3
+
+
+def test_max_tokens_limit_defaults_to_the_engine_max_model_len() -> None:
+    assert OpenAICompletionsServer(Stub(max_model_len=4096)).max_tokens_limit == 4096
+    assert OpenAICompletionsServer(Stub()).max_tokens_limit == 32768
+
+
+def test_idle_connection_is_closed_after_the_read_timeout(stub_server: OpenAICompletionsServer) -> None:
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port_of(stub_server)), timeout=5) as s:
+        assert s.recv(1) == b""  # closed by the server (a hang would raise TimeoutError after 5 s)
+    assert 0.4 < time.monotonic() - start < 3
+
+
+def test_connections_over_the_cap_are_answered_503_while_the_others_are_held() -> None:
+    with OpenAICompletionsServer(Stub(), read_timeout_s=10, max_connections=3) as server:
+        port = port_of(server)
+        held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+        try:
+            for _ in range(2):  # accepted in order: the held three take every slot
+                reply = exchange(port, b"")
+                assert reply.startswith(b"HTTP/1.0 503 ")
+                assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "busy"
+            held[0].sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")  # the held ones are still served
+            assert held[0].recv(65536).startswith(b"HTTP/1.0 200 ")
+        finally:
+            for s in held:
+                s.close()
+        deadline = time.monotonic() + 3  # slots come back once the handlers see the close
+        while (reply := exchange(port, b"GET /v1/models HTTP/1.0\r\n\r\n")).startswith(b"HTTP/1.0 503"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert reply.startswith(b"HTTP/1.0 200 ")

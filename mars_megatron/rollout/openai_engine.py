@@ -10,7 +10,9 @@ definition of :mod:`mars_megatron.rollout.engine`; a server started with another
 
 Requests run concurrently on a bounded thread pool. Connection failures, 429 and 5xx are retried with
 exponential backoff; any other HTTP error fails at once with the server's message. Every wait is
-bounded: socket timeouts on each call, a fixed number of retries.
+bounded: socket timeouts on each call, a fixed number of retries. Redirects are never followed: urllib
+would carry the ``Authorization`` header to whatever origin a 3xx names and accept that origin's reply
+as a completion, so a 3xx fails at once naming the endpoint and the ``Location`` it pointed to.
 
 :mod:`mars_megatron.rollout.openai_server` serves any local engine behind the same protocol.
 """
@@ -35,6 +37,29 @@ _MAX_BACKOFF_S = 30.0
 
 class EngineError(RuntimeError):
     """A rollout engine could not produce outputs; the message says what failed and where."""
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows no redirect, so the API key never leaves the configured origin.
+
+    Returning ``None`` makes urllib hand the 3xx to its default error handler, which raises
+    :class:`urllib.error.HTTPError`; :meth:`OpenAIEngine._post` turns that into an :class:`EngineError`.
+    """
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: Any,
+        code: int,
+        msg: str,
+        headers: Any,
+        newurl: str,
+    ) -> None:
+        return None
+
+
+# One opener for every engine: redirects refused, everything else as urllib's default opener.
+_OPENER = urllib.request.build_opener(_RefuseRedirects)
 
 
 class OpenAIEngine:
@@ -122,9 +147,17 @@ class OpenAIEngine:
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S))
             http_request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(http_request, timeout=self.timeout_s) as reply:
+                with _OPENER.open(http_request, timeout=self.timeout_s) as reply:
                     raw = reply.read()
             except urllib.error.HTTPError as e:
+                if 300 <= e.code < 400:
+                    location = e.headers.get("Location") if e.headers is not None else None
+                    e.close()
+                    raise EngineError(
+                        f"POST {self.url} answered HTTP {e.code}, a redirect to {location!r}; redirects are "
+                        "not followed (the API key must not leave the configured origin): set the endpoint "
+                        "to the server that answers"
+                    ) from e
                 message = _error_message(e)
                 if e.code != 429 and e.code < 500:
                     raise EngineError(f"POST {self.url} failed with HTTP {e.code}: {message}") from e

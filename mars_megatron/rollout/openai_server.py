@@ -17,23 +17,40 @@ one model. ``text`` is filled when a tokenizer is given, empty otherwise. Text p
 Binds 127.0.0.1 by default (port 0 picks a free port, see :attr:`OpenAICompletionsServer.url`); pass
 ``host="0.0.0.0"`` deliberately, and an ``api_key``, to serve other machines. Requests are handled on
 threads but engine calls are serialised by a lock (engines are not thread-safe), one request at a time.
+
+No client can starve the others: ``max_tokens`` has an upper bound (``max_tokens_limit``), a request
+without a usable ``Content-Length`` is answered 400/411/413 before any body is read, every connection
+has a read timeout (``read_timeout_s``) so idle ones are closed, at most ``max_connections`` are served
+at once (the next is answered 503 and closed), and non-finite numbers (``NaN``, ``Infinity``) and
+out-of-range sampling values are refused with 400 naming the field.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import socket
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NoReturn
 
 from mars_megatron.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _MAX_BODY_BYTES = 16 * 2**20
+_DEFAULT_MAX_TOKENS_LIMIT = 32768
+_DRAIN_S, _DRAIN_BYTES = 0.5, 2**20  # unread input left before close: bounded wait, then give up
+_BUSY_BODY = json.dumps(
+    {"error": {"message": "too many connections", "type": "server_error", "param": None, "code": "busy"}}
+).encode()
+_BUSY_REPLY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
 _UNSUPPORTED = {"stream": False, "echo": False, "n": 1, "best_of": 1, "suffix": None}
 
 
@@ -55,6 +72,12 @@ class OpenAICompletionsServer:
         host: interface to bind; loopback only by default.
         port: TCP port; 0 picks a free one.
         api_key: when set, requests must carry ``Authorization: Bearer <api_key>``.
+        max_tokens_limit: largest ``max_tokens`` accepted, so one request cannot hold the engine for
+            minutes; default the engine's ``max_model_len`` when it has one, else 32768.
+        read_timeout_s: socket timeout of each connection (each read and write), so an idle or
+            trickling client is disconnected instead of holding a handler thread.
+        max_connections: most connections served at once (one thread each); further connections are
+            answered 503 at once and closed, so idle connections cannot pile up threads.
     """
 
     def __init__(
@@ -66,11 +89,26 @@ class OpenAICompletionsServer:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
+        max_tokens_limit: int | None = None,
+        read_timeout_s: float = 30.0,
+        max_connections: int = 64,
     ) -> None:
+        if max_tokens_limit is None:
+            engine_max = getattr(engine, "max_model_len", None)
+            valid = isinstance(engine_max, int) and not isinstance(engine_max, bool) and engine_max > 0
+            max_tokens_limit = engine_max if valid else _DEFAULT_MAX_TOKENS_LIMIT
+        if max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {max_tokens_limit}")
+        if not (math.isfinite(read_timeout_s) and read_timeout_s > 0):
+            raise ValueError(f"read_timeout_s must be finite and > 0, got {read_timeout_s}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
         self.host, self.port, self.api_key = host, port, api_key
+        self.max_tokens_limit, self.read_timeout_s = max_tokens_limit, read_timeout_s
+        self.max_connections = max_connections
         self._engine_lock = threading.Lock()
-        self._httpd: ThreadingHTTPServer | None = None
+        self._httpd: _BoundedHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -83,7 +121,7 @@ class OpenAICompletionsServer:
     def start(self) -> OpenAICompletionsServer:
         if self._httpd is not None:
             raise RuntimeError("the server is already started")
-        httpd = ThreadingHTTPServer((self.host, self.port), _Handler)
+        httpd = _BoundedHTTPServer((self.host, self.port), _Handler, self.max_connections)
         httpd.daemon_threads = True
         httpd.app = self  # type: ignore[attr-defined]
         self._httpd = httpd
@@ -176,13 +214,29 @@ class OpenAICompletionsServer:
         stop_token_ids = body.get("stop_token_ids") or []
         if not (isinstance(stop_token_ids, list) and all(_is_int(t) for t in stop_token_ids)):
             raise RequestError(400, "'stop_token_ids' must be a list of token ids")
+        max_tokens = _or(body.get("max_tokens"), 16)
+        if not (_is_int(max_tokens) and 1 <= max_tokens <= self.max_tokens_limit):
+            raise RequestError(
+                400, f"'max_tokens' must be an integer in [1, {self.max_tokens_limit}], got {max_tokens!r}"
+            )
+        temperature = _number(body, "temperature", 1.0)
+        if temperature < 0:
+            raise RequestError(400, f"'temperature' must be >= 0, got {temperature!r}")
+        top_p = _number(body, "top_p", 1.0)
+        if not 0 < top_p <= 1:
+            raise RequestError(400, f"'top_p' must be in (0, 1], got {top_p!r}")
+        if not (top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool))):
+            raise RequestError(400, f"'top_k' must be an integer, got {top_k!r}")
+        seed = body.get("seed")
+        if not (seed is None or (isinstance(seed, int) and not isinstance(seed, bool) and abs(seed) < 2**63)):
+            raise RequestError(400, f"'seed' must be a 64-bit integer, got {seed!r}")
         try:
             sampling = SamplingParams(
-                max_tokens=int(_or(body.get("max_tokens"), 16)),
-                temperature=float(_or(body.get("temperature"), 1.0)),
-                top_p=float(_or(body.get("top_p"), 1.0)),
-                top_k=-1 if top_k in (None, 0, -1) else int(top_k),
-                seed=None if body.get("seed") is None else int(body["seed"]),
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=-1 if top_k in (None, 0, -1) else top_k,
+                seed=seed,
                 stop_token_ids=tuple(stop_token_ids),
             )
         except (TypeError, ValueError) as e:
@@ -199,12 +253,68 @@ def _or(value: Any, default: float) -> Any:
     return default if value is None else value
 
 
+def _number(body: dict[str, Any], key: str, default: float) -> float:
+    """``body[key]`` as a finite float; strings and ``1e999`` (parsed as inf) would slip past range checks."""
+    value = _or(body.get(key), default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestError(400, f"'{key}' must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    """``parse_constant`` for :func:`json.loads`: Python's JSON accepts NaN and Infinity, JSON does not."""
+    raise RequestError(400, f"non-finite number {name} in the request body (JSON numbers must be finite)")
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A threading server that serves at most ``max_connections`` connections at once.
+
+    Each connection holds a thread until it closes; without a cap, idle connections exhaust threads.
+    Over the cap the connection is answered 503 from the accept loop (non-blocking, a fresh socket's
+    send buffer takes the short reply) and closed, without starting a thread.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[_Handler], max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            logger.warning("refusing %s: %s", client_address, "too many connections")
+            try:
+                request.setblocking(False)
+                request.send(_BUSY_REPLY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "mars-megatron-openai/1"
 
     @property
     def app(self) -> OpenAICompletionsServer:
         return self.server.app  # type: ignore[attr-defined]
+
+    def setup(self) -> None:
+        # StreamRequestHandler applies ``timeout`` to the socket: idle and trickling clients time out.
+        self.timeout = self.app.read_timeout_s
+        self._unread_input = False  # set when replying before the body was read: drain before closing
+        super().setup()
 
     def do_GET(self) -> None:
         if not self._check_auth():
@@ -217,17 +327,31 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > _MAX_BODY_BYTES:
-                raise RequestError(413, f"request body over {_MAX_BODY_BYTES} bytes")
-            raw = self.rfile.read(length)  # read before any answer: unread input would reset the socket
+            try:
+                length = self._content_length()
+            except RequestError:
+                # The body is left unread: answer now, close, and drain briefly so the reply is not reset.
+                self.close_connection = self._unread_input = True
+                raise
+            try:
+                raw = self.rfile.read(length)  # read before any answer: unread input would reset the socket
+            except TimeoutError:
+                self.close_connection = self._unread_input = True
+                raise RequestError(
+                    408, f"request body not received within {self.app.read_timeout_s} s"
+                ) from None
+            if len(raw) < length:
+                self.close_connection = self._unread_input = True
+                raise RequestError(400, f"request body ended after {len(raw)} of {length} bytes")
             if not self._check_auth():
                 return
             if self.path.rstrip("/") != "/v1/completions":
                 raise RequestError(404, f"no route {self.path}")
             try:
-                body = json.loads(raw)
-            except ValueError as e:
+                body = json.loads(raw, parse_constant=_refuse_constant)
+            except RequestError:
+                raise
+            except (ValueError, RecursionError) as e:
                 raise RequestError(400, f"invalid JSON: {e}") from e
             self._send(200, self.app.complete(body))
         except RequestError as e:
@@ -235,6 +359,18 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as e:
             logger.exception("completion failed")
             self._error(500, f"engine error: {type(e).__name__}: {e}")
+
+    def _content_length(self) -> int:
+        """The declared body size; refused before reading, since a bad one would hold the thread."""
+        values = self.headers.get_all("Content-Length") or []
+        if not values:
+            raise RequestError(411, "Content-Length is required")
+        if len(values) > 1 or not values[0].strip().isdigit():  # isdigit: no sign, no "-1"
+            raise RequestError(400, f"invalid Content-Length {', '.join(values)!r}")
+        length = int(values[0])
+        if length > _MAX_BODY_BYTES:
+            raise RequestError(413, f"request body over {_MAX_BODY_BYTES} bytes")
+        return length
 
     def _check_auth(self) -> bool:
         if self.app.authorised(self.headers.get("Authorization")):
@@ -253,6 +389,29 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+        if self._unread_input:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Read (bounded in time and size) what the client still sends, after replying on a connection
+        whose body went unread: closing with unread input resets the socket, and the client may then
+        lose the reply."""
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + _DRAIN_S
+            received = 0
+            while received < _DRAIN_BYTES:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.connection.settimeout(left)
+                chunk = self.connection.recv(65536)
+                if not chunk:
+                    break
+                received += len(chunk)
+        except OSError:
+            pass
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s " + format, self.address_string(), *args)
