@@ -285,6 +285,7 @@ def test_checkpoint_files_that_could_run_code_are_refused(tmp_path: Path) -> Non
                     "prompt_ids": np.arange(5, dtype=np.int64),
                     "logprobs": np.full(3, -0.5, np.float32),
                     "routing": np.zeros((3, 2, 2), np.uint8),
+                    "tokens": np.asarray([], dtype=np.int64),  # pickled with its raw bytes
                     "segments": [(0, 3, 1)],
                     "text": "x",
                     "reward": None,

@@ -35,7 +35,8 @@ unpickle its elements."""
 def _array_globals() -> list[Any]:
     from numpy._core.multiarray import _reconstruct
 
-    return [np.ndarray, np.dtype, _reconstruct, *(type(np.dtype(t)) for t in _ARRAY_DTYPES)]
+    # bytes: how an array's raw data is pickled (a plain value, nothing runs)
+    return [np.ndarray, np.dtype, _reconstruct, bytes, *(type(np.dtype(t)) for t in _ARRAY_DTYPES)]
 
 
 def load_plain(path: str | Path) -> Any:
