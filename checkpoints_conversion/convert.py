@@ -88,6 +88,20 @@ def _finish(tmp: Path, out: Path, ok: bool) -> None:
     dist.barrier()
 
 
+def check_loadable(hf_dir: Path) -> None:
+    """The exported folder's config and tokenizer load with transformers (checked before the folder is
+    renamed into place, so a broken export never appears under the output name)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        AutoConfig.from_pretrained(hf_dir)
+        AutoTokenizer.from_pretrained(hf_dir)
+    except Exception as e:  # transformers raises many types for a bad file
+        raise CheckpointError(
+            f"the export's config or tokenizer does not load: {type(e).__name__}: {e}"
+        ) from e
+
+
 def is_mcore_checkpoint(path: str | Path) -> bool:
     """True for a directory written by :func:`hf_to_mcore` (as opposed to an HF model directory)."""
     return (Path(path) / META).is_file()
@@ -205,6 +219,14 @@ def mcore_to_hf(
     """Convert a mars Megatron checkpoint to HF safetensors (every rank): one from :func:`hf_to_mcore` or
     ``mars sft``, or a policy folder of a ``mars train`` checkpoint (the trained policy)."""
     arch, meta = read_meta(mcore_dir)
+    assets = Path(mcore_dir) / "hf"
+    for needed in ("config.json", "tokenizer_config.json"):  # an HF model without them loads nowhere
+        if not (assets / needed).is_file():
+            raise CheckpointError(
+                f"{assets / needed}: missing; the checkpoint carries no HF {needed.split('.')[0]}, so its "
+                "export would not load (copy the source model's config and tokenizer files into "
+                f"{assets})"
+            )
     out = Path(out_dir)
     with staged_output(out) as tmp:
         model = build_model(
@@ -229,4 +251,5 @@ def mcore_to_hf(
         bar.close()
         if writer is not None:
             writer.close()
-            copy_assets(Path(mcore_dir) / "hf", tmp)
+            copy_assets(assets, tmp)
+            check_loadable(tmp)

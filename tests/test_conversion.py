@@ -446,6 +446,12 @@ def bad_inputs(
         Op("to_hf", str(src), str(root / "model-missing.out"), S), "CheckpointError"
     )
 
+    src = mcore_copy("no-tokenizer")  # an export without it would "succeed" and load nowhere
+    (src / "hf" / "tokenizer_config.json").unlink()
+    cases["no-tokenizer"] = BadInput(
+        Op("to_hf", str(src), str(root / "no-tokenizer.out"), S), "CheckpointError"
+    )
+
     src = mcore_copy("meta-disagrees")
     _edit_json(src / "mars_checkpoint.json", lambda m: m["arch"].update(ffn_hidden_size=512))
     cases["meta-disagrees"] = BadInput(
@@ -549,6 +555,13 @@ def test_mcore_to_hf_on_a_foreign_format_tag(bad_inputs: dict[str, Any]) -> None
     out, message = _raised(bad_inputs, "wrong-format")
     meta = Path(bad_inputs["cases"]["wrong-format"].op.src) / "mars_checkpoint.json"
     assert message == f"{meta}: field 'format' is 'something-else', expected 'mars-mcore-v1'"
+    assert_nothing_written(out)
+
+
+def test_mcore_to_hf_without_hf_assets_is_refused(bad_inputs: dict[str, Any]) -> None:
+    out, message = _raised(bad_inputs, "no-tokenizer")
+    config = Path(bad_inputs["cases"]["no-tokenizer"].op.src) / "hf" / "tokenizer_config.json"
+    assert message.startswith(f"{config}: missing; the checkpoint carries no HF tokenizer_config")
     assert_nothing_written(out)
 
 
