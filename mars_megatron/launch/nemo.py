@@ -55,6 +55,21 @@ export RAY_AUTH_TOKEN
 set -x"""
 HELP = "run mars train through NeMo-Run: here, or on Slurm (Ray head + workers, then the trainer)"
 SLURM_ONLY = ("account", "partition", "container_image", "container_mounts", "cpus_per_node")
+# Everything below reaches the sbatch script NeMo-Run renders, most of it pasted unquoted into `srun` lines
+# (``--container-image=…``, ``--container-mounts …``, ``LOG_DIR=…``): a value is checked against one of
+# these before anything is written, so a `;`, `$(…)`, backquote, space, newline or leading `-` never gets
+# there. Only characters a shell reads literally in the middle of a word are allowed.
+SLURM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+"""A Slurm account or partition (and the job name): no leading '-' (an option) or '.' ('..')."""
+NAME_CHARS = "letters, digits, '_', '.' and '-', not starting with '.' or '-'"
+SLURM_TIME = re.compile(r"\d+(?::\d{1,2}){0,2}|\d+-\d{1,2}(?::\d{1,2}){0,2}|UNLIMITED|INFINITE")
+"""sbatch --time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (or unlimited)."""
+CONTAINER_IMAGE = re.compile(r"[A-Za-z0-9/][A-Za-z0-9_./:@#+-]*")
+"""A pyxis image: ``[docker://][REGISTRY[#/]]IMAGE[:TAG][@sha256:…]`` or the path of a squashfs file."""
+SAFE_PATH = r"/[A-Za-z0-9_.@+/-]*"
+"""An absolute path without ':' or ',' (they separate pyxis mounts) or shell metacharacters."""
+CONTAINER_MOUNT = re.compile(rf"{SAFE_PATH}:{SAFE_PATH}(?::[A-Za-z0-9_+=.-]+)?")
+"""One pyxis mount, ``SRC:DST[:FLAGS]``."""
 
 
 @dataclass(frozen=True)
@@ -158,16 +173,21 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
         if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             raise ValueError(f"--env {item!r}: expected KEY=VALUE with KEY a shell variable name")
         env[key] = value
-    job_name = args.job_name or re.sub(r"[^A-Za-z0-9_.-]", "_", Path(args.config).stem)
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", job_name):
-        raise ValueError(f"--job-name {job_name!r}: use letters, digits, '_', '.' and '-' only")
+    if args.job_name is None:
+        job_name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(args.config).stem).lstrip(".-") or "job"
+    else:
+        job_name = args.job_name
+    _check("--job-name", job_name, SLURM_NAME, NAME_CHARS)
+    if not args.job_dir:
+        raise ValueError("--job-dir '': expected a directory")
+    job_dir = Path(args.job_dir).resolve()
     common = dict(
         executor=args.executor,
         config=args.config,
         overrides=tuple(args.overrides),
         resume=args.resume,
         job_name=job_name,
-        job_dir=Path(args.job_dir).resolve(),
+        job_dir=job_dir,
         workdir=Path.cwd(),
         env=env,
     )
@@ -194,11 +214,36 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
         )
     if args.cpus_per_node is not None and args.cpus_per_node < 1:
         raise ValueError(f"--cpus-per-node must be >= 1, got {args.cpus_per_node}")
-    for mount in args.container_mounts:
-        if ":" not in mount:
-            raise ValueError(f"--container-mounts {mount!r}: expected SRC:DST")
-    if any(c.isspace() for c in str(Path.cwd())):
-        raise ValueError(f"{Path.cwd()}: the launch directory must not contain spaces (Slurm workdir)")
+    for flag, value in (("--account", args.account), ("--partition", args.partition)):
+        _check(flag, value, SLURM_NAME, NAME_CHARS)
+    _check("--time", args.time, SLURM_TIME, "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
+    _check(
+        "--container-image",
+        args.container_image,
+        CONTAINER_IMAGE,
+        "[REGISTRY#]IMAGE[:TAG][@sha256:DIGEST] or an absolute .sqsh path: letters, digits and '_./:@#+-'",
+    )
+    mounts = []
+    for value in args.container_mounts:
+        for mount in value.split(","):  # pyxis takes a comma-separated list: one mount an entry here
+            _check(
+                "--container-mounts",
+                mount,
+                CONTAINER_MOUNT,
+                "SRC:DST[:FLAGS], comma-separated; SRC and DST absolute paths of letters, digits, '_.@+-/'",
+                shown=value,
+            )
+            mounts.append(mount)
+    if not re.fullmatch(SAFE_PATH, str(job_dir)):
+        raise ValueError(
+            f"--job-dir {args.job_dir!r}: its absolute path {str(job_dir)!r} goes into the Slurm script "
+            "(logs, mounts): it may hold letters, digits and '_.@+-/' only"
+        )
+    if not re.fullmatch(SAFE_PATH, str(Path.cwd())):
+        raise ValueError(
+            f"{Path.cwd()}: the launch directory goes into the Slurm script (workdir, mounts): its path may "
+            "hold letters, digits and '_.@+-/' only"
+        )
     gpus = 8 if args.gpus_per_node is None else args.gpus_per_node
     return LaunchSpec(
         **common,
@@ -209,9 +254,18 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
         partition=args.partition,
         time=args.time,
         container_image=args.container_image,
-        container_mounts=tuple(args.container_mounts),
+        container_mounts=tuple(mounts),
         cpus_per_node=args.cpus_per_node,
     )
+
+
+def _check(
+    flag: str, value: str | None, pattern: re.Pattern[str], expected: str, shown: str | None = None
+) -> None:
+    """Refuse ``value`` unless all of it matches ``pattern``: it is pasted into the sbatch script unquoted
+    (NeMo-Run's template), where anything else could end the option, start a command or split a word."""
+    if value is None or not pattern.fullmatch(value):
+        raise ValueError(f"{flag} {(shown if shown is not None else value)!r}: expected {expected}")
 
 
 def _checked_world(cfg: MarsConfig, nodes: int, gpus_per_node: int) -> int:
@@ -275,17 +329,38 @@ def slurm_request(spec: LaunchSpec) -> Any:
     )
 
 
+def render_slurm_script(spec: LaunchSpec) -> str:
+    """NeMo-Run's sbatch script for ``spec``, with the account and partition of its ``srun`` lines made
+    long options.
+
+    NeMo-Run (0.11) writes ``-A=<account> -p=<partition>`` into every Ray head/worker ``srun``. Slurm
+    parses its options with getopt_long: a short option's value is the rest of its word, so ``-A=acme``
+    asks for the account ``=acme`` (and ``-p=batch`` the partition ``=batch``), a request Slurm rejects or
+    that does not charge the account meant; only a long option splits at ``=``. The values are checked
+    (:data:`SLURM_NAME`: no ``=``, space or metacharacter), so the exact text is replaced, and a render that
+    still holds a short option glued to ``=`` (a NeMo-Run that changed the line) is refused rather than
+    submitted."""
+    script = slurm_request(spec).materialize()
+    glued = f" -A={spec.account} -p={spec.partition} "
+    script = script.replace(glued, f" --account={spec.account} --partition={spec.partition} ")
+    if re.search(r"(?<!\S)-[Ap]=", script):
+        raise RuntimeError("NeMo-Run's Ray template wrote an srun option as -A=/-p=: not submitting it")
+    return script
+
+
 def write_slurm_script(spec: LaunchSpec) -> Path:
     """Render the sbatch script into ``<job_dir>/<job_name>/ray.sub``; returns its path."""
     path = spec.cluster_dir / "ray.sub"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(slurm_request(spec).materialize(), encoding="utf-8")
+    path.write_text(render_slurm_script(spec), encoding="utf-8")
     return path
 
 
 def submit_slurm(spec: LaunchSpec) -> str | None:
-    """Submit through NeMo-Run's ``SlurmRayCluster.create`` (it renders the same script, writes it to
-    ``ray.sub`` and calls sbatch); returns the Slurm job id, None when a job of this name is still queued
+    """Submit :func:`write_slurm_script`'s script with sbatch, as NeMo-Run's ``SlurmRayCluster.create``
+    does (its cluster status, ``sbatch --parsable <job_dir>/<job_name>/ray.sub`` through the executor's
+    tunnel), but with the script ``--dry-run`` writes: ``create`` renders its own, with ``-A=…``
+    (:func:`render_slurm_script`). Returns the Slurm job id, None when a job of this name is still queued
     or running."""
     from nemo_run.run.ray.slurm import SlurmRayCluster
 
@@ -299,7 +374,15 @@ def submit_slurm(spec: LaunchSpec) -> str | None:
 
     cluster = SlurmRayCluster(name=spec.job_name, executor=slurm_executor(spec))
     try:
-        return cluster.create(command=ray_driver_command(spec), workdir=str(spec.workdir))
+        status = cluster.status()
+        if status["job_id"] is not None and status["state"] in ("PENDING", "RUNNING", "CONFIGURING"):
+            return None
+        script = write_slurm_script(spec)
+        tunnel = cluster.executor.tunnel
+        tunnel.connect()
+        job_id = tunnel.run(shlex.join(["sbatch", "--parsable", str(script)])).stdout.strip()
+        cluster.cluster_map[spec.job_name] = job_id  # as create() records it
+        return job_id
     except UnexpectedExit as err:
         result = err.result
         raise RuntimeError(
