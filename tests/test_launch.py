@@ -202,14 +202,15 @@ esac""",
 }
 
 
-@needs_launch_env
-@pytest.mark.parametrize("nodes", [1, 2, 16])
-def test_slurm_script_starts_head_then_workers_then_the_trainer(nodes: int, tmp_path: Path) -> None:
-    script = tmp_path / "ray.sub"
-    script.write_text(render(nodes, tmp_path))
+def run_script(
+    script: Path, tmp_path: Path, tools: dict[str, str], nodes: int, nodelist: str | None = None
+) -> tuple[Path, Path]:
+    """Run the sbatch script ``script`` with the stand-in Slurm ``tools`` as a job of ``nodes`` nodes and
+    assert it exits 0; returns the srun log and the file the driver command is recorded in."""
     log, driver = tmp_path / "srun.log", tmp_path / "driver.txt"
-    env = {"PATH": fake_tools(tmp_path, FAKES), "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": f"node[001-{nodes:03d}]", "FAKE_LOG": str(log), "FAKE_DRIVER": str(driver),
+    nodelist = nodelist or f"node[001-{nodes:03d}]"
+    env = {"PATH": fake_tools(tmp_path, tools), "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": nodelist, "FAKE_LOG": str(log), "FAKE_DRIVER": str(driver),
            "HOME": str(tmp_path)}  # fmt: skip
     with open(tmp_path / "out.txt", "w") as out:  # a file: the background steps keep a pipe open
         proc = subprocess.Popen(["bash", str(script)], env=env, cwd=tmp_path, start_new_session=True,
@@ -219,6 +220,15 @@ def test_slurm_script_starts_head_then_workers_then_the_trainer(nodes: int, tmp_
         finally:
             os.killpg(proc.pid, signal.SIGKILL)  # the stand-in Ray steps still sleep in the background
     assert proc.returncode == 0, (tmp_path / "out.txt").read_text()[-3000:]
+    return log, driver
+
+
+@needs_launch_env
+@pytest.mark.parametrize("nodes", [1, 2, 16])
+def test_slurm_script_starts_head_then_workers_then_the_trainer(nodes: int, tmp_path: Path) -> None:
+    script = tmp_path / "ray.sub"
+    script.write_text(render(nodes, tmp_path))
+    log, driver = run_script(script, tmp_path, FAKES, nodes)
     steps = log.read_text().splitlines()
     head = [s for s in steps if "--container-name=ray-head" in s and "bash -x -c" in s]
     workers = [s for s in steps if "--container-name=ray-worker-" in s]

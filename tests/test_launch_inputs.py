@@ -10,16 +10,13 @@ with long options (NeMo-Run writes ``-A=acct``, the account ``=acct`` to Slurm).
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from mars_megatron.launch import nemo
-from tests.test_launch import ALL_TRAINER, FAKES, IMAGE, Q30B, fake_tools, launch, needs_launch_env
+from tests.test_launch import ALL_TRAINER, FAKES, IMAGE, Q30B, launch, needs_launch_env, run_script
 
 HOSTILE = ["acct;touch X;#", "$(touch X)", "`touch X`", "a b", "acct\ntouch X", "--foo", ""]
 # each flag with a legitimate value; a test swaps one of them for a hostile one
@@ -141,18 +138,7 @@ def test_quoted_values_stay_text_when_the_script_runs(tmp_path: Path) -> None:
     hostile = f"$(touch {marker}) `touch {marker}`; touch {marker} #'\"\n"
     override = f"logging.run_dir=runs/$(touch {marker})`touch {marker}`;touch {marker}"
     script = render(tmp_path, override, "--env", f"NOTE={hostile}", "--resume", f"$(touch {marker})")
-    driver = tmp_path / "driver.txt"
-    env = {"PATH": fake_tools(tmp_path, RUN_DRIVER), "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": "node001", "FAKE_LOG": str(tmp_path / "srun.log"),
-           "FAKE_DRIVER": str(driver), "HOME": str(tmp_path)}  # fmt: skip
-    with open(tmp_path / "out.txt", "w") as out:
-        proc = subprocess.Popen(["bash", str(script)], env=env, cwd=tmp_path, start_new_session=True,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-        try:
-            proc.wait(timeout=60)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # the stand-in Ray steps still sleep in the background
-    assert proc.returncode == 0, (tmp_path / "out.txt").read_text()[-3000:]
+    _, driver = run_script(script, tmp_path, RUN_DRIVER, nodes=1, nodelist="node001")
     assert driver.read_text().splitlines() == [
         "train", Q30B, *ALL_TRAINER, override, "--nproc", "8", "--resume", f"$(touch {marker})"
     ]  # fmt: skip
