@@ -160,36 +160,47 @@ OK_BODY = {
 }
 
 
-class Scripted:
-    """A fake completions server answering with the given (status, body) replies in order."""
+class LocalServer:
+    """A threaded HTTP server on 127.0.0.1 (port 0) around ``handler``, serving while in a ``with`` block."""
 
-    def __init__(self, replies: list[tuple[int, dict[str, Any]]]) -> None:
-        self.replies, self.bodies = list(replies), []
-        script = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                script.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                status, body = script.replies.pop(0)
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
-    def __enter__(self) -> Scripted:
+    def __enter__(self) -> Any:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    def reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class Scripted(LocalServer):
+    """A fake completions server answering with the given (status, body) replies in order."""
+
+    def __init__(self, replies: list[tuple[int, dict[str, Any]]]) -> None:
+        self.replies, self.bodies = list(replies), []
+        script = self
+
+        class Handler(JsonHandler):
+            def do_POST(self) -> None:
+                script.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.reply(*script.replies.pop(0))
+
+        super().__init__(Handler)
 
 
 def test_server_error_is_retried_then_succeeds() -> None:
@@ -244,37 +255,21 @@ def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(reply.read())
 
 
-class Recorder:
+class Recorder(LocalServer):
     """A second origin: records the headers of every request it receives and answers a valid completion."""
 
     def __init__(self) -> None:
         self.headers: list[dict[str, str]] = []
         recorder = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             def _answer(self) -> None:
                 recorder.headers.append(dict(self.headers))
-                data = json.dumps(OK_BODY).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self.reply(200, OK_BODY)
 
             do_GET = do_POST = _answer
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def __enter__(self) -> Recorder:
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
 
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
