@@ -21,7 +21,7 @@ from mars_megatron.evaluation.sampling import SamplingConfig
 from mars_megatron.rewards.answers import extract_boxed
 from mars_megatron.rewards.checker import CheckResult
 from mars_megatron.rollout.chat import PromptTooLongError
-from mars_megatron.rollout.engine import GenerationOutput
+from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
@@ -528,3 +528,32 @@ def test_served_model_names_per_role_for_an_openai_endpoint() -> None:
         names(["a", "b"], per_role)
     with pytest.raises(ValueError, match="--served-model"):
         names(["judge=x"], per_role)
+
+
+def test_engine_pool_splits_requests_across_engines_and_keeps_their_order() -> None:
+    """Training's held-out evaluation puts a policy's engines behind one generate: contiguous shares, one
+    per engine, decoded side by side, outputs back in request order; an engine's error is raised."""
+    from mars_megatron.rl.evaluate import EnginePool
+
+    class Echo:
+        def __init__(self, fail: bool = False) -> None:
+            self.seen: list[str] = []
+            self.fail = fail
+
+        def generate(self, requests):
+            if self.fail:
+                raise ConnectionError("engine gone")
+            self.seen += [r.request_id for r in requests]
+            return [GenerationOutput(r.request_id, [int(r.request_id)], [0.0], "stop") for r in requests]
+
+    params = SamplingConfig(max_tokens=4).params(0)
+    requests = [GenerationRequest(str(i), (1,), params) for i in range(7)]
+    engines = [Echo(), Echo(), Echo()]
+    outputs = EnginePool(engines).generate(requests)
+    assert [o.token_ids for o in outputs] == [[i] for i in range(7)]
+    assert [e.seen for e in engines] == [["0", "1"], ["2", "3"], ["4", "5", "6"]]
+    alone = Echo()
+    assert [o.request_id for o in EnginePool([alone, Echo()]).generate(requests[:1])] == ["0"]
+    assert alone.seen == ["0"]
+    with pytest.raises(ConnectionError, match="engine gone"):
+        EnginePool([Echo(), Echo(fail=True)]).generate(requests)

@@ -148,11 +148,8 @@ def settings(args: argparse.Namespace) -> EvalSettings:
 def file_sha256(path: str | Path) -> str:
     import hashlib
 
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _chosen(args: argparse.Namespace, options: dict[str, str], cls: type, fallback: dict[str, Any]) -> Any:
@@ -258,12 +255,13 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if jobs:
             hf = hf_dirs(sources, out.path, convert_with_mars)
-            codecs = {
-                role: ChatCodec.from_pretrained(
+            loaded = {  # one tokenizer per distinct model, like the engines
+                path: ChatCodec.from_pretrained(
                     path, max_input_tokens=chosen.max_input_tokens, truncate=args.truncate_long_prompts
                 )
-                for role, path in hf.items()
+                for path in set(hf.values())
             }
+            codecs = {role: loaded[path] for role, path in hf.items()}
             max_len = chosen.max_input_tokens + chosen.sampling.max_tokens
             engines = _engines(args, hf, served or {r: "" for r in Role}, max_len, chosen.dtype)
             checker = AnswerChecker(CheckerConfig(num_workers=args.checker_workers))

@@ -29,7 +29,7 @@ from mars_megatron.evaluation.sampling import SamplingConfig
 from mars_megatron.rewards.answers import extract_boxed
 from mars_megatron.rewards.checker import CheckResult
 from mars_megatron.rollout.chat import PromptTooLongError
-from mars_megatron.rollout.engine import GenerationRequest, RolloutEngine
+from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, RolloutEngine
 
 
 class Codec(Protocol):
@@ -133,19 +133,10 @@ class EvalRunner:
         for i, (_, role) in enumerate(waiting):
             groups.setdefault(id(self.engines[role]), []).append(i)
         by_id = {id(e): e for e in self.engines.values()}
-        futures = {
-            key: pool.submit(by_id[key].generate, [requests[i] for i in indices])
-            for key, indices in groups.items()
-        }
-        outputs: list[Any] = [None] * len(requests)
-        for key, future in futures.items():
-            try:
-                results = future.result()
-            except Exception as e:
-                raise EngineFailure(f"engine failed: {type(e).__name__}: {e}") from e
-            for i, output in zip(groups[key], results, strict=True):
-                outputs[i] = output
-        return outputs
+        try:
+            return generate_shares(pool, [(by_id[key], indices) for key, indices in groups.items()], requests)
+        except Exception as e:
+            raise EngineFailure(f"engine failed: {type(e).__name__}: {e}") from e
 
     def _requests(self, active: list[_Slot]) -> tuple[list[GenerationRequest], list[tuple[_Slot, Role]]]:
         """The next request of every active loop; a prompt over the input budget is observed as an
@@ -193,6 +184,23 @@ class EvalRunner:
             _record(slot, result, checks[start], checks[start + 1 : end])
             for slot, result, (start, end) in zip(finished, results, spans, strict=True)
         ]
+
+
+def generate_shares(
+    pool: ThreadPoolExecutor,
+    shares: Sequence[tuple[RolloutEngine, Sequence[int]]],
+    requests: Sequence[GenerationRequest],
+) -> list[GenerationOutput]:
+    """Each engine generates its share of ``requests`` (their indices), side by side on ``pool``; the
+    outputs come back in request order. An engine's exception is raised here."""
+    futures = [
+        (indices, pool.submit(engine.generate, [requests[i] for i in indices])) for engine, indices in shares
+    ]
+    outputs: list[Any] = [None] * len(requests)
+    for ix, future in futures:
+        for i, output in zip(ix, future.result(), strict=True):
+            outputs[i] = output
+    return outputs
 
 
 def _call(request: GenerationRequest, output_tokens: int, finish_reason: str) -> dict[str, Any]:

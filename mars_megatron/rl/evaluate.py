@@ -25,6 +25,7 @@ from mars_megatron.agents.prompts import prompt_set
 from mars_megatron.agents.roles import Role
 from mars_megatron.config import MarsConfig
 from mars_megatron.evaluation.data import Problem
+from mars_megatron.evaluation.runner import generate_shares
 from mars_megatron.evaluation.sampling import SamplingConfig
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, RolloutEngine
 
@@ -45,10 +46,9 @@ class EnginePool:
         if n <= 1:
             return self.engines[0].generate(requests)
         bounds = [len(requests) * i // n for i in range(n + 1)]
-        shares = [requests[bounds[i] : bounds[i + 1]] for i in range(n)]
+        shares = [(self.engines[i], range(bounds[i], bounds[i + 1])) for i in range(n)]
         with ThreadPoolExecutor(max_workers=n) as pool:
-            results = list(pool.map(lambda engine, share: engine.generate(share), self.engines[:n], shares))
-        return [output for share in results for output in share]
+            return generate_shares(pool, shares, requests)
 
 
 def settings(cfg: MarsConfig) -> tuple[SamplingConfig, SystemConfig]:
