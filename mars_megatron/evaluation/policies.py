@@ -42,9 +42,9 @@ def _is_hf_model(path: Path) -> bool:
 
 
 def _is_mars_checkpoint(path: Path) -> bool:
-    from checkpoints_conversion.convert import META
+    from checkpoints_conversion.convert import is_mcore_checkpoint
 
-    return (path / META).is_file()
+    return is_mcore_checkpoint(path)
 
 
 def checkpoint_step(checkpoint: str | Path) -> Path:
