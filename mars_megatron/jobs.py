@@ -136,15 +136,25 @@ def model_arch(model_dir: str) -> Any:
 
 def read_token_lines(path: str | Path, vocab_size: int | None = None) -> list[list[int]]:
     """Parse ``{"tokens": [ids...]}`` lines; errors name the file and line, before any rank starts."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such file")
     seqs = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for lineno, data in enumerate(f, 1):
+            if not data.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(data.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {e.start})") from None
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except (
+                ValueError,
+                RecursionError,
+            ) as e:  # a 5000-digit integer; nesting past the recursion limit
+                reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({reason})") from None
             tokens = record.get("tokens") if isinstance(record, dict) else None
             if (
                 not isinstance(tokens, list)
@@ -175,8 +185,10 @@ def read_routing(path: str | Path, seqs: Sequence[Sequence[int]], arch: Any) -> 
         raise RoutingError(f"--routing: {arch.architecture} has no MoE layers to route")
     try:
         data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise RoutingError(f"{path}: not a numpy .npz file ({e})") from e
+    except (OSError, ValueError, EOFError) as e:
+        raise RoutingError(f"{path}: not a numpy .npz file ({type(e).__name__}: {e})") from e
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise RoutingError(f"{path}: a single .npy array, expected an .npz of one array per sequence")
     names = [f"arr_{i}" for i in range(len(seqs))]
     extra = sorted(set(data.files) - set(names))
     missing = [n for n in names if n not in data.files]
@@ -187,7 +199,10 @@ def read_routing(path: str | Path, seqs: Sequence[Sequence[int]], arch: Any) -> 
         )
     out = []
     for i, (name, seq) in enumerate(zip(names, seqs, strict=True)):
-        rows = data[name]
+        try:
+            rows = data[name]
+        except (OSError, ValueError, EOFError) as e:  # object arrays (pickles) are refused here, unread
+            raise RoutingError(f"{path}: sequence {i} ({name}) is unreadable ({e})") from e
         if rows.dtype.kind not in "iu":
             raise RoutingError(f"{path}: sequence {i} ({name}) has dtype {rows.dtype}, expected integers")
         check_routing(f"{path}:{name}", rows, len(seq), sum(arch.moe_layers), arch.moe_topk, arch.num_experts)

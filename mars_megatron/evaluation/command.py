@@ -248,6 +248,11 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         "system": dataclasses.asdict(chosen.system),
     }
     dataset = load_problems(args.data, args.limit)
+    if not dataset.problems and args.limit != 0:
+        raise ValueError(
+            f"--data {args.data}: no usable problems ({len(dataset.skipped)} bad lines, named in the "
+            "warnings above)"
+        )
     out = OutputDir(args.out, config, resume=args.resume)
     done = out.finished
     jobs = [(p, s) for p in dataset.problems for s in range(args.samples) if (p.problem_id, s) not in done]

@@ -2,7 +2,9 @@
 
 Field names differ between datasets (AIME25 has ``query``/``ans_box`` with a string answer, BeyondAIME
 ``input``/``query``/``ans_box`` with an integer), so the first present key of :data:`PROBLEM_KEYS` and
-:data:`ANSWER_KEYS` is used. A line that cannot be used is skipped with a warning naming ``file:line``.
+:data:`ANSWER_KEYS` is used. A line that cannot be used (not UTF-8, not a JSON object, no problem text, a
+reference answer math-verify cannot read, over 1 MiB, a duplicate id) is skipped with a warning naming
+``file:line`` and the reason; what is kept is clean text.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from mars_megatron.rewards.answers import normalize_reference
+from mars_megatron.rewards.answers import check_reference
 
+MAX_LINE_BYTES = 2**20
+"""Longest line read (1 MiB; AIME-style problems are about 1 KB): a longer one is skipped unread, so a
+file without newlines cannot fill memory."""
 PROBLEM_KEYS = ("problem", "query", "input", "question")
 ANSWER_KEYS = ("answer", "ans_box", "reference")
 
@@ -35,12 +40,20 @@ class Dataset:
     """One ``file:line: reason`` per unusable line of the whole file."""
 
 
-def _parse_line(raw: str, line: int) -> Problem:
+def _parse_line(data: bytes, line: int) -> Problem:
     """One problem, or ValueError with the reason."""
+    try:
+        raw = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start}: {data[e.start : e.start + 1]!r})") from None
     try:
         record = json.loads(raw)
     except json.JSONDecodeError as e:
         raise ValueError(f"invalid JSON ({e.msg})") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise ValueError(f"invalid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError("invalid JSON (nested too deeply)") from None
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     text = next(
@@ -52,11 +65,16 @@ def _parse_line(raw: str, line: int) -> Problem:
     if key is None:
         raise ValueError(f"no reference answer (one of {', '.join(ANSWER_KEYS)})")
     try:
-        normalize_reference(record[key])
+        check_reference(record[key])
     except (TypeError, ValueError) as e:
         raise ValueError(f"bad reference answer in '{key}': {e}") from None
     qid = record.get("qid")
     problem_id = str(qid) if isinstance(qid, int | str) and not isinstance(qid, bool) else f"line{line}"
+    for name, value in (("problem text", text), ("reference answer", record[key]), ("qid", problem_id)):
+        try:
+            str(value).encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escape such as "\ud800": no text can hold it
+            raise ValueError(f"{name} holds a lone surrogate (\\ud800-\\udfff), which is not text") from None
     return Problem(problem_id, text, record[key], line)
 
 
@@ -67,11 +85,19 @@ def load_problems(path: str | Path, limit: int | None = None) -> Dataset:
     problems: list[Problem] = []
     skipped: list[str] = []
     seen: set[str] = set()
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line, raw in enumerate(f, start=1):
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    with path.open("rb") as f:
+        for line, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
             if not raw.strip():
                 continue
+            if line == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as some editors write
             try:
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    while raw and not raw.endswith(b"\n"):  # skip the rest of the line unread
+                        raw = f.readline(MAX_LINE_BYTES)
+                    raise ValueError(f"line longer than {MAX_LINE_BYTES // 2**20} MiB")
                 problem = _parse_line(raw, line)
                 if problem.problem_id in seen:
                     raise ValueError(f"duplicate problem id {problem.problem_id!r}")

@@ -7,6 +7,7 @@ intermediate results)."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from mars_megatron.agents.prompts import strip_thinking
@@ -67,6 +68,8 @@ def normalize_reference(reference: str | int | float) -> str:
     if isinstance(reference, int):
         text = str(reference)
     elif isinstance(reference, float):
+        if not math.isfinite(reference):
+            raise ValueError(f"reference answer must be finite, got {reference!r}")
         text = str(int(reference)) if reference.is_integer() else repr(reference)
     elif isinstance(reference, str):
         text = reference.strip()
@@ -77,3 +80,35 @@ def normalize_reference(reference: str | int | float) -> str:
     if text.startswith(("$", "\\(", "\\[")) or _BOX_OPEN.search(text):
         return text
     return f"${text}$"
+
+
+def check_reference(reference: str | int | float) -> str:
+    """:func:`normalize_reference`, refusing what math-verify cannot read as an answer: empty math
+    (``$$``, ``\\boxed{}``) and unbalanced braces (``\\frac{1}{2``). math-verify does not fail on those, it
+    falls back to comparing the raw text, so a data set's typo would silently score every response 0 (or
+    reward a response that repeats the typo). Checked when problems are loaded, not at every reward."""
+    text = normalize_reference(reference)
+    depth = 0
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth < 0:
+            raise ValueError(f"reference answer {text!r} has a '}}' without its '{{'")
+        i += 1
+    if depth:
+        raise ValueError(f"reference answer {text!r} has {depth} unclosed '{{'")
+    inner = text
+    for open_, close in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if inner.startswith(open_) and inner.endswith(close) and len(inner) >= len(open_) + len(close):
+            inner = inner[len(open_) : len(inner) - len(close)].strip()
+            break
+    box = _BOX_OPEN.match(inner)
+    if box is not None and inner.endswith("}"):
+        inner = inner[box.end() : -1].strip()
+    if not inner:
+        raise ValueError(f"reference answer {text!r} is empty math")
+    return text

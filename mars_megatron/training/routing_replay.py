@@ -71,6 +71,12 @@ def check_routing(
             f"sample {sample_id!r}: routed_experts holds expert ids in [{int(routed.min())}, "
             f"{int(routed.max())}], the model has experts 0..{num_experts - 1}"
         )
+    ordered = np.sort(routed.reshape(-1, topk), axis=-1) if routed.size else routed
+    if routed.size and topk > 1 and bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+        raise RoutingError(
+            f"sample {sample_id!r}: routed_experts names one expert twice among a token's top-{topk} (a "
+            "router picks distinct experts)"
+        )
 
 
 def pack_routing(
