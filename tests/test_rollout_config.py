@@ -21,7 +21,7 @@ from mars_megatron.rollout.hf_engine import HFEngine
     [
         ("0", "rollout.gpu_memory_utilization: expected float > 0, got 0.0"),
         ("-0.2", "rollout.gpu_memory_utilization: expected float > 0, got -0.2"),
-        ("1.01", "rollout.gpu_memory_utilization: must be in (0, 1], got 1.01"),
+        ("1.01", "rollout.gpu_memory_utilization: expected float <= 1, got 1.01"),
         ("half", "rollout.gpu_memory_utilization: expected float or null, got 'half' (str)"),
         ("true", "rollout.gpu_memory_utilization: expected float or null, got True (bool)"),
     ],

@@ -260,7 +260,7 @@ def test_encoded_demo_trains_the_response_and_its_end_of_turn(codec: ChatCodec) 
 
 
 def test_demo_config_errors_name_the_field() -> None:
-    with pytest.raises(ConfigError, match="verifier_careful: must be in"):
+    with pytest.raises(ConfigError, match="verifier_careful: expected float <= 1, got 1.5"):
         DemoConfig(verifier_careful=1.5)
     with pytest.raises(ConfigError, match="solver_careful: expected float >= 0"):
         DemoConfig(solver_careful=-0.1)
@@ -282,7 +282,7 @@ def test_sft_config_errors_name_the_field() -> None:
         SFTConfig(steps=10, skill_steps=20)
     with pytest.raises(ConfigError, match="problems: 101 problems"):
         SFTConfig(problems=101)
-    with pytest.raises(ConfigError, match=r"demos\.corrector_careful: must be in"):
+    with pytest.raises(ConfigError, match=r"demos\.corrector_careful: expected float <= 1, got 2\.0"):
         SFTConfig(demos={"corrector_careful": 2.0})
 
 

@@ -44,27 +44,29 @@ from mars_megatron.config import ConfigError, Section, _field
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.tasks.arith import operands
 
-_SHARES = ("solver_careful", "verifier_careful", "verifier_input_accuracy", "corrector_careful")
-
 
 @dataclass
 class DemoConfig(Section):
     """How often each role works carefully in the demos, and the mix of roles (a config section)."""
 
     solver_careful: float = _field(
-        0.2, "Share of Solver demos that work the sum out (the rest guess a random number).", min=0
+        0.2, "Share of Solver demos that work the sum out (the rest guess a random number).", min=0, max=1
     )
     verifier_careful: float = _field(
         0.2,
         "Share of Verifier demos that recompute the sum and compare (the rest accept the solution "
         "unchecked).",
         min=0,
+        max=1,
     )
     verifier_input_accuracy: float = _field(
-        0.5, "Share of the Verifier demos' solutions that are correct.", min=0
+        0.5, "Share of the Verifier demos' solutions that are correct.", min=0, max=1
     )
     corrector_careful: float = _field(
-        0.2, "Share of Corrector demos that work the sum out (the rest repeat the rejected answer).", min=0
+        0.2,
+        "Share of Corrector demos that work the sum out (the rest repeat the rejected answer).",
+        min=0,
+        max=1,
     )
     solver_weight: float = _field(1.0, "Relative number of Solver demos.", min=0)
     verifier_weight: float = _field(1.0, "Relative number of Verifier demos.", min=0)
@@ -72,9 +74,6 @@ class DemoConfig(Section):
     seed: int = _field(0, "Seed of the demos' roles, problems and modes.", min=0)
 
     def validate(self) -> None:
-        for name in _SHARES:
-            if getattr(self, name) > 1:
-                raise ConfigError(f"must be in [0, 1], got {getattr(self, name)}", name)
         if self.solver_weight + self.verifier_weight + self.corrector_weight == 0:
             raise ConfigError("at least one role needs a positive weight", "solver_weight")
 

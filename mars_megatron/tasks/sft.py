@@ -23,7 +23,7 @@ from typing import Any, Literal
 from mars_megatron.agents.prompts import prompt_set
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.trajectory import Strategy
-from mars_megatron.config import ConfigError, ParallelConfig, Section, _field
+from mars_megatron.config import MAX_TOKENS, SEED_MAX, ConfigError, ParallelConfig, Section, _field
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.rewards import AnswerChecker, CheckerConfig
 from mars_megatron.tasks.arith import arith_problems, load_arith_file, operand_pairs
@@ -53,12 +53,15 @@ class SFTConfig(Section):
         "the second phase (measured: from all-careful demos, the switch to the mix dropped the careful "
         "Solver's accuracy from 77% to 45-54%; from 80% careful it stayed at 72%).",
         min=0,
+        max=1,
     )
     demos_per_step: int = _field(64, "Demonstrations per optimizer step (all roles mixed).", min=1)
-    pack_length: int = _field(512, "Tokens per packed training sequence (one pack per micro-batch).", min=2)
-    lr: float = _field(3e-3, "Peak learning rate of the first phase (from random init).", gt=0)
+    pack_length: int = _field(
+        512, "Tokens per packed training sequence (one pack per micro-batch).", min=2, max=MAX_TOKENS
+    )
+    lr: float = _field(3e-3, "Peak learning rate of the first phase (from random init).", gt=0, max=1)
     min_lr_ratio: float = _field(
-        0.1, "The first phase decays linearly to lr * min_lr_ratio after its warm-up.", min=0
+        0.1, "The first phase decays linearly to lr * min_lr_ratio after its warm-up.", min=0, max=1
     )
     warmup_steps: int = _field(10, "Linear warm-up steps at the start of the first phase.", min=0)
     mix_lr: float = _field(
@@ -66,8 +69,9 @@ class SFTConfig(Section):
         "Constant learning rate of the second phase: low, so that the new mix moves the shares of the "
         "modes rather than the skills.",
         gt=0,
+        max=1,
     )
-    weight_decay: float = _field(0.0, "Decoupled weight decay.", min=0)
+    weight_decay: float = _field(0.0, "Decoupled weight decay.", min=0, max=1)
     clip_grad: float = _field(1.0, "Global gradient-norm clip; 0 = off.", min=0)
     prompts: Literal["marsrl", "compact"] = _field("compact", "Prompt set the demos are written in.")
     train_file: str | None = _field(
@@ -76,19 +80,20 @@ class SFTConfig(Section):
         "warm start never sees a held-out problem; null = generate `problems` from max_operand/problem_seed.",
     )
     problems: int = _field(100, "Distinct addition problems the demos are drawn from.", min=1)
-    max_operand: int = _field(9, "Operands range over 0..max_operand.", min=1)
+    max_operand: int = _field(
+        9,
+        "Operands range over 0..max_operand; at most 999 (all (max_operand + 1)**2 pairs are listed).",
+        min=1,
+        max=999,
+    )
     max_sum: int | None = _field(None, "Only problems whose answer is at most this; null = no bound.", min=1)
     problem_seed: int = _field(0, "Seed of the problem set (the same set the RL run trains on).", min=0)
-    seed: int = _field(1234, "Seed of the data order and of megatron's initialisation.", min=0)
+    seed: int = _field(1234, "Seed of the data order and of megatron's initialisation.", min=0, max=SEED_MAX)
     demos: DemoConfig = field(default_factory=DemoConfig, metadata={"help": "Noise of the demonstrations."})
 
     def validate(self) -> None:
         if self.skill_steps > self.steps:
             raise ConfigError(f"{self.skill_steps} is more than steps ({self.steps})", "skill_steps")
-        if self.skill_careful > 1:
-            raise ConfigError(f"must be in [0, 1], got {self.skill_careful}", "skill_careful")
-        if self.min_lr_ratio > 1:
-            raise ConfigError(f"must be in [0, 1], got {self.min_lr_ratio}", "min_lr_ratio")
         if self.train_file is not None:
             if not Path(self.train_file).is_file():
                 raise ConfigError(f"{self.train_file}: no such file", "train_file")
