@@ -8,7 +8,7 @@ import dataclasses
 import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import pytest
 
@@ -270,3 +270,71 @@ def test_describe_shows_bounds_and_the_rules() -> None:
     assert "  optimizer.lr: float > 0, <= 1; default 1.0e-06" in text
     assert f"  train.seed: int >= 0, <= {SEED_MAX}; default 1234" in text
     assert "  rollout.gpu_memory_utilization: float or null > 0, <= 1; default null" in text
+
+
+# ------------------------------------------------------------------------------- sampling parameters
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": float("inf")}, "temperature must be >= 0 and finite, got inf"),
+        ({"temperature": float("-inf")}, "temperature must be >= 0 and finite, got -inf"),
+        ({"temperature": float("nan")}, "temperature must be >= 0 and finite, got nan"),
+        ({"temperature": True}, "temperature must be a number, got True"),
+        ({"temperature": "1"}, "temperature must be a number, got '1'"),
+        ({"top_p": float("nan")}, "top_p must be in (0, 1], got nan"),
+        ({"top_p": float("inf")}, "top_p must be in (0, 1], got inf"),
+        ({"max_tokens": True}, "max_tokens must be an int, got True"),
+        ({"max_tokens": 1.5}, "max_tokens must be an int, got 1.5"),
+        ({"top_k": 2.0}, "top_k must be an int, got 2.0"),
+        ({"seed": 2**63}, f"seed must be a 64-bit int or None, got {2**63}"),
+        ({"seed": -(2**63) - 1}, f"seed must be a 64-bit int or None, got {-(2**63) - 1}"),
+        ({"seed": True}, "seed must be a 64-bit int or None, got True"),
+    ],
+)
+def test_sampling_params_refuse_non_finite_and_mistyped(kwargs: dict[str, Any], message: str) -> None:
+    from mars_megatron.rollout.engine import SamplingParams
+
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{"max_tokens": 4, **kwargs})
+    assert str(err.value) == message
+
+
+def test_sampling_params_take_numpy_numbers() -> None:
+    import numpy as np
+
+    from mars_megatron.rollout.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=np.int64(4), temperature=np.float32(0.5), seed=np.int64(-(2**63)))
+    assert params.max_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 2**30}, f"--max-tokens must be <= {MAX_TOKENS}, got {2**30}"),
+        ({"temperature": 11.0}, "--temperature must be <= 10, got 11.0"),
+        ({"temperature": float("inf")}, "--temperature must be a finite number >= 0, got inf"),
+        ({"top_k": 2**40}, f"--top-k must be <= {INT_MAX}, got {2**40}"),
+        ({"seed": 2**31}, f"--seed must be in [0, 2**31), got {2**31}"),
+    ],
+)
+def test_eval_sampling_config_bounds(kwargs: dict[str, Any], message: str) -> None:
+    from mars_megatron.evaluation.sampling import SamplingConfig
+
+    with pytest.raises(ValueError) as err:
+        SamplingConfig(**kwargs)
+    assert str(err.value) == message
+
+
+def test_evaluation_section_fits_mars_eval_sampling() -> None:
+    """The largest evaluation.* values the config accepts build the SamplingConfig of held-out evaluation
+    (they failed there, mid-run, when the config was looser: evaluation.top_p=2, evaluation.seed=2**31)."""
+    from mars_megatron.evaluation.sampling import SamplingConfig
+
+    cfg = load_config(
+        None, ["evaluation.top_p=1", "evaluation.temperature=10", f"evaluation.seed={2**31 - 1}"]
+    )
+    ev = cfg.evaluation
+    SamplingConfig(
+        max_tokens=cfg.rollout.max_response_tokens, temperature=ev.temperature, top_p=ev.top_p, seed=ev.seed
+    )

@@ -24,15 +24,23 @@ class SamplingConfig:
         name the flag)."""
         import math
 
+        from mars_megatron.config import INT_MAX, MAX_TOKENS
+
         problems = []
         if self.max_tokens < 1:
             problems.append(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        elif self.max_tokens > MAX_TOKENS:  # the bound of the config's token budgets
+            problems.append(f"--max-tokens must be <= {MAX_TOKENS}, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             problems.append(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        elif self.temperature > 10:  # as evaluation.temperature: above it, sampling is noise
+            problems.append(f"--temperature must be <= 10, got {self.temperature}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             problems.append(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             problems.append(f"--top-k must be -1 (off) or >= 1, got {self.top_k}")
+        elif self.top_k > INT_MAX:  # engines hold top-k in int32 tensors
+            problems.append(f"--top-k must be <= {INT_MAX}, got {self.top_k}")
         if not 0 <= self.seed < 2**31:
             problems.append(f"--seed must be in [0, 2**31), got {self.seed}")
         if problems:

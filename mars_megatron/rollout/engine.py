@@ -12,6 +12,8 @@ Optional capabilities are separate protocols rather than methods that raise NotI
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
@@ -39,14 +41,25 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's end-of-sequence tokens
 
     def __post_init__(self) -> None:
+        """Every engine gets these as they are, so they are checked here once: a non-finite temperature
+        passes ``< 0`` and made every token equally likely (a run trained to its end at reward 0)."""
+        for name in ("max_tokens", "top_k"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), numbers.Real):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # nan fails both comparisons
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k}")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**63):
+            # engines seed a torch.Generator (int64 here, uint64 on its own) or send it as JSON int64
+            raise ValueError(f"seed must be a 64-bit int or None, got {self.seed!r}")
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,11 @@ class GenerationOutput:
     the model consumed as input, the prompt's included (the last generated token is never fed back).
     Rows follow the MoE layers in model order (dense layers have none), each row's top-k in the router's
     order. The trainer replays them (``moe.routing_replay=R3``)."""
+
+
+def _is_int(value: object) -> bool:
+    """An int, numpy's included; not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
