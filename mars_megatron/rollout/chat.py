@@ -28,6 +28,27 @@ class PromptTooLongError(ValueError):
         self.max_input_tokens = max_input_tokens
 
 
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
+
+
+def refuse_remote_code(model_dir: str | Path) -> None:
+    """Refuse a model folder whose config asks transformers for code of its own (``auto_map``): mars never
+    runs code that comes with a model, and transformers would otherwise ask on stdin whether to."""
+    import json
+
+    for name in REMOTE_CODE_FILES:
+        path = Path(model_dir) / name
+        try:
+            data = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError):
+            continue  # missing or unreadable: whoever reads it for real names it
+        if isinstance(data, dict) and data.get("auto_map"):
+            raise ValueError(
+                f"{path}: field 'auto_map' asks to run the model folder's own Python code; mars runs no code "
+                "from model files (use a model whose architecture transformers knows)"
+            )
+
+
 class ChatCodec:
     """Encodes chat messages into prompt ids (generation prompt appended) and decodes output ids."""
 
@@ -44,9 +65,28 @@ class ChatCodec:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> ChatCodec:
+        """The tokenizer of ``model_dir``, checked once here: a folder that asks for remote code is refused,
+        and a tokenizer or chat template that does not load, or templates a probe message into no tokens,
+        is refused naming the folder (instead of failing, or prompting nothing, mid-run)."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(model_dir), **kwargs)
+        refuse_remote_code(model_dir)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        except Exception as e:  # transformers raises many types (JSONDecodeError, KeyError, OSError, ...)
+            raise ValueError(f"{model_dir}: the tokenizer does not load ({type(e).__name__}: {e})") from None
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(f"{model_dir}: the tokenizer has no chat template (chat_template.jinja)")
+        codec = cls(tokenizer, **kwargs)
+        try:
+            probe = codec.encode([{"role": "user", "content": "1+1"}])
+        except PromptTooLongError:
+            return codec
+        except Exception as e:  # jinja2's TemplateError, SecurityError, UndefinedError, ...
+            raise ValueError(f"{model_dir}: the chat template fails ({type(e).__name__}: {e})") from None
+        if not probe:
+            raise ValueError(f"{model_dir}: the tokenizer and chat template turn a message into no tokens")
+        return codec
 
     def encode(self, messages: Sequence[Message]) -> tuple[int, ...]:
         """Prompt ids for the assistant's next turn; raises :class:`PromptTooLongError` unless truncating."""

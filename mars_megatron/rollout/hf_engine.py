@@ -74,12 +74,17 @@ class HFEngine:
         read from the routers of a MoE model; a dense model refuses it."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from mars_megatron.rollout.chat import refuse_remote_code
+
+        refuse_remote_code(model_dir)
         if has_weights(model_dir):
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch_dtype(dtype), trust_remote_code=False
+            ).eval()
         else:
             # Config only (a mars Megatron checkpoint's hf/ directory): the trainer pushes the weights
             # with update_weights before the first rollout.
-            config = AutoConfig.from_pretrained(model_dir)
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
             self.model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype)).eval()
             self.model.generation_config = _generation_config(model_dir)
         eos = self.model.generation_config.eos_token_id
