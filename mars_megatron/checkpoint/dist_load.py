@@ -1,0 +1,287 @@
+"""Loading a Megatron dist checkpoint (``torch_dist``) without running code from it.
+
+megatron-core 0.16.1 and torch read such a directory with three kinds of unpickling:
+
+* ``.metadata`` — ``pickle.load`` in torch's ``FileSystemReader.read_metadata``: any class, any call;
+* objects inside the ``*.distcp`` shards (``_extra_state`` and other non-tensors) — ``torch.load(...,
+  weights_only=False)`` in torch's ``DefaultLoadPlanner.load_bytes``;
+* ``common.pt`` — ``torch.load`` without ``weights_only``, so restricted only while nobody sets
+  ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``.
+
+(Tensors in the shards are already read with ``weights_only=True``, ``metadata.json`` is JSON.) Here each
+one is restricted: ``.metadata`` goes through :class:`MetadataUnpickler`, which admits only the
+``torch.distributed.checkpoint`` metadata classes, ``torch.Size``, dtypes and layouts (measured on the
+checkpoints this project writes, converted and trained, dense and MoE, with and without the distributed
+optimizer), and the objects and ``common.pt`` load with ``weights_only=True``. A file that asks for
+anything else is refused with a :class:`CheckpointError` naming it and the class, before anything from it
+runs. The reader, planner and strategies below are megatron's own with those reads swapped; pass them
+with :func:`load` / :func:`load_content_metadata` instead of ``dist_checkpointing.load``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner, TorchDistLoadShardedStrategy
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from checkpoints_conversion.hf_io import CheckpointError
+from mars_megatron.checkpoint.safe_load import load_plain
+
+__all__ = ["MetadataUnpickler", "load", "load_content_metadata", "read_metadata"]
+
+METADATA_FILE = ".metadata"
+COMMON_FILE = "common.pt"
+
+_ALLOWED: dict[str, tuple[str, ...]] = {
+    "torch": ("Size",),
+    "torch.serialization": ("_get_layout",),  # a layout by name (torch.strided)
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch.distributed.checkpoint.metadata": (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    ),
+    # megatron keeps the save plans in the metadata (to reuse them on the next save)
+    "torch.distributed.checkpoint.planner": (
+        "SavePlan",
+        "WriteItem",
+        "WriteItemType",
+        "TensorWriteData",
+        "BytesIOWriteData",
+    ),
+}
+"""What a dist checkpoint's ``.metadata`` needs, besides torch dtypes: dataclasses and enums whose
+construction runs no code of the file's choosing."""
+
+
+def _allowed_classes() -> list[type]:
+    import importlib
+
+    found = [getattr(importlib.import_module(m), n) for m, names in _ALLOWED.items() for n in names]
+    return [c for c in found if isinstance(c, type)]
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that resolves only the globals in :data:`_ALLOWED` and torch dtypes.
+
+    Reading also refuses a file that sets attributes on one of those classes (pickle's BUILD can do that
+    to any object on its stack, classes included): the class is restored and the file named.
+    """
+
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(
+            f"{self.path}: refused: it asks for {module}.{name}, which the metadata of a dist checkpoint "
+            "never holds, so loading it could run code; nothing from it was run"
+        )
+
+    def load(self) -> Any:
+        classes = _allowed_classes()
+        before = [dict(vars(c)) for c in classes]
+        try:
+            return super().load()
+        finally:
+            changed = [c for c, b in zip(classes, before, strict=True) if dict(vars(c)) != b]
+            for cls, saved in zip(classes, before, strict=True):
+                if cls in changed:
+                    _restore(cls, saved)
+            if changed:
+                names = ", ".join(c.__qualname__ for c in changed)
+                raise CheckpointError(f"{self.path}: refused: it rewrites the class(es) {names}")
+
+
+def _restore(cls: type, saved: dict[str, Any]) -> None:
+    for key in set(vars(cls)) - set(saved):
+        delattr(cls, key)
+    for key, value in saved.items():
+        if vars(cls).get(key, _MISSING) is not value:
+            setattr(cls, key, value)
+
+
+_MISSING = object()
+
+
+def read_metadata(checkpoint_dir: str | Path) -> Metadata:
+    """The ``.metadata`` of the dist checkpoint in ``checkpoint_dir``, read through
+    :class:`MetadataUnpickler` and checked: a :class:`Metadata` whose storage entries name plain files
+    of that directory. :class:`CheckpointError` naming the file otherwise."""
+    directory = Path(checkpoint_dir)
+    path = directory / METADATA_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; {directory} is not a complete dist checkpoint")
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f, path).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # a cut or garbled pickle raises many types
+        raise CheckpointError(f"{path}: unreadable or cut short ({type(e).__name__}: {e})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not dist-checkpoint metadata")
+    for info in metadata.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{path}: names data file {name!r}, which is not a file of {directory}")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's reader, with ``.metadata`` read by :func:`read_metadata` (once: megatron asks again) and
+    read failures named by the checkpoint directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        self.directory = Path(path)
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"{self.directory}: per-rank metadata files are not part of this format")
+        if self._metadata is None:
+            self._metadata = read_metadata(self.directory)
+            if getattr(self._metadata, "storage_meta", None) is None:
+                self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().read_data(plan, planner)
+        except CheckpointError:
+            raise
+        except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
+            raise CheckpointError(
+                f"{self.directory}: a data shard is unreadable or cut short ({type(e).__name__}: {e})"
+            ) from None
+
+
+class SafeLoadPlanner(MCoreLoadPlanner):
+    """megatron's planner, with the non-tensor objects in the shards loaded by ``weights_only=True``."""
+
+    def __init__(self, *args: Any, directory: Path, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.directory = directory
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError as e:
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise CheckpointError(
+                f"{self.directory}: refused: object {fqn!r} in a data shard holds more than tensors and "
+                f"plain values, so loading it could run code; not loaded ({reason[:200]})"
+            ) from None
+        except (EOFError, RuntimeError, OSError, ValueError) as e:
+            raise CheckpointError(f"{self.directory}: object {fqn!r} is unreadable ({e})") from None
+        if self.flatten_state_dict:  # as torch's DefaultLoadPlanner.load_bytes
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
+    """megatron's ``torch_dist`` load strategy reading through :class:`SafeFileSystemReader` and
+    :class:`SafeLoadPlanner`. ``load`` follows megatron-core 0.16.1's own line for line apart from those
+    two objects (``tests/test_checkpoint_trust.py`` notices if megatron's changes)."""
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: Path) -> Any:
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.dist_checkpointing.strategies import torch as mtorch
+        from torch.distributed import checkpoint
+
+        flexible_shape_sharded_tensors = [
+            sh_ten
+            for sh_ten in nested_values(sharded_state_dict)
+            if isinstance(sh_ten, ShardedTensor) and not sh_ten.allow_shape_mismatch
+        ]
+        allow_shape_mismatch_sharded_tensors = {
+            sh_ten.key: sh_ten
+            for sh_ten in nested_values(sharded_state_dict)
+            if isinstance(sh_ten, ShardedTensor) and sh_ten.allow_shape_mismatch
+        }
+        orig_sharded_state_dict = sharded_state_dict
+        sharded_state_dict, flat_mapping, rename_mapping = mtorch._replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict
+        )
+        pyt_state_dict = mtorch.mcore_to_pyt_state_dict(sharded_state_dict, True)
+        fsr = SafeFileSystemReader(checkpoint_dir)
+        checkpoint.load_state_dict(
+            pyt_state_dict,
+            fsr,
+            planner=SafeLoadPlanner(
+                shapes_validation_sharded_tensors=flexible_shape_sharded_tensors,
+                allow_shape_mismatch_sharded_tensors=allow_shape_mismatch_sharded_tensors,
+                directory=Path(checkpoint_dir),
+            ),
+        )
+        self.cached_global_metadata = fsr.read_metadata()
+        mcore_state_dict = {k: mtorch._unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
+        mcore_state_dict = mtorch._replace_sharded_keys_with_state_dict_keys(
+            mcore_state_dict, flat_mapping, rename_mapping
+        )
+        mtorch._restore_dict_types(mcore_state_dict, orig_sharded_state_dict)
+        return mcore_state_dict
+
+    def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Metadata | None = None) -> Any:
+        return super().load_tensors_metadata(checkpoint_dir, metadata or read_metadata(checkpoint_dir))
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> Any:
+        raise CheckpointError(f"{checkpoint_dir}: sharded-metadata loading is not used by mars (refused)")
+
+
+class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+    """``common.pt`` through :func:`~mars_megatron.checkpoint.safe_load.load_plain` (``weights_only``)."""
+
+    def load_common(self, checkpoint_dir: str | Path) -> Any:
+        return load_plain(Path(checkpoint_dir) / COMMON_FILE)
+
+    def load_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+        raise CheckpointError(f"{checkpoint_dir}: per-object .pt files are not part of the torch_dist format")
+
+
+def load(sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+    """``dist_checkpointing.load`` of a ``torch_dist`` checkpoint with every unpickling restricted
+    (collective, like megatron's)."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load(
+        sharded_state_dict,
+        str(checkpoint_dir),
+        sharded_strategy=SafeTorchDistLoadStrategy(),
+        common_strategy=SafeCommonLoadStrategy(),
+    )
+
+
+def load_content_metadata(checkpoint_dir: str | Path) -> dict[str, Any] | None:
+    """``dist_checkpointing.load_content_metadata``, with ``common.pt`` read by ``weights_only``."""
+    from megatron.core.dist_checkpointing.serialization import _CONTENT_METADATA_KEY
+
+    common = SafeCommonLoadStrategy().load_common(checkpoint_dir)
+    if not isinstance(common, dict):
+        raise CheckpointError(
+            f"{Path(checkpoint_dir) / COMMON_FILE}: holds a {type(common).__name__}, not a dict"
+        )
+    return common.get(_CONTENT_METADATA_KEY)
