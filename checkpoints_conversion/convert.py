@@ -5,6 +5,7 @@ A Megatron checkpoint written here is a directory::
     mars_checkpoint.json   format tag, architecture, vocabulary padding, dtype, where the weights are
     hf/                    the source's config.json, tokenizer and generation files
     model/                 megatron dist_checkpointing (torch_dist) — loadable into any layout
+    MANIFEST.sha256.json   every other file's size and SHA-256, written last (checkpoint/manifest.py)
 
 A policy folder of a ``mars train`` checkpoint is one too: its weights sit beside the optimizer state in
 ``dist/`` (the metadata names that folder and the sharding metadata it was saved with), so a trained
@@ -12,6 +13,10 @@ policy starts another run, is evaluated or is exported to HF like any converted 
 
 Both directions write into a temporary sibling directory and rename it into place only after every
 rank has finished, so an interrupted or failed conversion never leaves a half-written output.
+
+Reading one checks it against its manifest first (:func:`read_meta`; the data shards' digests when the
+weights load, split between the ranks) and unpickles nothing but plain data
+(``mars_megatron/checkpoint/dist_load.py``); see docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -50,16 +55,17 @@ def check_output_dir(out_dir: str | Path) -> Path:
 
 
 @contextmanager
-def staged_output(out: Path) -> Iterator[Path]:
+def staged_output(out: Path, *, manifest: bool = True) -> Iterator[Path]:
     """A temporary sibling of ``out`` to write into (collective): renamed to ``out`` when every rank
-    leaves the block without an exception, removed otherwise, so ``out`` is never half-written."""
+    leaves the block without an exception, removed otherwise, so ``out`` is never half-written.
+    ``manifest``: seal it with a manifest of its files first (every mars checkpoint; not HF exports)."""
     tmp = _staging_dir(out)
     ok = False
     try:
         yield tmp
         ok = True
     finally:
-        _finish(tmp, out, ok)
+        _finish(tmp, out, ok, manifest)
 
 
 def _staging_dir(out: Path) -> Path:
@@ -76,10 +82,16 @@ def _staging_dir(out: Path) -> Path:
     return Path(holder[0])  # type: ignore[arg-type]
 
 
-def _finish(tmp: Path, out: Path, ok: bool) -> None:
-    """Every rank reports success; rank 0 renames on unanimous success, else removes the staging dir."""
+def _finish(tmp: Path, out: Path, ok: bool, manifest: bool) -> None:
+    """Every rank reports success; on unanimous success the ranks hash the files for the manifest and
+    rank 0 renames, else rank 0 removes the staging dir."""
+    from mars_megatron.checkpoint.manifest import write_collective
+
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, ok)
+    if all(flags) and manifest:
+        dist.barrier()  # every rank's files are written
+        write_collective(tmp)
     if dist.get_rank() == 0:
         if all(flags):
             tmp.rename(out)
@@ -108,11 +120,19 @@ def is_mcore_checkpoint(path: str | Path) -> bool:
 
 
 def read_meta(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:
-    """Architecture and metadata of a checkpoint written by :func:`hf_to_mcore`."""
+    """Architecture and metadata of a checkpoint written by :func:`hf_to_mcore`, after checking the
+    checkpoint against its manifest (every file present with its size, and the digest of every file but
+    the data shards: cheap, so a cut or altered checkpoint is refused before any start-up)."""
+    from mars_megatron.checkpoint.manifest import verify_manifest
+
     path = Path(mcore_dir) / META
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; {mcore_dir} is not a mars Megatron checkpoint")
-    meta = json.loads(path.read_text())
+    verify_manifest(mcore_dir)
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable or corrupt ({e})") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
     arch_fields = dict(meta["arch"])
@@ -158,21 +178,34 @@ def save_mcore(model: torch.nn.Module, directory: Path) -> None:
     dist_checkpointing.save(getattr(model, "module", model).sharded_state_dict(), str(directory))
 
 
+def preflight(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:
+    """:func:`read_meta`, plus what else can be checked of a mars checkpoint in the launching process
+    before any rank starts: its dist-checkpoint metadata, read the restricted way."""
+    from mars_megatron.checkpoint.dist_load import read_metadata
+
+    arch, meta = read_meta(mcore_dir)
+    read_metadata(Path(mcore_dir) / meta.get("weights", "model"))
+    return arch, meta
+
+
 def load_mcore(model: torch.nn.Module, mcore_dir: str | Path) -> None:
     """Load the weights of the mars checkpoint ``mcore_dir`` into ``model`` (any layout; collective).
 
-    Only the model's tensors are read: a training checkpoint's optimizer state is left on disk.
+    Only the model's tensors are read: a training checkpoint's optimizer state is left on disk. The
+    data shards' digests are checked first, each rank a share; nothing is unpickled beyond plain data.
     """
-    from megatron.core import dist_checkpointing
+    from mars_megatron.checkpoint import dist_load
+    from mars_megatron.checkpoint.manifest import verify_collective
 
     _, meta = read_meta(mcore_dir)
+    verify_collective(mcore_dir)
     weights = Path(mcore_dir) / meta.get("weights", "model")
     if not weights.is_dir():
         raise CheckpointError(f"{weights}: missing; {mcore_dir} has no model weights")
     inner = getattr(model, "module", model)
     sharded = inner.sharded_state_dict(metadata=meta.get("sharded_metadata"))
     key = meta.get("state_key")
-    state = dist_checkpointing.load({key: sharded} if key else sharded, str(weights))
+    state = dist_load.load({key: sharded} if key else sharded, weights)
     inner.load_state_dict(state[key] if key else state)
 
 
@@ -228,7 +261,7 @@ def mcore_to_hf(
                 f"{assets})"
             )
     out = Path(out_dir)
-    with staged_output(out) as tmp:
+    with staged_output(out, manifest=False) as tmp:  # an HF model directory
         model = build_model(
             arch,
             parallel,

@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                     nproc=args.nproc,
                 )
             else:
+                from checkpoints_conversion.convert import preflight
+
+                preflight(args.src)  # a cut, altered or crafted checkpoint is refused before ranks start
                 max_bytes = int(args.max_shard_gb * 2**30)
                 jobs.run(
                     jobs.mcore_to_hf_job,

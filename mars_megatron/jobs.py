@@ -126,11 +126,11 @@ def mcore_to_hf_job(
 # -------------------------------------------------------------------------------------------------- score
 def model_arch(model_dir: str) -> Any:
     """Architecture of an HF directory or a mars Megatron checkpoint, read from its metadata only."""
-    from checkpoints_conversion.convert import is_mcore_checkpoint, read_meta
+    from checkpoints_conversion.convert import is_mcore_checkpoint, preflight
     from mars_megatron.training.hf_config import load_hf_config
 
     if is_mcore_checkpoint(model_dir):
-        return read_meta(model_dir)[0]
+        return preflight(model_dir)[0]  # refuses a cut, altered or crafted checkpoint before ranks start
     return load_hf_config(model_dir)
 
 

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from checkpoints_conversion.hf_io import INDEX
+from mars_megatron.checkpoint.manifest import seal
 from mars_megatron.config import ParallelConfig
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
@@ -377,8 +378,11 @@ def bad_inputs(
     def hf_copy(name: str) -> Path:
         return Path(shutil.copytree(dense, root / name))
 
+    edited: list[Path] = []
+
     def mcore_copy(name: str) -> Path:
-        return Path(shutil.copytree(good_mcore, root / name))
+        edited.append(Path(shutil.copytree(good_mcore, root / name)))
+        return edited[-1]
 
     facts: dict[str, Any] = {}
     cases: dict[str, BadInput] = {}
@@ -464,6 +468,8 @@ def bad_inputs(
     (partial_of(stale_out) / "model-00001-of-00009.safetensors").write_bytes(b"junk")
     cases["stale-partial"] = BadInput(Op("to_hf", str(good_mcore), str(stale_out), S), "")
 
+    for src in edited:  # each case tests its own check, not the manifest (tests/test_checkpoint_trust.py)
+        seal(src)
     names = list(cases)
     results = parallel.launch(
         run_expecting_errors, 1, [cases[n].op for n in names], timeout_s=LAUNCH_TIMEOUT_S

@@ -10,6 +10,8 @@ collective). A policy's part of a checkpoint is the directory ``<checkpoint>/<na
     mars_checkpoint.json  + hf/: what makes the folder a mars checkpoint of its own (given the tokenizer
                           assets), so ``model.mcore_dir``, ``mars eval`` and ``mars convert mcore-to-hf``
                           take a trained policy directly
+    MANIFEST.sha256.json  every other file's size and SHA-256, hashed by all ranks, written last;
+                          checked (digests split between the ranks) before anything is loaded
 
 The distributed optimizer is saved in its ``dp_reshardable`` form (what megatron's own training loop
 uses): every rank writes its own buckets (fp32 master weights, Adam moments) with no gathering, and reads
@@ -208,6 +210,8 @@ def save_rank_state(
     """
     from megatron.core import dist_checkpointing
 
+    from mars_megatron.checkpoint.manifest import write_collective
+
     out = Path(directory) / name
     rank = dist.get_rank()
     # every rank creates the folders: on a cluster ranks may see the filesystem at different moments
@@ -231,6 +235,7 @@ def save_rank_state(
         if assets is not None:
             _write_checkpoint_meta(out, engine, Path(assets), saved_with)
     dist.barrier()
+    write_collective(out)
 
 
 def _write_checkpoint_meta(out: Path, engine: Any, assets: Path, metadata: dict[str, Any]) -> None:
@@ -264,12 +269,16 @@ def load_rank_state(directory: str | Path, name: str, engine: Any) -> None:
     """Restore what :func:`save_rank_state` wrote into ``directory/name``: model weights, optimizer state
     (fp32 master weights, Adam moments and step counters), the skipped-step count and this rank's RNG.
 
-    Collective. Raises :class:`CheckpointError` (on every rank, before any collective) if the parallel
-    layout differs from the saved one or the engine needs an optimizer state the checkpoint lacks.
+    Collective. Raises :class:`CheckpointError` (on every rank) if the folder does not match its manifest,
+    the parallel layout differs from the saved one or the engine needs an optimizer state the checkpoint
+    lacks; nothing in the folder is unpickled beyond plain data.
     """
-    from megatron.core import dist_checkpointing
+    from mars_megatron.checkpoint import dist_load
+    from mars_megatron.checkpoint.manifest import verify_collective
+    from mars_megatron.checkpoint.safe_load import load_plain
 
     src = Path(directory) / name
+    verify_collective(src)
     saved_layout = _read_json(src / LAYOUT_FILE)
     saved_layout.setdefault("cp", 1)  # written before parallel.cp existed
     layout = parallel_layout(engine)
@@ -289,11 +298,11 @@ def load_rank_state(directory: str | Path, name: str, engine: Any) -> None:
     if missing:
         raise CheckpointError(f"{src}: RNG state files missing: {', '.join(missing)}")
 
-    metadata = dist_checkpointing.load_content_metadata(str(src / DIST_DIR)) or _sharded_metadata(engine)
+    metadata = dist_load.load_content_metadata(src / DIST_DIR) or _sharded_metadata(engine)
     if with_optimizer:
         _allocate_adam_state(engine.optimizer)
     state = _sharded_state(engine, metadata, with_optimizer=with_optimizer, loading=True)
-    loaded = dist_checkpointing.load(state, str(src / DIST_DIR))
+    loaded = dist_load.load(state, src / DIST_DIR)
     inner = getattr(engine.model, "module", engine.model)
     # no_grad: with fp32 weights the distributed optimizer's master weights are views of the parameters,
     # which megatron-core 0.16.1 copies into in place (autograd refuses that on a leaf that needs grad).
@@ -304,5 +313,5 @@ def load_rank_state(directory: str | Path, name: str, engine: Any) -> None:
             engine.optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(engine.optimizer)
     engine.skipped_steps = int(engine_state["skipped_steps"])
-    _set_rng_states(torch.load(rng_files[dist.get_rank()], weights_only=True))
+    _set_rng_states(load_plain(rng_files[dist.get_rank()]))
     dist.barrier()

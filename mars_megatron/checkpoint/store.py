@@ -3,9 +3,10 @@
 A checkpoint root holds one training history::
 
     root/
-      step_000012/             a complete checkpoint: trainer_state.json is written last, then renamed
+      step_000012/             a complete checkpoint: trainer_state.json, then the manifest, then renamed
         trainer_state.json     the driver's JSON state (step, policy version, data position, ...)
-        <policy>/...           what each policy's ranks wrote (see rank_state.py)
+        <policy>/...           what each policy's ranks wrote (see rank_state.py), with its own manifest
+        MANIFEST.sha256.json   size and SHA-256 of every file here (a policy folder: of its manifest)
       step_000016/
       latest                   name of the newest checkpoint, for people and tools
       .tmp-step_000020-x1y2/   a checkpoint being written (or left by a crash; removed on the next commit)
@@ -16,6 +17,8 @@ appears under its final name in one ``rename`` after every byte is on disk, so a
 leaves either the previous set of checkpoints or the new one, never a half-written ``step_*``; and a
 ``step_*`` without ``trainer_state.json`` is never taken for a checkpoint. Checkpoints are removed the
 same way in reverse (renamed to ``.tmp-*`` first), so a half-deleted one is never mistaken for complete.
+:meth:`CheckpointStore.resolve` checks the one to resume against its manifests (manifest.py) before any
+rank starts.
 
 This module needs no torch.distributed: it runs in the driver process. One run writes to a root at a time.
 """
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints_conversion.hf_io import CheckpointError
+from mars_megatron.checkpoint.manifest import verify_manifest, write_manifest
 
 __all__ = ["STATE_FILE", "CheckpointError", "CheckpointStore", "checkpoint_name"]
 
@@ -129,6 +133,7 @@ class CheckpointStore:
         except (TypeError, ValueError) as e:
             raise TypeError(f"trainer state for step {step} is not JSON-serialisable: {e}") from e
         write_text_atomic(staging / STATE_FILE, text)
+        write_manifest(staging)  # last; the policy folders are sealed already, so this hashes little
         _fsync_tree(staging)
 
         final = self.root / checkpoint_name(step)
@@ -201,11 +206,19 @@ class CheckpointStore:
     def resolve(self, resume: str | Path | bool | None) -> Path | None:
         """Which checkpoint ``--resume`` means: ``True``/``"latest"`` the newest one here (``None`` if
         there is none yet, i.e. a fresh start); ``False``/``None``/``""`` none; anything else a path to
-        a complete checkpoint (relative paths are also tried under the root, e.g. ``step_000012``)."""
+        a complete checkpoint (relative paths are also tried under the root, e.g. ``step_000012``).
+
+        The checkpoint is checked against its manifests first (every file present with its size, every
+        digest but the data shards', which the ranks check as they load): :class:`CheckpointError`
+        naming the bad files, before anything starts. The newest one is not skipped for an older one
+        when it fails: resuming elsewhere than asked is for the user to choose (give its path)."""
         if resume is None or resume is False or resume == "":
             return None
         if resume is True or resume == "latest":
-            return self.latest()
+            latest = self.latest()
+            if latest is not None:
+                verify_manifest(latest)
+            return latest
         path = Path(resume)
         if not path.exists() and not path.is_absolute() and (self.root / path).exists():
             path = self.root / path
@@ -215,6 +228,7 @@ class CheckpointStore:
             raise CheckpointError(
                 f"{path}: not a complete checkpoint (no {STATE_FILE}; an interrupted save leaves none)"
             )
+        verify_manifest(path)
         return path
 
     @staticmethod
