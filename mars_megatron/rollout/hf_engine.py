@@ -92,6 +92,9 @@ class HFEngine:
         pad = self.model.generation_config.pad_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self.max_batch = max_batch
+        # what a prompt may hold (the OpenAI server refuses ids and lengths past them instead of failing)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.max_positions = int(self.model.config.max_position_embeddings)
         self._seeds = torch.Generator().manual_seed(seed)
         self.routing = _RoutingCapture(self.model) if capture_routing else None
 

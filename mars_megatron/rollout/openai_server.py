@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 import uuid
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn
 
@@ -107,6 +108,10 @@ class OpenAICompletionsServer:
         self.host, self.port, self.api_key = host, port, api_key
         self.max_tokens_limit, self.read_timeout_s = max_tokens_limit, read_timeout_s
         self.max_connections = max_connections
+        vocab = getattr(engine, "vocab_size", None)
+        self.vocab_size = vocab if _is_int(vocab) and vocab > 0 else None
+        context = getattr(engine, "max_model_len", None) or getattr(engine, "max_positions", None)
+        self.context_len = context if _is_int(context) and context > 0 else None
         self._engine_lock = threading.Lock()
         self._httpd: _BoundedHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -207,9 +212,19 @@ class OpenAICompletionsServer:
             raise RequestError(
                 400, "'prompt' must be a non-empty list of token ids (text prompts unsupported)"
             )
+        if self.vocab_size is not None and max(prompt) >= self.vocab_size:
+            raise RequestError(
+                400,
+                f"'prompt' holds token id {max(prompt)}, past the model's vocabulary of {self.vocab_size}",
+            )
         logprobs = body.get("logprobs")
-        if logprobs not in (None, 0, 1):
+        if not (logprobs is None or (_is_int(logprobs) and logprobs in (0, 1))):
             raise RequestError(400, f"'logprobs' must be 0, 1 or null, got {logprobs!r}")
+        as_ids = body.get("return_tokens_as_token_ids")
+        if not (as_ids is None or isinstance(as_ids, bool)):
+            raise RequestError(
+                400, f"'return_tokens_as_token_ids' must be true, false or null, got {as_ids!r}"
+            )
         top_k = body.get("top_k", -1)
         stop_token_ids = body.get("stop_token_ids") or []
         if not (isinstance(stop_token_ids, list) and all(_is_int(t) for t in stop_token_ids)):
@@ -218,6 +233,12 @@ class OpenAICompletionsServer:
         if not (_is_int(max_tokens) and 1 <= max_tokens <= self.max_tokens_limit):
             raise RequestError(
                 400, f"'max_tokens' must be an integer in [1, {self.max_tokens_limit}], got {max_tokens!r}"
+            )
+        if self.context_len is not None and len(prompt) + max_tokens > self.context_len:
+            raise RequestError(
+                400,
+                f"'prompt' has {len(prompt)} tokens; with 'max_tokens' {max_tokens} that is more than the "
+                f"model's context of {self.context_len} tokens",
             )
         temperature = _number(body, "temperature", 1.0)
         if temperature < 0:
@@ -242,11 +263,12 @@ class OpenAICompletionsServer:
         except (TypeError, ValueError) as e:
             raise RequestError(400, str(e)) from e
         request = GenerationRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt), sampling)
-        return request, logprobs is not None, bool(body.get("return_tokens_as_token_ids"))
+        return request, logprobs is not None, bool(as_ids)
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    """A token id or count: a non-negative int (not a bool), below 2**31 (what engines index with)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31
 
 
 def _or(value: Any, default: float) -> Any:
@@ -371,6 +393,22 @@ class _Handler(BaseHTTPRequestHandler):
         if length > _MAX_BODY_BYTES:
             raise RequestError(413, f"request body over {_MAX_BODY_BYTES} bytes")
         return length
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (bad request line, header too long, unknown method) as OpenAI-style
+        JSON like every other error; an unknown method is 405 (http.server says 501, a server fault)."""
+        if code == 501:
+            code, message = 405, f"method {self.command!r} is not allowed; use POST /v1/completions"
+        elif code == 505:
+            code = 400
+        elif code == 431:
+            message = f"request headers refused: {message}"
+        self.close_connection = True
+        self._unread_input = True
+        try:
+            self._error(code, message or HTTPStatus(code).phrase)
+        except OSError:
+            pass
 
     def _check_auth(self) -> bool:
         if self.app.authorised(self.headers.get("Authorization")):
