@@ -104,6 +104,7 @@ def test_optional_fields_take_hf_defaults() -> None:
     dense = parse_hf_config(
         cfg(
             DENSE,
+            num_attention_heads=32,
             num_key_value_heads=...,
             tie_word_embeddings=...,
             attention_bias=...,
@@ -111,7 +112,8 @@ def test_optional_fields_take_hf_defaults() -> None:
             torch_dtype=...,
         )
     )
-    assert dense.num_key_value_heads == 8  # no GQA: one kv head per query head
+    assert dense.num_key_value_heads == 32  # Qwen3Config's default, not num_attention_heads
+    assert parse_hf_config(cfg(DENSE, num_key_value_heads=None)).num_key_value_heads == 8  # null: = heads
     assert (dense.tie_word_embeddings, dense.attention_bias) == (False, False)
     assert dense.initializer_range == 0.02
     assert dense.dtype == "float32"
@@ -119,14 +121,15 @@ def test_optional_fields_take_hf_defaults() -> None:
         cfg(MOE, norm_topk_prob=..., router_aux_loss_coef=..., decoder_sparse_step=..., mlp_only_layers=...)
     )
     assert moe.norm_topk_prob is False  # Qwen3MoeConfig's default
-    assert moe.router_aux_loss_coef == 0.0
+    assert moe.router_aux_loss_coef == 0.001  # Qwen3MoeConfig's default
+    assert parse_hf_config(cfg(MOE, num_key_value_heads=...)).num_key_value_heads == 4  # Qwen3MoeConfig's
     assert moe.moe_layers == (True,) * 6
 
 
 def test_moe_head_dim_defaults_to_hidden_over_heads() -> None:
     # Qwen3-MoE attention uses getattr(config, "head_dim", hidden_size // num_attention_heads).
     assert parse_hf_config(cfg(MOE, head_dim=...)).head_dim == 64 // 8
-    assert parse_hf_config(cfg(MOE, head_dim=None)).head_dim == 8
+    assert "field 'head_dim' is null" in error(cfg(MOE, head_dim=None))  # the attention would take None
     assert parse_hf_config(cfg(MOE, head_dim=32)).head_dim == 32  # explicit head_dim wins
 
 
@@ -140,9 +143,11 @@ def test_dense_head_dim_default_matches_transformers() -> None:
 def test_num_local_experts_is_the_transformers5_spelling_of_num_experts() -> None:
     new = parse_hf_config(cfg(MOE, num_experts=..., num_local_experts=16))
     assert new.num_experts == 16
-    # num_experts wins when both are present; a null num_experts falls back to num_local_experts
-    assert parse_hf_config(cfg(MOE, num_experts=8, num_local_experts=16)).num_experts == 8
-    assert parse_hf_config(cfg(MOE, num_experts=None, num_local_experts=4)).num_experts == 4
+    # both, equal: fine; different: refused (transformers reads num_local_experts); a null: refused
+    assert parse_hf_config(cfg(MOE, num_experts=8, num_local_experts=8)).num_experts == 8
+    msg = error(cfg(MOE, num_experts=8, num_local_experts=16))
+    assert "fields 'num_experts' (8) and 'num_local_experts' (16) disagree" in msg
+    assert "field 'num_experts' is null" in error(cfg(MOE, num_experts=None, num_local_experts=4))
     msg = error(cfg(MOE, num_experts=...))
     assert "'num_experts'" in msg and "'num_local_experts'" in msg
 
@@ -150,9 +155,12 @@ def test_num_local_experts_is_the_transformers5_spelling_of_num_experts() -> Non
 def test_rope_theta_nested_under_rope_parameters() -> None:
     nested = cfg(DENSE, rope_theta=..., rope_parameters={"rope_type": "default", "rope_theta": 5000000})
     assert parse_hf_config(nested).rope_theta == 5e6
-    # a top-level rope_theta is read first
+    # both, disagreeing: refused naming both (transformers reads rope_parameters; 0.26 log-prob gap)
     both = cfg(DENSE, rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 5e6})
-    assert parse_hf_config(both).rope_theta == 1e4
+    msg = error(both)
+    assert "field 'rope_parameters.rope_theta' (5000000.0) and field 'rope_theta' (10000.0) disagree" in msg
+    same = cfg(DENSE, rope_theta=5e6, rope_parameters={"rope_type": "default", "rope_theta": 5e6})
+    assert parse_hf_config(same).rope_theta == 5e6
     msg = error(cfg(DENSE, rope_theta=...))
     assert "rope_parameters" in msg and "'rope_theta'" in msg and "missing" in msg
 
