@@ -148,10 +148,10 @@ class SafeFileSystemReader(FileSystemReader):
     """torch's reader, with ``.metadata`` read by :func:`read_metadata` (once: megatron asks again) and
     read failures named by the checkpoint directory."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, metadata: Metadata | None = None) -> None:
         super().__init__(path)
         self.directory = Path(path)
-        self._metadata: Metadata | None = None
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -204,7 +204,12 @@ class SafeLoadPlanner(MCoreLoadPlanner):
 class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
     """megatron's ``torch_dist`` load strategy reading through :class:`SafeFileSystemReader` and
     :class:`SafeLoadPlanner`. ``load`` follows megatron-core 0.16.1's own line for line apart from those
-    two objects (``tests/test_checkpoint_trust.py`` notices if megatron's changes)."""
+    two objects (``tests/test_checkpoint_trust.py`` notices if megatron's changes). ``metadata``: the
+    checkpoint's ``.metadata`` already read by :func:`read_metadata`."""
+
+    def __init__(self, metadata: Metadata | None = None) -> None:
+        super().__init__()
+        self.metadata = metadata
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Path) -> Any:
         from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -227,7 +232,7 @@ class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
             sharded_state_dict
         )
         pyt_state_dict = mtorch.mcore_to_pyt_state_dict(sharded_state_dict, True)
-        fsr = SafeFileSystemReader(checkpoint_dir)
+        fsr = SafeFileSystemReader(checkpoint_dir, self.metadata)
         checkpoint.load_state_dict(
             pyt_state_dict,
             fsr,
@@ -264,15 +269,25 @@ class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
 
 def load(sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
     """``dist_checkpointing.load`` of a ``torch_dist`` checkpoint with every unpickling restricted
-    (collective, like megatron's)."""
+    (collective, like megatron's). The metadata is read first, so a crafted one is refused as itself
+    rather than inside torch's per-rank failure report; a refusal from inside the load (an object in a
+    shard) is raised as the :class:`CheckpointError` it is, on every rank."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import CheckpointException
 
-    return dist_checkpointing.load(
-        sharded_state_dict,
-        str(checkpoint_dir),
-        sharded_strategy=SafeTorchDistLoadStrategy(),
-        common_strategy=SafeCommonLoadStrategy(),
-    )
+    metadata = read_metadata(checkpoint_dir)
+    try:
+        return dist_checkpointing.load(
+            sharded_state_dict,
+            str(checkpoint_dir),
+            sharded_strategy=SafeTorchDistLoadStrategy(metadata),
+            common_strategy=SafeCommonLoadStrategy(),
+        )
+    except CheckpointException as e:
+        ours = [failure[0] for failure in e.failures.values() if isinstance(failure[0], CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise
 
 
 def load_content_metadata(checkpoint_dir: str | Path) -> dict[str, Any] | None:
