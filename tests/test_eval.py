@@ -410,7 +410,7 @@ def test_cli_refuses_bad_setups(model_dir, whole_run, tmp_path):
         (("--max-tokens", 0), "--max-tokens must be >= 1, got 0"),
         (("--top-p", 2), "--top-p must be in (0, 1], got 2.0"),
         (("--temperature", "nan"), "--temperature must be a finite number >= 0, got nan"),
-        (("--max-concurrent", 0), "--max-concurrent must be >= 1, got 0"),
+        (("--max-concurrent", 0), "--max-concurrent must be in [1, 65536], got 0"),
     ):
         proc = mars(*base, "--model", model_dir, *flags)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

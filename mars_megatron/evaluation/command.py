@@ -155,7 +155,14 @@ def file_sha256(path: str | Path) -> str:
 def _chosen(args: argparse.Namespace, options: dict[str, str], cls: type, fallback: dict[str, Any]) -> Any:
     values = {name: getattr(args, name) for name in options}
     values = {k: v if v is not None else fallback.get(k) for k, v in values.items()}
-    return cls(**{k: v for k, v in values.items() if v is not None})
+    try:
+        return cls(**{k: v for k, v in values.items() if v is not None})
+    except ValueError as e:  # SystemConfig names its fields (max_iterations): name the flags too
+        message = str(e)
+        for name, flag in options.items():
+            if name in message and f"--{flag}" not in message:
+                message = message.replace(f"{cls.__name__}.{name}", f"--{flag}").replace(name, f"--{flag}")
+        raise ValueError(message) from None
 
 
 def _sources(args: argparse.Namespace) -> dict[Role, Any]:
@@ -223,12 +230,17 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     if args.engine == "openai" and not args.endpoint:
         raise ValueError("--engine openai needs --endpoint URL (an OpenAI-compatible completions server)")
-    for flag, value, low in (("--samples", args.samples, 1), ("--limit", args.limit, 0),
-                             ("--max-concurrent", args.max_concurrent, 1),
-                             ("--max-input-tokens", args.max_input_tokens, 1),
-                             ("--checker-workers", args.checker_workers, 1)):  # fmt: skip
-        if value is not None and value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    for flag, value, low, high in (("--samples", args.samples, 1, 2**16), ("--limit", args.limit, 0, None),
+                                   ("--max-concurrent", args.max_concurrent, 1, 2**16),
+                                   ("--max-input-tokens", args.max_input_tokens, 2, 2**24),
+                                   ("--checker-workers", args.checker_workers, 1, 256)):  # fmt: skip
+        if value is not None and not (low <= value and (high is None or value <= high)):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ValueError(f"{flag} must be {bounds}, got {value}")
+    if args.endpoint is not None:
+        from mars_megatron.rollout.openai_engine import check_endpoint
+
+        check_endpoint(args.endpoint, "--endpoint")
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data}: no such file")
     chosen = settings(args)  # every flag checked before OUT is touched

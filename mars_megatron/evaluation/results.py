@@ -72,7 +72,10 @@ class OutputDir:
             self._check_config(config)
             if (self.path / RESULTS).exists():
                 self.records, self.dropped_lines = _read_results(self.path / RESULTS)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a parent is a file, or not writable
+            raise ValueError(f"--out {self.path}: cannot create it ({e.strerror or e})") from None
         _write_json(self.path / CONFIG, config)
         self._file: TextIO = (self.path / RESULTS).open("a", encoding="utf-8")
 

@@ -62,6 +62,26 @@ class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_RefuseRedirects)
 
 
+def check_endpoint(endpoint: str, what: str = "endpoint") -> str:
+    """An ``http(s)://host[:port][/path]`` server root, refused otherwise naming ``what``: urllib also
+    opens ``file://`` and ``ftp://`` URLs (a file would be read as a completion), and credentials in the
+    URL would be sent in the clear and logged."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"{what} {endpoint!r}: not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what} {endpoint!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"{what}: credentials in the URL; pass the API key in OPENAI_API_KEY instead")
+    if port == 0 or parts.query or parts.fragment or any(c.isspace() or c in ";`$<>" for c in endpoint):
+        raise ValueError(f"{what} {endpoint!r}: expected a server root such as http://127.0.0.1:8000")
+    return endpoint
+
+
 class OpenAIEngine:
     """A :class:`~mars_megatron.rollout.engine.RolloutEngine` on an OpenAI-compatible completions server.
 
@@ -95,7 +115,7 @@ class OpenAIEngine:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if backoff_s < 0:
             raise ValueError(f"backoff_s must be >= 0, got {backoff_s}")
-        self.url = endpoint.rstrip("/") + "/v1/completions"
+        self.url = check_endpoint(endpoint).rstrip("/") + "/v1/completions"
         self.model = model
         self.timeout_s = timeout_s
         self.max_retries = max_retries
