@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -19,7 +20,39 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
 
 
 def _layout(args: argparse.Namespace) -> ParallelConfig:
-    return ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    """The layout flags as a ParallelConfig; errors name the flag (``--tp``), and ``--nproc`` is checked."""
+    try:
+        layout = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    except ConfigError as e:
+        raise ConfigError(
+            e.message, f"--{e.path}" if e.path in ("tp", "pp", "ep", "etp") else e.path
+        ) from None
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    return layout
+
+
+def _check_model(model_dir: str, layout: ParallelConfig, hf_only: bool = False) -> None:
+    """What the ranks would check first, checked here so bad input is named before any rank starts: the
+    model's files (an HF folder's config.json and safetensors, a mars checkpoint's metadata) and that the
+    layout divides it."""
+    from mars_megatron import jobs
+    from mars_megatron.training.model_provider import LayoutError, check_layout
+
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"{model_dir}: no such model directory")
+    if hf_only:
+        from checkpoints_conversion.convert import is_mcore_checkpoint
+
+        if is_mcore_checkpoint(model_dir):
+            raise ValueError(
+                f"{model_dir}: a mars Megatron checkpoint; hf-to-mcore converts an HF model folder"
+            )
+    arch = jobs.check_model_files(model_dir)
+    try:
+        check_layout(arch, layout, 128)
+    except LayoutError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             check_output_dir(args.dst)
             layout = _layout(args)
             if args.direction == "hf-to-mcore":
+                _check_model(args.src, layout, hf_only=True)
                 jobs.run(
                     jobs.hf_to_mcore_job,
                     layout,
@@ -147,7 +181,12 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 from checkpoints_conversion.convert import preflight
 
+                if not (math.isfinite(args.max_shard_gb) and 0 < args.max_shard_gb <= 2**20):
+                    raise ValueError(f"--max-shard-gb must be in (0, 1048576], got {args.max_shard_gb}")
+                if not Path(args.src).is_dir():
+                    raise FileNotFoundError(f"{args.src}: no such checkpoint directory")
                 preflight(args.src)  # a cut, altered or crafted checkpoint is refused before ranks start
+                _check_model(args.src, layout)
                 max_bytes = int(args.max_shard_gb * 2**30)
                 jobs.run(
                     jobs.mcore_to_hf_job,

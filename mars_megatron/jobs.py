@@ -134,6 +134,23 @@ def model_arch(model_dir: str) -> Any:
     return load_hf_config(model_dir)
 
 
+def check_model_files(model_dir: str) -> Any:
+    """:func:`model_arch`, and for an HF folder its safetensors checked against config.json (names, shapes,
+    dtypes; headers only): what :func:`load_engine` checks on the ranks, in the launching process."""
+    from checkpoints_conversion.convert import is_mcore_checkpoint
+    from checkpoints_conversion.hf_io import HFReader
+    from checkpoints_conversion.model_io import validate_hf_checkpoint
+
+    arch = model_arch(model_dir)
+    if not is_mcore_checkpoint(model_dir):
+        reader = HFReader(model_dir)
+        try:
+            validate_hf_checkpoint(reader, arch)
+        finally:
+            reader.close()
+    return arch
+
+
 def read_token_lines(path: str | Path, vocab_size: int | None = None) -> list[list[int]]:
     """Parse ``{"tokens": [ids...]}`` lines; errors name the file and line, before any rank starts."""
     if not Path(path).is_file():

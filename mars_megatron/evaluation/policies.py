@@ -76,6 +76,10 @@ def checkpoint_policies(checkpoint: str | Path) -> tuple[Path, dict[Role, Policy
         names = CheckpointStore.load_state(step)["policies"]
     except KeyError:
         raise PolicyError(f"--checkpoint {step}: its trainer state lists no 'policies'") from None
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise PolicyError(
+            f"--checkpoint {step}: field 'policies' of its trainer state is {names!r}, not names"
+        )
     if names == [SHARED]:
         routing = dict.fromkeys(Role, SHARED)
     elif sorted(names) == sorted(r.value for r in Role):
