@@ -10,6 +10,7 @@ as ``python -m mars_megatron.launch.nemo`` in the main environment, which re-run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -84,7 +85,10 @@ def test_slurm_without_account_or_image_names_the_flag(capsys: pytest.CaptureFix
     rc, err = run_main(capsys, Q30B, "--executor", "slurm", "--dry-run")
     assert rc == 2 and "--account and --partition" in err
     rc, err = run_main(capsys, Q30B, "--executor", "slurm", "--account", "a", "--partition", "p", "--dry-run")
-    assert rc == 2 and "needs --container-image: NeMo-Run's Ray template" in err
+    assert rc == 2 and "needs either --container-image (every Ray node" in err and "or --venv" in err
+    both = ["--container-image", IMAGE, "--venv", str(Path(sys.executable).parent.parent)]
+    rc, err = run_main(capsys, Q30B, "--executor", "slurm", "--account", "a", "--partition", "p", *both)
+    assert rc == 2 and "or --venv (container-less" in err and err.rstrip().endswith("not both")
 
 
 def test_nodes_that_do_not_divide_the_layout_name_the_layout(capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,6 +134,9 @@ def test_arguments_survive_the_rerun_in_the_launch_env(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     nemo.add_arguments(parser)
     args = parser.parse_args(slurm_args(2, tmp_path, "--resume", "--time", "1:00:00", "--dry-run"))
+    assert parser.parse_args(nemo._argv(args)) == args
+    venv = [a for a in slurm_args(1, tmp_path) if a not in ("--container-image", IMAGE)]
+    args = parser.parse_args([*venv, "--venv", "/shared/venv", "--wait", "--gpus-per-node", "0"])
     assert parser.parse_args(nemo._argv(args)) == args
 
 
@@ -210,7 +217,8 @@ def run_script(
     log, driver = tmp_path / "srun.log", tmp_path / "driver.txt"
     nodelist = nodelist or f"node[001-{nodes:03d}]"
     env = {"PATH": fake_tools(tmp_path, tools), "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": nodelist, "FAKE_LOG": str(log), "FAKE_DRIVER": str(driver),
+           "SLURM_JOB_NODELIST": nodelist, "SLURM_CPUS_ON_NODE": "16", "FAKE_LOG": str(log),
+           "FAKE_DRIVER": str(driver),
            "HOME": str(tmp_path)}  # fmt: skip
     with open(tmp_path / "out.txt", "w") as out:  # a file: the background steps keep a pipe open
         proc = subprocess.Popen(["bash", str(script)], env=env, cwd=tmp_path, start_new_session=True,
@@ -218,7 +226,8 @@ def run_script(
         try:
             proc.wait(timeout=60)
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # the stand-in Ray steps still sleep in the background
+            with contextlib.suppress(ProcessLookupError):  # the stand-in Ray steps may still sleep
+                os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, (tmp_path / "out.txt").read_text()[-3000:]
     return log, driver
 
@@ -253,6 +262,98 @@ def test_slurm_script_starts_head_then_workers_then_the_trainer(nodes: int, tmp_
     assert shlex.split(driver.read_text()) == [
         "export", "RAY_ADDRESS=10.0.0.1:6379", "&&", *train_line(nodes)
     ]  # fmt: skip
+
+
+def fake_venv(tmp: Path, tools: dict[str, str]) -> Path:
+    """A stand-in virtual environment: ``bin/activate`` puts its ``bin`` first on PATH, which holds a bash
+    script per name of ``tools``."""
+    venv = tmp / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'export VIRTUAL_ENV={venv}\nexport PATH="$VIRTUAL_ENV/bin:$PATH"\n')
+    for name, body in tools.items():
+        (venv / "bin" / name).write_text(f"#!/bin/bash\n{body}\n")
+        (venv / "bin" / name).chmod(0o755)
+    return venv
+
+
+# Container-less (--venv): the script asks Slurm for each node's address and Ray (from the environment)
+# for the nodes that joined; srun runs `ray start` on the nodes and the driver command on the head.
+VENV_FAKES = {
+    "scontrol": """case "$1 $2" in
+  "show hostnames") for i in $(seq 1 "$SLURM_JOB_NUM_NODES"); do printf 'node%03d\\n' "$i"; done ;;
+  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=10.0.0.$((10#${3#node})) NodeHostName=$3" ;;
+esac""",
+    "sleep": "true",
+    "srun": """echo "auth=$RAY_AUTH_MODE:$RAY_AUTH_TOKEN v=$VIRTUAL_ENV $(printf '%q ' "$@")" >> "$FAKE_LOG"
+case "$*" in
+  *"ray start"*) exec /bin/sleep 30 ;;
+  *"bash -c"*) printf '%s' "${@: -1}" > "$FAKE_DRIVER" ;;
+esac""",
+}
+# a node has joined once its `ray start` step has started
+VENV_TOOLS = {"ray": "echo \" 0.0/$(grep -c 'ray start' \"$FAKE_LOG\").0 mars_node\"", "mars": "true"}
+
+
+@needs_launch_env
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_venv_script_starts_head_then_workers_then_the_trainer(nodes: int, tmp_path: Path) -> None:
+    venv = fake_venv(tmp_path, VENV_TOOLS)
+    argv = [Q30B, *ALL_TRAINER, "train.steps=3", "--executor", "slurm", "--nodes", str(nodes),
+            "--gpus-per-node", "8", "--account", "acme_llm", "--partition", "batch", "--venv", str(venv),
+            "--job-name", "q30v", "--job-dir", str(tmp_path / "jobs"), "--dry-run"]  # fmt: skip
+    r = launch(*argv, env={"NEMORUN_HOME": str(tmp_path / "nemorun")})
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    script = Path(r.stdout.strip().splitlines()[-1])
+    text = script.read_text()
+    for flag in ("--exclusive", f"--nodes={nodes}", "--gpus-per-node=8", "--account=acme_llm"):
+        assert f"#SBATCH {flag}" in text.splitlines(), flag
+    assert "--container" not in text and "-A=" not in text and "export GPUS_PER_NODE=8" in text
+    log, driver = run_script(script, tmp_path, VENV_FAKES, nodes)
+    steps = log.read_text().splitlines()
+    assert len({s.split()[0] for s in steps}) == 1  # one Ray token for every step
+    assert all(f" v={venv} " in s for s in steps)  # the environment, activated in the batch script
+    head = [s for s in steps if "ray start --head" in s]
+    assert len(head) == 1 and "-w node001" in head[0] and "--node-ip-address=10.0.0.1" in head[0]
+    assert "--cpus-per-task=16 --gres=gpu:8" in head[0] and "--num-gpus=8" in head[0]
+    workers = [s for s in steps if "ray start --address=10.0.0.1:6379" in s]
+    assert sorted(re.search(r"-w (\S+)", s).group(1) for s in workers) == [
+        f"node{i:03d}" for i in range(2, nodes + 1)
+    ]
+    for i, s in enumerate(sorted(workers), 2):
+        assert f"--node-ip-address=10.0.0.{i}" in s
+    run_step = [s for s in steps if "bash -c" in s]
+    assert len(run_step) == 1 and "-w node001" in run_step[0] and "--overlap" in run_step[0]
+    assert f"--chdir={REPO}" in run_step[0] and "--gpus=0" in run_step[0]
+    trace = (tmp_path / "out.txt").read_text()
+    assert trace.index(f"[mars] all {nodes} Ray node(s) joined") < trace.index(
+        "mars train exited with status 0"
+    )
+    assert shlex.split(driver.read_text())[:4] == ["export", "RAY_ADDRESS=10.0.0.1:6379", "&&", "mars"]
+
+
+def test_venv_must_be_an_environment_at_a_safe_absolute_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    venv = fake_venv(tmp_path, VENV_TOOLS)
+    base = [
+        Q30B,
+        "--executor",
+        "slurm",
+        "--account",
+        "a",
+        "--partition",
+        "p",
+        "--job-dir",
+        str(tmp_path / "j"),
+    ]
+    for value in ("venv", f"{venv};touch X", f"{tmp_path}/$(id)", f"{venv} x", str(tmp_path / "none")):
+        rc, err = run_main(capsys, *base, "--venv", value, "--dry-run")
+        assert rc == 2 and f"--venv {value!r}" in err, (value, err)
+    rc, err = run_main(capsys, *base, "--venv", str(tmp_path / "none"), "--dry-run")
+    assert "missing bin/activate, bin/ray, bin/mars" in err
+    rc, err = run_main(capsys, *base, "--venv", str(venv), "--container-mounts", "/a:/b", "--dry-run")
+    assert rc == 2 and "--container-mounts: only with --container-image" in err
+    assert not (tmp_path / "j").exists()
 
 
 @needs_launch_env

@@ -16,7 +16,18 @@ from pathlib import Path
 import pytest
 
 from mars_megatron.launch import nemo
-from tests.test_launch import ALL_TRAINER, FAKES, IMAGE, Q30B, launch, needs_launch_env, run_script
+from tests.test_launch import (
+    ALL_TRAINER,
+    FAKES,
+    IMAGE,
+    Q30B,
+    VENV_FAKES,
+    VENV_TOOLS,
+    fake_venv,
+    launch,
+    needs_launch_env,
+    run_script,
+)
 
 HOSTILE = ["acct;touch X;#", "$(touch X)", "`touch X`", "a b", "acct\ntouch X", "--foo", ""]
 # each flag with a legitimate value; a test swaps one of them for a hostile one
@@ -139,6 +150,28 @@ def test_quoted_values_stay_text_when_the_script_runs(tmp_path: Path) -> None:
     override = f"logging.run_dir=runs/$(touch {marker})`touch {marker}`;touch {marker}"
     script = render(tmp_path, override, "--env", f"NOTE={hostile}", "--resume", f"$(touch {marker})")
     _, driver = run_script(script, tmp_path, RUN_DRIVER, nodes=1, nodelist="node001")
+    assert driver.read_text().splitlines() == [
+        "train", Q30B, *ALL_TRAINER, override, "--nproc", "8", "--resume", f"$(touch {marker})"
+    ]  # fmt: skip
+    assert f"export NOTE={shlex.quote(hostile)}" in script.read_text()
+    assert not marker.exists()
+
+
+@needs_launch_env
+def test_quoted_values_stay_text_in_the_container_less_script(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    venv = fake_venv(tmp_path, {**VENV_TOOLS, "mars": 'printf "%s\\n" "$@" > "$FAKE_DRIVER"'})
+    hostile = f"$(touch {marker}) `touch {marker}`; touch {marker} #'\"\n"
+    override = f"logging.run_dir=runs/$(touch {marker})`touch {marker}`;touch {marker}"
+    args = [a for a in argv(tmp_path) if not a.startswith(("--container-image=", "--container-mounts="))]
+    extra = [override, "--venv", str(venv), "--env", f"NOTE={hostile}", "--resume", f"$(touch {marker})"]
+    r = launch(*args, *extra, env={"NEMORUN_HOME": str(tmp_path / "nemorun")})
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    script = Path(r.stdout.strip().splitlines()[-1])
+    tools = {**VENV_FAKES, "srun": VENV_FAKES["srun"].replace(
+        '''printf '%s' "${@: -1}" > "$FAKE_DRIVER"''', '''bash -c "${@: -1}"''')}  # fmt: skip
+    assert tools["srun"] != VENV_FAKES["srun"]
+    _, driver = run_script(script, tmp_path, tools, nodes=1, nodelist="node001")
     assert driver.read_text().splitlines() == [
         "train", Q30B, *ALL_TRAINER, override, "--nproc", "8", "--resume", f"$(touch {marker})"
     ]  # fmt: skip

@@ -3,13 +3,20 @@
 * ``--executor local``: NeMo-Run's ``LocalExecutor`` runs ``python -m mars_megatron.cli train CONFIG …``
   with the main environment's Python in the current directory; its output streams here and its exit status
   is returned.
-* ``--executor slurm``: NeMo-Run's Ray-on-Slurm template (``nemo_run/run/ray/templates/ray.sub.j2``,
-  rendered by ``SlurmRayRequest.materialize``) is the sbatch script: a Ray head on the first node of the
-  allocation, a Ray worker on every other node, each in a pyxis container, and once all have joined,
-  ``mars train`` on the head node as the Ray driver, pointed at the cluster by ``RAY_ADDRESS``.
-  ``--dry-run`` writes the script to ``<job-dir>/<job-name>/ray.sub`` and prints its path; without it
-  NeMo-Run writes the same script there and submits it with ``sbatch`` (through a ``LocalTunnel``: run
-  ``mars launch`` on a login node, from a directory the nodes see at the same path).
+* ``--executor slurm``: an sbatch script that starts a Ray head on the first node of the allocation and a
+  Ray worker on every other node, and once all have joined runs ``mars train`` on the head node as the Ray
+  driver, pointed at the cluster by ``RAY_ADDRESS``. Two ways to run on the nodes:
+
+  - ``--container-image``: NeMo-Run's Ray-on-Slurm template (``nemo_run/run/ray/templates/ray.sub.j2``),
+    every Ray node in a pyxis/enroot container;
+  - ``--venv``: container-less, for clusters without pyxis: this package's template
+    (``templates/ray_venv.sub.j2``), every node running the virtual environment at that path (a shared
+    filesystem), whole nodes (``--exclusive``).
+
+  NeMo-Run renders either (``SlurmRayRequest.materialize``). ``--dry-run`` writes the script to
+  ``<job-dir>/<job-name>/ray.sub`` and prints its path; without it the same script is submitted with
+  ``sbatch`` (through NeMo-Run's ``LocalTunnel``: run ``mars launch`` on a login node, from a directory the
+  nodes see at the same path), and ``--wait`` waits for the job's end and returns its exit status.
 
 Everything is checked before anything starts (:func:`build_spec`): the config with its overrides, the
 trainer ranks the GPUs give against the parallel layout, the Slurm account and partition. The model and
@@ -54,7 +61,13 @@ RAY_AUTH_TOKEN=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')
 export RAY_AUTH_TOKEN
 set -x"""
 HELP = "run mars train through NeMo-Run: here, or on Slurm (Ray head + workers, then the trainer)"
-SLURM_ONLY = ("account", "partition", "container_image", "container_mounts", "cpus_per_node")
+SLURM_ONLY = ("account", "partition", "container_image", "container_mounts", "venv", "cpus_per_node", "wait")
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+VENV_TEMPLATE = "ray_venv.sub.j2"
+"""The container-less job script (rendered by NeMo-Run like its own ``ray.sub.j2``)."""
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
+         "BOOT_FAIL", "DEADLINE")  # fmt: skip
+"""Slurm job states a job does not leave (``sacct``)."""
 # Everything below reaches the sbatch script NeMo-Run renders, most of it pasted unquoted into `srun` lines
 # (``--container-image=…``, ``--container-mounts …``, ``LOG_DIR=…``): a value is checked against one of
 # these before anything is written, so a `;`, `$(…)`, backquote, space, newline or leading `-` never gets
@@ -96,6 +109,8 @@ class LaunchSpec:
     time: str | None = None
     container_image: str | None = None
     container_mounts: tuple[str, ...] = ()
+    venv: Path | None = None
+    """Container-less: the virtual environment every node activates (a path all nodes see)."""
     cpus_per_node: int | None = None
 
     def train_args(self) -> list[str]:
@@ -121,8 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gpus-per-node",
         type=int,
         default=None,
-        help="GPUs per node (Slurm default 8); local: give it to train on that many ranks, else the "
-        "layout's minimum",
+        help="GPUs per node (Slurm default 8; 0: CPU nodes, the trainer takes the layout's minimum ranks); "
+        "local: give it to train on that many ranks, else the layout's minimum",
     )
     p.add_argument("--account", help="Slurm account (required for slurm)")
     p.add_argument("--partition", help="Slurm partition (required for slurm)")
@@ -131,6 +146,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--container-image",
         help="pyxis/enroot image with Ray and `mars` on its PATH, run on every node (required for slurm); "
         "docker/Dockerfile builds one (docs/gpu.md)",
+    )
+    p.add_argument(
+        "--venv",
+        help="container-less Slurm: a virtual environment with Ray and `mars` installed, at a path every "
+        "node sees (a shared filesystem); each node sources VENV/bin/activate (instead of --container-image)",
     )
     p.add_argument(
         "--container-mounts",
@@ -153,6 +173,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--resume", nargs="?", const="latest", default=None, help="passed on to mars train --resume"
     )
     p.add_argument(
+        "--wait",
+        action="store_true",
+        help="slurm: after submitting, wait for the job to end, print its state, and exit with its status",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="slurm: write the sbatch script and print its path; local: print the command; start nothing",
@@ -165,8 +190,9 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
     cfg = load_config(args.config, args.overrides)
     if args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
-    if args.gpus_per_node is not None and args.gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+    lowest = 1 if args.executor == "local" else 0
+    if args.gpus_per_node is not None and args.gpus_per_node < lowest:
+        raise ValueError(f"--gpus-per-node must be >= {lowest}, got {args.gpus_per_node}")
     env = {}
     for item in args.env:
         key, sep, value = item.partition("=")
@@ -206,23 +232,29 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
     ]
     if missing:
         raise ValueError(f"--executor slurm needs {' and '.join(missing)}")
-    if not args.container_image:
+    if bool(args.container_image) == bool(args.venv):
         raise ValueError(
-            "--executor slurm needs --container-image: NeMo-Run's Ray template starts every Ray node and the "
-            "trainer in a pyxis container (an image with Ray and `mars` on its PATH: docker/Dockerfile "
-            "builds one, docs/gpu.md)"
+            "--executor slurm needs either --container-image (every Ray node and the trainer in a pyxis "
+            "container: an image with Ray and `mars` on its PATH, docker/Dockerfile builds one, docs/gpu.md) "
+            "or --venv (container-less: a virtual environment on a path every node sees)"
+            + (", not both" if args.container_image else "")
         )
+    if args.venv and args.container_mounts:
+        raise ValueError("--container-mounts: only with --container-image (--venv runs no container)")
     if args.cpus_per_node is not None and args.cpus_per_node < 1:
         raise ValueError(f"--cpus-per-node must be >= 1, got {args.cpus_per_node}")
     for flag, value in (("--account", args.account), ("--partition", args.partition)):
         _check(flag, value, SLURM_NAME, NAME_CHARS)
     _check("--time", args.time, SLURM_TIME, "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
-    _check(
-        "--container-image",
-        args.container_image,
-        CONTAINER_IMAGE,
-        "[REGISTRY#]IMAGE[:TAG][@sha256:DIGEST] or an absolute .sqsh path: letters, digits and '_./:@#+-'",
-    )
+    if args.container_image:
+        _check(
+            "--container-image",
+            args.container_image,
+            CONTAINER_IMAGE,
+            "[REGISTRY#]IMAGE[:TAG][@sha256:DIGEST] or an absolute .sqsh path: letters, digits and "
+            "'_./:@#+-'",
+        )
+    venv = _checked_venv(args.venv) if args.venv else None
     mounts = []
     for value in args.container_mounts:
         for mount in value.split(","):  # pyxis takes a comma-separated list: one mount an entry here
@@ -247,7 +279,7 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
     gpus = 8 if args.gpus_per_node is None else args.gpus_per_node
     return LaunchSpec(
         **common,
-        trainer_ranks=_checked_world(cfg, args.nodes, gpus),
+        trainer_ranks=_checked_world(cfg, args.nodes, gpus) if gpus else None,
         nodes=args.nodes,
         gpus_per_node=gpus,
         account=args.account,
@@ -255,8 +287,27 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
         time=args.time,
         container_image=args.container_image,
         container_mounts=tuple(mounts),
+        venv=venv,
         cpus_per_node=args.cpus_per_node,
     )
+
+
+def _checked_venv(value: str) -> Path:
+    """``--venv``: an absolute path of safe characters (it goes into the script) holding an activatable
+    environment with ``ray`` and ``mars``. Checked here, on the login node: the nodes see the same path."""
+    venv = Path(value)
+    if not venv.is_absolute() or not re.fullmatch(SAFE_PATH, value.rstrip("/") or "/"):
+        raise ValueError(
+            f"--venv {value!r}: expected an absolute path (every node sees it) of letters, digits and "
+            "'_.@+-/' (it goes into the Slurm script)"
+        )
+    missing = [name for name in ("bin/activate", "bin/ray", "bin/mars") if not (venv / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"--venv {value!r}: not a virtual environment with Ray and mars installed (missing "
+            f"{', '.join(missing)}; scripts/setup.sh builds one in .venv)"
+        )
+    return venv
 
 
 def _check(
@@ -281,28 +332,37 @@ def _checked_world(cfg: MarsConfig, nodes: int, gpus_per_node: int) -> int:
 
 
 def slurm_executor(spec: LaunchSpec) -> Any:
-    """NeMo-Run's ``SlurmExecutor`` for ``spec``: one task per node, the GPUs, the container, the env."""
+    """NeMo-Run's ``SlurmExecutor`` for ``spec``: one task per node, the GPUs, the container or the
+    environment, the env."""
     import nemo_run as run
 
-    mounts = list(spec.container_mounts)
-    if not any(m.split(":")[1] == str(spec.workdir) for m in mounts):
-        mounts.append(f"{spec.workdir}:{spec.workdir}")
+    mounts = []
+    if spec.container_image:
+        mounts = list(spec.container_mounts)
+        if not any(m.split(":")[1] == str(spec.workdir) for m in mounts):
+            mounts.append(f"{spec.workdir}:{spec.workdir}")
     env = {key: shlex.quote(value) for key, value in spec.env.items()}  # the template writes export K=V
     if spec.cpus_per_node is not None:
         env["CPUS_PER_WORKER"] = str(spec.cpus_per_node)  # the template's default: 8 x 16
+    setup = [] if "RAY_AUTH_MODE" in spec.env else [RAY_TOKEN_SETUP]
+    if spec.venv is not None:
+        env["GPUS_PER_NODE"] = str(spec.gpus_per_node or 0)  # Ray's GPU count on every node
+        # activate on the batch host: srun passes the environment (PATH, VIRTUAL_ENV) to every step
+        setup.append(f"set +u\nsource {shlex.quote(str(spec.venv / 'bin' / 'activate'))}\nset -u")
     return run.SlurmExecutor(
         account=spec.account,
         partition=spec.partition,
         nodes=spec.nodes,
         ntasks_per_node=1,
-        gpus_per_node=spec.gpus_per_node,
+        gpus_per_node=spec.gpus_per_node or None,  # 0: CPU nodes, no GPU request
+        exclusive=True if spec.venv is not None else None,  # whole nodes: one Ray node per machine
         time=spec.time,
         container_image=spec.container_image,
         container_mounts=mounts,
         env_vars=env,
         tunnel=run.LocalTunnel(job_dir=str(spec.job_dir)),
         job_name_prefix=JOB_PREFIX,  # NeMo-Run's default prefix is '<account>-<account suffix>.'
-        setup_lines=None if "RAY_AUTH_MODE" in spec.env else RAY_TOKEN_SETUP,
+        setup_lines="\n".join(setup) or None,
     )
 
 
@@ -318,10 +378,12 @@ def ray_driver_command(spec: LaunchSpec) -> str:
 def slurm_request(spec: LaunchSpec) -> Any:
     from nemo_run.run.ray.slurm import SlurmRayRequest
 
+    container = spec.venv is None
     return SlurmRayRequest(
         name=spec.job_name,
         cluster_dir=str(spec.cluster_dir),
-        template_name="ray.sub.j2",
+        template_name="ray.sub.j2" if container else VENV_TEMPLATE,
+        template_dir=None if container else str(TEMPLATES),
         executor=slurm_executor(spec),
         command=ray_driver_command(spec),
         workdir=str(spec.workdir),
@@ -341,6 +403,8 @@ def render_slurm_script(spec: LaunchSpec) -> str:
     still holds a short option glued to ``=`` (a NeMo-Run that changed the line) is refused rather than
     submitted."""
     script = slurm_request(spec).materialize()
+    if spec.venv is not None:  # this package's template: no account or partition on its srun lines
+        return script
     glued = f" -A={spec.account} -p={spec.partition} "
     script = script.replace(glued, f" --account={spec.account} --partition={spec.partition} ")
     if re.search(r"(?<!\S)-[Ap]=", script):
@@ -349,9 +413,11 @@ def render_slurm_script(spec: LaunchSpec) -> str:
 
 
 def write_slurm_script(spec: LaunchSpec) -> Path:
-    """Render the sbatch script into ``<job_dir>/<job_name>/ray.sub``; returns its path."""
+    """Render the sbatch script into ``<job_dir>/<job_name>/ray.sub``, with the ``logs`` folder beside it;
+    returns its path. Slurm opens the job's ``--output`` file in ``logs`` before the script runs: where the
+    folder is missing, the job fails at once and writes nothing (measured on Slurm 22.05)."""
     path = spec.cluster_dir / "ray.sub"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    (spec.cluster_dir / "logs").mkdir(parents=True, exist_ok=True)
     path.write_text(render_slurm_script(spec), encoding="utf-8")
     return path
 
@@ -390,6 +456,35 @@ def submit_slurm(spec: LaunchSpec) -> str | None:
         ) from None
 
 
+def wait_for_job(spec: LaunchSpec, job_id: str, poll_s: float = 5.0) -> tuple[str, int]:
+    """Wait until Slurm job ``job_id`` has ended; its state and the exit status ``mars launch --wait``
+    returns: the job's own exit code (the trainer's), or 1 when it ended otherwise (cancelled, timed out,
+    node failure) with code 0. Reads ``sacct`` (accounting), falling back to ``scontrol show job`` on a
+    cluster without it (which remembers ended jobs for ``MinJobAge`` only)."""
+    import time
+
+    from invoke.exceptions import UnexpectedExit
+
+    tunnel = slurm_executor(spec).tunnel
+    tunnel.connect()
+    while True:
+        state, code = "", ""
+        try:
+            out = tunnel.run(shlex.join(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode"]),
+                             hide=True).stdout.splitlines()  # fmt: skip
+            if out:
+                state, code = out[0].split("|")[:2]
+        except UnexpectedExit:  # no accounting storage on this cluster
+            out = tunnel.run(shlex.join(["scontrol", "show", "job", "-o", job_id]), hide=True, warn=True)
+            fields = dict(word.split("=", 1) for word in out.stdout.split() if "=" in word)
+            state, code = fields.get("JobState", ""), fields.get("ExitCode", "")
+        state = state.split()[0] if state else ""  # "CANCELLED by 0" -> CANCELLED
+        if state in ENDED:
+            exit_code = int(code.split(":")[0]) if code.split(":")[0].isdigit() else 0
+            return state, exit_code if exit_code or state == "COMPLETED" else 1
+        time.sleep(poll_s)
+
+
 def train_python() -> str:
     """The main environment's Python: ``$MARS_TRAIN_PYTHON`` (set by ``mars launch``), else ``.venv``'s."""
     python = os.environ.get("MARS_TRAIN_PYTHON") or str(REPO / ".venv" / "bin" / "python")
@@ -422,7 +517,7 @@ def run_local(spec: LaunchSpec, *, dry_run: bool = False) -> int:
     return 0 if all(job.state.name == "SUCCEEDED" for job in exp.jobs) else 1
 
 
-def _launch(spec: LaunchSpec, dry_run: bool) -> int:
+def _launch(spec: LaunchSpec, dry_run: bool, wait: bool = False) -> int:
     if spec.executor == "local":
         return run_local(spec, dry_run=dry_run)
     if dry_run:
@@ -433,21 +528,26 @@ def _launch(spec: LaunchSpec, dry_run: bool) -> int:
     if job_id is None:
         print(f"a job named {spec.job_name} is already queued or running (see {where}); nothing submitted")
         return 1
-    print(f"submitted Slurm job {job_id}: script {where / 'ray.sub'}, logs {where / 'logs'}")
-    return 0
+    print(f"submitted Slurm job {job_id}: script {where / 'ray.sub'}, logs {where / 'logs'}", flush=True)
+    if not wait:
+        return 0
+    state, status = wait_for_job(spec, job_id)
+    print(f"Slurm job {job_id} {state}, exit status {status}: trainer log {where / 'logs' / 'ray-job.log'}")
+    return status
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
     """``args`` back as the command line :func:`add_arguments` parses (for the re-run in .venv-launch)."""
     argv = [args.config, *args.overrides, "--executor", args.executor, "--nodes", str(args.nodes)]
-    for name in ("gpus_per_node", "account", "partition", "time", "container_image", "cpus_per_node",
+    for name in ("gpus_per_node", "account", "partition", "time", "container_image", "venv", "cpus_per_node",
                  "job_name", "job_dir", "resume"):  # fmt: skip
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     for name in ("container_mounts", "env"):
         for value in getattr(args, name):
             argv += [f"--{name.replace('_', '-')}", value]
-    return [*argv, "--dry-run"] if args.dry_run else argv
+    flags = [flag for flag, on in (("--wait", args.wait), ("--dry-run", args.dry_run)) if on]
+    return [*argv, *flags]
 
 
 def _rerun_in_launch_env(args: argparse.Namespace) -> int:
@@ -474,7 +574,7 @@ def run(args: argparse.Namespace) -> int:
         spec = build_spec(args)
         if importlib.util.find_spec("nemo_run") is None:
             return _rerun_in_launch_env(args)
-        return _launch(spec, args.dry_run)
+        return _launch(spec, args.dry_run, args.wait)
     except (ValueError, FileNotFoundError) as err:  # ConfigError is a ValueError
         print(f"mars launch: error: {err}", file=sys.stderr)
         return 2
