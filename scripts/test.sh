@@ -8,13 +8,17 @@ cd "$(dirname "$0")/.."
 phase() { python -m pytest -q -ra "$@" || { rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }; }
 if [ -z "${MARS_IN_NETNS:-}" ]; then
   scripts/setup.sh
+  scripts/setup_slurm.sh  # Slurm, MUNGE, MariaDB for tests/test_slurm_real.py (root: apt-get)
   export PATH="$PWD/${MARS_VENV:-.venv}/bin:$PATH"
   ruff check .
   ruff format --check .
   # Tests that need the package registry (PyPI) run here, before the namespace cuts the network off.
   phase -m network "$@"
   if [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
-    exec unshare -n env MARS_IN_NETNS=1 bash -c 'ip link set lo up && exec bash "$0" "$@"' "$0" "$@"
+    # 127.0.0.2 besides 127.0.0.1: glibc's getaddrinfo(AI_ADDRCONFIG), which Slurm uses, answers IPv4
+    # only when an address other than 127.0.0.1 is configured (tests/slurm_cluster.py)
+    exec unshare -n env MARS_IN_NETNS=1 bash -c \
+      'ip link set lo up && ip addr add 127.0.0.2/8 dev lo && exec bash "$0" "$@"' "$0" "$@"
   fi
 fi
 export PATH="$PWD/${MARS_VENV:-.venv}/bin:$PATH"

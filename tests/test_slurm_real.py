@@ -1,0 +1,181 @@
+"""``mars launch --executor slurm`` on a real Slurm cluster: slurmctld, slurmd, slurmdbd and MUNGE started
+on this machine (:mod:`tests.slurm_cluster`), the job container-less (``--venv``: this test's environment).
+
+Real submission (no dry run): the sbatch script starts a Ray head on the node, the tiny MarsRL job joins it
+as the driver and runs to its end, ``sacct`` records COMPLETED and ``mars launch --wait`` returns the
+trainer's exit status; a failing job comes back as FAILED with the trainer's status; a job cancelled with
+``scancel`` after its checkpoint of step 2 is resumed through the launcher (``--resume``) and its steps 3
+and 4 equal the uninterrupted job's. Also what real Slurm says to NeMo-Run's ``-A=<account>``.
+
+Needs root, the loopback-only namespace of scripts/test.sh and Debian's Slurm packages (scripts/setup.sh
+installs them as root); elsewhere the module is skipped, naming what is missing, except under CI, where a
+missing piece fails it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mars_megatron.launch import nemo
+from mars_megatron.metrics import read_metrics
+from tests.slurm_cluster import ACCOUNT, PARTITION, LocalSlurm, missing_prerequisites
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "examples" / "tiny_cpu.yaml"
+DATA = REPO / "examples" / "data" / "arith_train.jsonl"
+VENV = Path(sys.executable).parent.parent  # this test's environment: Ray and `mars` on every "node"
+STEPS = 4
+COMPARED = ["reward/solver", "reward/verifier", "reward/corrector", "train/loss", "train/grad_norm", "tokens"]
+
+_missing = missing_prerequisites()
+if not nemo.LAUNCH_PYTHON.exists():
+    _missing.append(".venv-launch (scripts/setup_launch.sh)")
+pytestmark = pytest.mark.skipif(
+    bool(_missing) and not os.environ.get("CI"),
+    reason=f"no local Slurm cluster: missing {'; '.join(_missing)}",
+)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
+    if _missing:  # under CI (see pytestmark): a missing piece is a failure, not a skip
+        pytest.fail(f"the real-Slurm tests cannot run: missing {'; '.join(_missing)}", pytrace=False)
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    with cluster:
+        yield cluster
+
+
+def mars_launch(
+    slurm: LocalSlurm, tmp: Path, *args: str | Path, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    """The real ``mars launch`` command of this environment, against the test cluster."""
+    env = {**slurm.env, "NEMORUN_HOME": str(tmp / "nemorun")}
+    argv = [str(VENV / "bin" / "mars"), "launch", *map(str, args)]
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def tiny_job(model: Path, run: Path, job_dir: Path, name: str, *extra: str) -> list[str]:
+    return [
+        str(TINY), f"model.mcore_dir={model}", f"data.train_file={DATA}", f"logging.run_dir={run}",
+        f"checkpoint.save_dir={run}/ckpt", "checkpoint.save_interval=1", f"train.steps={STEPS}",
+        "data.problems_per_step=4", "logging.tensorboard=false", "--executor", "slurm", "--venv", str(VENV),
+        "--account", ACCOUNT, "--partition", PARTITION, "--gpus-per-node", "0", "--time", "30",
+        "--job-name", name, "--job-dir", str(job_dir), *extra,
+    ]  # fmt: skip
+
+
+def submitted_id(stdout: str) -> str:
+    line = next(line for line in stdout.splitlines() if line.startswith("submitted Slurm job "))
+    return line.split()[3].rstrip(":")
+
+
+def explain(r: subprocess.CompletedProcess[str], job_dir: Path, slurm: LocalSlurm) -> str:
+    logs = [f"== {p}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(job_dir.rglob("*.log"))]
+    logs += [f"== {p}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(job_dir.rglob("*.out"))]
+    return "\n".join([f"exit {r.returncode}", r.stdout[-3000:], r.stderr[-3000:], *logs, slurm.logs()])
+
+
+@pytest.fixture(scope="module")
+def completed(
+    slurm: LocalSlurm, sft_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, str, subprocess.CompletedProcess[str]]:
+    """The tiny job submitted for real with ``--wait``, run to its end: (run dir, job dir, id, launch)."""
+    tmp = tmp_path_factory.mktemp("complete")
+    run, jobs = tmp / "run", tmp / "jobs"
+    r = mars_launch(slurm, tmp, *tiny_job(sft_model, run, jobs, "tiny"), "--wait")
+    assert r.returncode == 0, explain(r, jobs, slurm)
+    return run, jobs, submitted_id(r.stdout), r
+
+
+def test_the_tiny_job_runs_to_its_end_on_slurm(
+    slurm: LocalSlurm, completed: tuple[Path, Path, str, subprocess.CompletedProcess[str]]
+) -> None:
+    run, jobs, job_id, r = completed
+    assert slurm.state(job_id) == ("COMPLETED", "0:0")  # the accounting database's record
+    assert f"Slurm job {job_id} COMPLETED, exit status 0" in r.stdout
+    steps = slurm.run("sacct", "-j", job_id, "-n", "-P", "-o", "JobID,State").stdout.split()
+    assert f"{job_id}.batch|COMPLETED" in steps and any(s.endswith("|COMPLETED") for s in steps[2:])
+    # the script: container-less, whole node, the environment activated, the Ray head then the trainer
+    script = (jobs / "tiny" / "ray.sub").read_text()
+    assert "#SBATCH --exclusive" in script and f"source {VENV}/bin/activate" in script
+    assert "--container" not in script and "-A=" not in script
+    batch = next((jobs / "tiny" / "logs").glob(f"sbatch_mars-tiny_{job_id}.out")).read_text()
+    assert "[mars] all 1 Ray node(s) joined" in batch and "mars train exited with status 0" in batch
+    # the trainer's log came back, and its outputs are where the config put them
+    trainer = (jobs / "tiny" / "logs" / "ray-job.log").read_text()
+    assert [line.split()[1] for line in trainer.splitlines() if line.startswith("step")] == [
+        f"{s}/{STEPS}" for s in range(1, STEPS + 1)
+    ]
+    records = read_metrics(run / "metrics.jsonl")
+    assert [rec["step"] for rec in records] == list(range(1, STEPS + 1))
+    assert [rec["policy_version"] for rec in records] == list(range(1, STEPS + 1))
+    assert 0 < sum(rec["reward/solver"] for rec in records) < STEPS  # real updates from a real warm start
+
+
+def test_a_failing_job_comes_back_as_a_failure(slurm: LocalSlurm, tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs"
+    r = mars_launch(slurm, tmp_path, *tiny_job(tmp_path / "absent", tmp_path / "run", jobs, "bad"), "--wait")
+    assert r.returncode == 2, explain(r, jobs, slurm)  # mars train's status for bad input, through Slurm
+    job_id = submitted_id(r.stdout)
+    assert slurm.state(job_id) == ("FAILED", "2:0")
+    assert f"Slurm job {job_id} FAILED, exit status 2" in r.stdout
+    trainer = (jobs / "bad" / "logs" / "ray-job.log").read_text()
+    assert "mars train: error: model.mcore_dir:" in trainer
+
+
+def test_a_cancelled_job_resumes_exactly_through_the_launcher(
+    slurm: LocalSlurm,
+    sft_model: Path,
+    completed: tuple[Path, Path, str, subprocess.CompletedProcess[str]],
+    tmp_path: Path,
+) -> None:
+    run, jobs = tmp_path / "run", tmp_path / "jobs"
+    r = mars_launch(slurm, tmp_path, *tiny_job(sft_model, run, jobs, "cut"))
+    assert r.returncode == 0, explain(r, jobs, slurm)
+    first = submitted_id(r.stdout)
+    deadline = time.monotonic() + 600
+    while not (run / "ckpt" / "step_000002" / "trainer_state.json").exists():
+        state = slurm.state(first)[0]
+        assert state in ("", "PENDING", "RUNNING"), explain(r, jobs, slurm)
+        assert time.monotonic() < deadline, explain(r, jobs, slurm)
+        time.sleep(0.5)
+    slurm.run("scancel", first)
+    assert slurm.wait_done(first, 120)[0] == "CANCELLED"
+    r = mars_launch(slurm, tmp_path, *tiny_job(sft_model, run, jobs, "cut"), "--resume", "--wait")
+    assert r.returncode == 0, explain(r, jobs, slurm)
+    second = submitted_id(r.stdout)
+    assert second != first and slurm.state(second) == ("COMPLETED", "0:0")
+    trainer = (jobs / "cut" / "logs" / "ray-job.log").read_text()
+    assert "resumed from" in trainer
+    got, want = read_metrics(run / "metrics.jsonl"), read_metrics(completed[0] / "metrics.jsonl")
+    assert [rec["step"] for rec in got] == list(range(1, STEPS + 1))
+    resumed_at = int(trainer.split("resumed from")[1].split("step_")[1][:6])
+    assert resumed_at >= 2
+    for a, b in zip(got[resumed_at:], want[resumed_at:], strict=True):
+        assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}, a["step"]
+
+
+def test_slurm_refuses_an_unknown_account_at_submission(slurm: LocalSlurm, tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs"
+    args = tiny_job(tmp_path / "m", tmp_path / "run", jobs, "acct")
+    args[args.index("--account") + 1] = "nobody"
+    r = mars_launch(slurm, tmp_path, *args)
+    assert r.returncode == 1
+    assert "mars launch: error: sbatch --parsable" in r.stderr
+    assert "Invalid account or account/partition combination specified" in r.stderr
+
+
+def test_short_options_glued_to_equals_name_another_account(slurm: LocalSlurm) -> None:
+    """Why mars launch rewrites NeMo-Run's ``-A=<account> -p=<partition>`` into long options: Slurm reads
+    a short option's value as the rest of its word, so ``-A=acme`` asks for the account ``=acme``."""
+    glued = slurm.run("srun", f"-A={ACCOUNT}", "true", check=False)
+    assert glued.returncode != 0 and "Invalid account" in glued.stderr
+    long = slurm.run("srun", f"--account={ACCOUNT}", f"--partition={PARTITION}", "true", check=False)
+    assert long.returncode == 0, long.stderr
