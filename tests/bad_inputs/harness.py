@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import re
 import shutil
 import subprocess
 import sys
@@ -246,7 +247,7 @@ def all_cases() -> list[Case]:
 
 @contextlib.contextmanager
 def workspace(base: Path, case: Case, fixtures: Any) -> Iterator[Workspace]:
-    root = base / case.id.replace("/", "__")
+    root = base / re.sub(r"[^A-Za-z0-9_.-]", "_", case.id)  # a plain name: some checks refuse odd paths
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
