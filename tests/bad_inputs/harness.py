@@ -176,8 +176,11 @@ def classify(case: Case, ws: Workspace) -> Result:
             raise
         except BaseException as e:  # torch.distributed.checkpoint raises BaseExceptions too
             error = e
-    if ws.marker.exists():
-        return Result("code executed", f"{ws.marker} was created")
+    for marker in (ws.marker, Path.cwd() / MARKER, REPO / MARKER):  # shell text says "touch PWNED" (cwd)
+        if marker.exists():
+            if marker != ws.marker:
+                marker.unlink()
+            return Result("code executed", f"{marker} was created")
     for p, files in before.items():
         after = _snapshot(ws.root / p)
         lost = sorted(k for k, digest in files.items() if after.get(k) != digest)
