@@ -173,12 +173,11 @@ class MarsRLTrainer:
     """Owns the engines, the trainer ranks and the loop of one run."""
 
     def __init__(self, cfg: MarsConfig, plan: Plan, *, log: Callable[[str], None] = print) -> None:
-        import ray
 
         from mars_megatron.pipeline.fleet import EngineFleet
         from mars_megatron.pipeline.placement import place, unplaced_gpus, unplaced_launch
         from mars_megatron.rollout.chat import ChatCodec
-        from mars_megatron.training.ray_group import RayWorkerGroup
+        from mars_megatron.training.ray_group import RayWorkerGroup, rendezvous_host
 
         self.cfg, self.plan, self.log = cfg, plan, log
         self.names = policy_names(cfg)
@@ -212,7 +211,7 @@ class MarsRLTrainer:
             self.group,
             workers,
             self._start_engine,
-            host=ray.util.get_node_ip_address(),
+            host=rendezvous_host(),  # loopback on one node: the store listens nowhere else
             backend="nccl" if "nccl" in info[0]["backend"] else "gloo",  # the devices the ranks really have
             timeout_s=p.transfer_timeout_s,
             log=log,

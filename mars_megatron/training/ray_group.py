@@ -8,7 +8,8 @@ methods are called on every rank at once (collectives) by name. The same class r
 
 Why the rendezvous is TCP on loopback when it can be: Ray starts the actors, so there is no torchrun
 environment to read, and a group that fits on one node needs no network address at all (CI here runs in a
-loopback-only namespace). Rank 0's actor picks a free port; the others are told it.
+loopback-only namespace). Rank 0's actor hosts the store, listening on that address only (torch's own
+would listen on every interface: :mod:`mars_megatron.training.tcp_store`), and the others are told its port.
 
 Errors: a method that raises on any rank raises :class:`RankError` (a RuntimeError) in the caller, whose
 message starts with the remote exception's last line and names the rank and method, followed by the
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -30,10 +30,23 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from mars_megatron.training.tcp_store import LOOPBACK, listening_store
+
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-_LOOPBACK = "127.0.0.1"
+_LOOPBACK = LOOPBACK
+
+
+def rendezvous_host() -> str:
+    """The address this run's stores listen on and its members dial: loopback while the Ray cluster this
+    process is connected to is one node (every trainer rank and engine runs here, the stores take no
+    connection from outside), else this node's address as Ray knows it (a multi-node Slurm job). A node
+    joining later cannot reach a loopback store: its members time out naming the store."""
+    import ray
+
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    return _LOOPBACK if len(alive) <= 1 else ray.util.get_node_ip_address()
 
 
 class RankError(RuntimeError):
@@ -105,6 +118,7 @@ class _RankActor:
         self.world_size = world_size
         self.worker: Any = None
         self.worker_name = "worker"
+        self._store: Any = None
         torch.set_num_threads(threads)
 
     def where(self) -> tuple[str, str]:
@@ -127,11 +141,10 @@ class _RankActor:
             "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_RAY_")},
         }
 
-    def free_port(self, addr: str) -> int:
-        """A TCP port free on ``addr`` now; torch's store on rank 0 binds it moments later."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((addr, 0))
-            return int(s.getsockname()[1])
+    def host_store(self, addr: str) -> int:
+        """Rank 0: start the group's store listening on ``addr`` alone; returns its port."""
+        self._store = listening_store(addr, 0, world_size=self.world_size)
+        return int(self._store.port)
 
     def init_group(self, addr: str, port: int, local_rank: int) -> None:
         os.environ.update(
@@ -148,9 +161,10 @@ class _RankActor:
             count = torch.cuda.device_count()
             torch.cuda.set_device(0 if count == 1 else local_rank % count)
         try:
-            dist.init_process_group(
-                _backend(), init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size
-            )
+            store = self._store
+            if store is None:  # not rank 0: dial rank 0's store
+                store = dist.TCPStore(addr, port, self.world_size, is_master=False)
+            dist.init_process_group(_backend(), store=store, rank=self.rank, world_size=self.world_size)
         except BaseException:
             raise _rank_error(
                 self.rank, self.world_size, "init_process_group", traceback.format_exc()
@@ -178,6 +192,7 @@ class _RankActor:
     def destroy(self) -> None:
         self.worker = None
         _destroy_groups()
+        self._store = None
 
 
 # ------------------------------------------------------------------------------------------------- Ray
@@ -260,7 +275,7 @@ class RayWorkerGroup:
             where = self._gather([a.where.remote() for a in self._actors], "where")
             nodes = [node for node, _ in where]
             addr = _LOOPBACK if len(set(nodes)) == 1 else where[0][1]
-            port = self._gather([self._actors[0].free_port.remote(addr)], "free_port")[0]
+            port = self._gather([self._actors[0].host_store.remote(addr)], "host_store")[0]
             local = [nodes[:r].count(nodes[r]) for r in range(world_size)]
             self._gather(
                 [a.init_group.remote(addr, port, local[r]) for r, a in enumerate(self._actors)], "init_group"

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mars_megatron.training.collectives import device_for_backend
+from mars_megatron.training.tcp_store import listening_store
 
 STORE_PREFIX = "mars-weight-transfer"
 
@@ -44,10 +45,9 @@ class GroupSpec:
 
 
 def host_store(host: str, timeout_s: float = 300.0) -> Any:
-    """The store every member of this run's transfer groups meets through (kept alive by the caller)."""
-    return dist.TCPStore(
-        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-    )
+    """The store every member of this run's transfer groups meets through (kept alive by the caller),
+    listening on ``host`` only: loopback when every member runs on this node."""
+    return listening_store(host, 0, timeout_s=timeout_s)
 
 
 def local_address(peer_host: str, peer_port: int) -> str:
