@@ -242,7 +242,12 @@ class OptimizerConfig(Section):
     adam_beta1: float = _field(0.9, "Adam first-moment decay.", min=0, lt=1)
     adam_beta2: float = _field(0.999, "Adam second-moment decay.", min=0, lt=1)
     adam_eps: float = _field(1e-8, "Adam denominator epsilon (a small number: at most 1).", gt=0, max=1)
-    clip_grad: float = _field(1.0, "Global gradient-norm clip; 0 = no clipping.", min=0)
+    clip_grad: float = _field(
+        1.0,
+        "Global gradient-norm clip; 0 = no clipping. At most 1e6: a larger bound never acts (0 says that).",
+        min=0,
+        max=1_000_000,
+    )
 
 
 @dataclass
@@ -387,9 +392,19 @@ class AlgorithmConfig(Section):
         False, "Drop groups whose rewards are all equal (no GRPO signal; DAPO dynamic sampling)."
     )
     clip_low: float = _field(0.2, "Lower clip of the probability ratio (1 - clip_low).", min=0, lt=1)
-    clip_high: float = _field(0.28, "Upper clip of the probability ratio (1 + clip_high; DAPO).", min=0)
+    clip_high: float = _field(
+        0.28,
+        "Upper clip of the probability ratio (1 + clip_high; DAPO). At most 10: a ratio of 11 is no trust "
+        "region.",
+        min=0,
+        max=10,
+    )
     kl_coef: float = _field(
-        0.0, "KL penalty to the initial (reference) policy; 0 = no reference model.", min=0
+        0.0,
+        "KL penalty to the initial (reference) policy; 0 = no reference model. At most 100: beyond it the "
+        "KL term (up to kl_clamp per token) swamps the policy gradient.",
+        min=0,
+        max=100,
     )
     kl_kind: Literal["k1", "k2", "k3"] = _field("k3", "KL estimator (Schulman).")
     kl_clamp: float = _field(

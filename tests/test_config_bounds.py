@@ -107,6 +107,9 @@ def test_non_finite_float_message(path: str) -> None:
         ("algorithm.clip_low=1", "algorithm.clip_low: expected float < 1, got 1.0"),
         ("algorithm.dmmpt_prob_threshold=1", "algorithm.dmmpt_prob_threshold: expected float < 1, got 1.0"),
         ("agents.max_steps=6", "agents.max_steps: expected int <= 5, got 6"),
+        ("optimizer.clip_grad=1e300", "optimizer.clip_grad: expected float <= 1000000, got 1e+300"),
+        ("algorithm.clip_high=1e300", "algorithm.clip_high: expected float <= 10, got 1e+300"),
+        ("algorithm.kl_coef=1e300", "algorithm.kl_coef: expected float <= 100, got 1e+300"),
         ("rollout.threads=100000", "rollout.threads: expected int <= 4096, got 100000"),
         (
             f"rollout.max_response_tokens={MAX_TOKENS + 1}",

@@ -72,7 +72,7 @@ class SFTConfig(Section):
         max=1,
     )
     weight_decay: float = _field(0.0, "Decoupled weight decay.", min=0, max=1)
-    clip_grad: float = _field(1.0, "Global gradient-norm clip; 0 = off.", min=0)
+    clip_grad: float = _field(1.0, "Global gradient-norm clip; 0 = off; at most 1e6.", min=0, max=1_000_000)
     prompts: Literal["marsrl", "compact"] = _field("compact", "Prompt set the demos are written in.")
     train_file: str | None = _field(
         None,
