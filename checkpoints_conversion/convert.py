@@ -38,6 +38,7 @@ from checkpoints_conversion.model_io import export_weights, load_weights, valida
 from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
 from mars_megatron.config import ParallelConfig
 from mars_megatron.dtypes import torch_dtype
+from mars_megatron.json_file import read_json
 from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config
 from mars_megatron.training.model_provider import build_model
 
@@ -129,10 +130,9 @@ def read_meta(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; {mcore_dir} is not a mars Megatron checkpoint")
     verify_manifest(mcore_dir)
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable or corrupt ({e})") from None
+    meta = read_json(path, CheckpointError)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
     arch_fields = dict(meta["arch"])

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints_conversion.hf_io import CheckpointError
+from mars_megatron.json_file import read_json
 
 __all__ = [
     "MANIFEST",
@@ -149,10 +150,7 @@ def read_manifest(directory: str | Path) -> dict[str, Entry]:
             "incomplete, not a checkpoint, or was written before manifests existed: if you trust it "
             f"(loading never runs code from it), seal it with `{seal_command(root)}`"
         )
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable or corrupt ({e})") from None
+    record = read_json(path, CheckpointError)
     files = record.get("files") if isinstance(record, dict) else None
     if not isinstance(record, dict) or record.get("format") != FORMAT or not isinstance(files, dict):
         raise CheckpointError(f"{path}: not a {FORMAT} manifest (needs 'format' and a 'files' object)")

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from checkpoints_conversion.hf_io import CheckpointError
 from mars_megatron.checkpoint.store import write_text_atomic
+from mars_megatron.json_file import read_json
 
 __all__ = [
     "load_rank_state",
@@ -259,10 +260,10 @@ def _write_checkpoint_meta(out: Path, engine: Any, assets: Path, metadata: dict[
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; not a policy checkpoint written by save_rank_state")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable or corrupt ({e})") from e
+    data = read_json(path, CheckpointError)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def load_rank_state(directory: str | Path, name: str, engine: Any) -> None:

@@ -10,6 +10,7 @@ array) is refused with an error that names the file; nothing from it has run.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,24 @@ def _array_globals() -> list[Any]:
     return [np.ndarray, np.dtype, _reconstruct, bytes, *(type(np.dtype(t)) for t in _ARRAY_DTYPES)]
 
 
+_CORRUPT: tuple[type[Exception], ...] = (
+    EOFError,
+    RuntimeError,  # "Invalid magic number", a zip archive without data.pkl or cut short
+    OSError,
+    ValueError,  # UnicodeDecodeError included
+    KeyError,  # a memo lookup of a missing index ("hello" reads as opcodes: 'h' is BINGET)
+    IndexError,  # an opcode that pops from an empty stack
+    TypeError,
+    AttributeError,
+    AssertionError,
+    struct.error,  # an opcode whose argument bytes are missing
+)
+"""What ``torch.load(weights_only=True)`` raises on bytes that are not a torch.save file (found by feeding
+it random bytes, cut and flipped files and random opcode streams, torch 2.13): its restricted unpickler
+interprets whatever it is given, and each malformed opcode fails in its own way. Listed rather than
+``Exception`` so that a bug of ours (or a MemoryError) is not reported as a corrupt file."""
+
+
 def load_plain(path: str | Path) -> Any:
     """The object ``torch.save`` stored in ``path``, if it is made of tensors, numeric numpy arrays and plain
     containers only; :class:`CheckpointError` naming the file otherwise (or when it is missing or cut)."""
@@ -58,5 +77,7 @@ def load_plain(path: str | Path) -> Any:
             f"{path}: refused: it holds more than tensors, numeric arrays and plain containers, so loading "
             f"it could run code; not loaded ({reason[:200]})"
         ) from None
-    except (EOFError, RuntimeError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable or cut short ({type(e).__name__}: {e})") from None
+    except _CORRUPT as e:
+        raise CheckpointError(
+            f"{path}: unreadable or cut short, or not a torch.save file at all ({type(e).__name__}: {e})"
+        ) from None

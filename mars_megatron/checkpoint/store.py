@@ -36,6 +36,7 @@ from typing import Any
 
 from checkpoints_conversion.hf_io import CheckpointError
 from mars_megatron.checkpoint.manifest import verify_manifest, write_manifest
+from mars_megatron.json_file import read_json
 
 __all__ = ["STATE_FILE", "CheckpointError", "CheckpointStore", "checkpoint_name"]
 
@@ -237,10 +238,7 @@ class CheckpointStore:
         file = Path(path) / STATE_FILE
         if not file.is_file():
             raise CheckpointError(f"{file}: missing; {path} is not a complete checkpoint")
-        try:
-            record = json.loads(file.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{file}: unreadable or corrupt ({e})") from e
+        record = read_json(file, CheckpointError)
         if not isinstance(record, dict) or record.get("format") != STATE_FORMAT:
             found = record.get("format") if isinstance(record, dict) else type(record).__name__
             raise CheckpointError(f"{file}: field 'format' is {found!r}, expected {STATE_FORMAT!r}")

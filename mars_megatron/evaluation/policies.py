@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mars_megatron.agents.roles import Role
+from mars_megatron.json_file import read_json
 
 SHARED = "shared"
 MODELS_DIR = "models"
@@ -156,7 +157,8 @@ def _hf_dir(source: PolicySource, cache: Path, convert: Convert) -> Path:
     target = cache / MODELS_DIR / source.name
     stamp = target / "converted_from.json"
     origin = str(source.path.resolve())
-    if _is_hf_model(target) and stamp.is_file() and json.loads(stamp.read_text())["source"] == origin:
+    saved = read_json(stamp, PolicyError) if stamp.is_file() else None
+    if _is_hf_model(target) and isinstance(saved, dict) and saved.get("source") == origin:
         return target
     if target.exists():
         raise PolicyError(f"{target}: holds another conversion; remove it or choose another --out")

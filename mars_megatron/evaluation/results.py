@@ -14,6 +14,8 @@ import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
+from mars_megatron.json_file import parse_json, read_json
+
 RESULTS = "results.jsonl"
 CONFIG = "config.json"
 SUMMARY = "summary.json"
@@ -35,9 +37,9 @@ def _read_results(path: Path) -> tuple[list[dict], int]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = parse_json(line)
             key = (record["problem_id"], record["sample"])
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):  # parse_json: every bad line (deep nesting too)
             dropped += 1
             warnings.warn(
                 f"{path}:{number}: dropping an unreadable result line (a killed run?)", stacklevel=2
@@ -88,12 +90,7 @@ class OutputDir:
                     "produced its results are unknown; evaluate into a new --out"
                 )
             return
-        try:
-            saved = json.loads(saved_path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(
-                f"--resume: {saved_path} is unreadable ({e}); evaluate into a new --out"
-            ) from None
+        saved = read_json(saved_path, lambda msg: ValueError(f"--resume: {msg}; evaluate into a new --out"))
         if not isinstance(saved, dict):
             raise ValueError(f"--resume: {saved_path} is not a JSON object; evaluate into a new --out")
         changed = sorted(k for k in saved.keys() | config.keys() if saved.get(k) != config.get(k))

@@ -14,7 +14,6 @@ from tests.bad_inputs.harness import Case, Workspace
 from tests.bad_inputs.model_files import _Evil
 
 CATEGORY = "checkpoints"
-OWNER_A = "helper A (mars_megatron/checkpoint/*)"
 
 
 def _step(ws: Workspace, state: bytes | None) -> Any:
@@ -126,9 +125,8 @@ def cases() -> list[Case]:
         out.append(Case(CATEGORY, name, feed, names, **kw))
 
     for name, data, names in STATE_FILES:
-        owner = OWNER_A if name in ("deep-nesting", "huge-int") else None
-        add(f"trainer_state/{name}", lambda ws, d=data: _load_state(ws, d), *names, owner=owner)
-        add(f"eval-checkpoint/{name}", lambda ws, d=data: _eval_checkpoint(ws, d), *names, owner=owner)
+        add(f"trainer_state/{name}", lambda ws, d=data: _load_state(ws, d), *names)
+        add(f"eval-checkpoint/{name}", lambda ws, d=data: _eval_checkpoint(ws, d), *names)
     for name, state, names in POLICY_STATES:
         raw = json.dumps({"format": "mars-trainer-state-v1", "step": 3, "state": state}).encode()
         add(f"eval-checkpoint/{name}", lambda ws, r=raw: _eval_checkpoint(ws, r), "--checkpoint", *names)
@@ -149,7 +147,7 @@ def cases() -> list[Case]:
         ("empty", b"", None),
         ("truncated", lambda ws: _good_rng()[:100], None),
         ("garbage", bytes(range(256)) * 8, None),
-        ("not-a-zip-text", b"hello", OWNER_A),
+        ("not-a-zip-text", b"hello", None),
         ("zip-without-data", lambda ws: _empty_zip(), None),
     ):
         add(
