@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from mars_megatron.dtypes import SAFETENSORS_TAGS
+from mars_megatron.json_file import read_json
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -38,6 +39,42 @@ class CheckpointError(ValueError):
     """A checkpoint file that is missing, unreadable or does not hold what the model needs."""
 
 
+def _read_index(index: Path) -> dict[str, str]:
+    """``weight_map`` of the safetensors index ``index``: tensor name → shard file, checked.
+
+    The index is input (it comes with a downloaded model), and every shard it names is opened: a name
+    such as ``../other/x.safetensors`` or ``/abs/x.safetensors`` would make the reader open files outside
+    the model folder, so a shard must be a plain file name in it (what HF writes). Symlinked shards are
+    still followed: the HF hub cache is made of them (``snapshots/<rev>/x.safetensors ->
+    ../../blobs/<sha>``), and a symlink is put there by whoever set the folder up, not by the index."""
+    record = read_json(index, CheckpointError)
+    if not isinstance(record, dict):
+        raise CheckpointError(
+            f"{index}: not a valid safetensors index: holds a JSON {type(record).__name__}, not an object "
+            "with a 'weight_map'"
+        )
+    weight_map = record.get("weight_map")
+    if not isinstance(weight_map, dict):
+        got = "missing" if "weight_map" not in record else f"a {type(weight_map).__name__}"
+        raise CheckpointError(
+            f"{index}: not a valid safetensors index: field 'weight_map' is {got}; it must map tensor "
+            "names to shard files"
+        )
+    for name, file in weight_map.items():
+        if not _plain_file_name(file):
+            raise CheckpointError(
+                f"{index}: entry {name!r} of 'weight_map' names shard {file!r}; a shard must be the plain "
+                "name of a file in the model folder"
+            )
+    return weight_map
+
+
+def _plain_file_name(file: object) -> bool:
+    """Whether ``file`` names an entry of the folder itself: no separator, not ``.``/``..``, not absolute
+    (backslashes are refused too: an index written on Windows may use them as separators)."""
+    return isinstance(file, str) and file not in ("", ".", "..") and "/" not in file and "\\" not in file
+
+
 class HFReader:
     """Lazily reads tensors of an HF checkpoint directory by name (sharded or single-file)."""
 
@@ -45,14 +82,13 @@ class HFReader:
         self.dir = Path(model_dir)
         index = self.dir / INDEX
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
-            self.weight_map: dict[str, str] = dict(weight_map)
+            self.weight_map: dict[str, str] = _read_index(index)
         elif (self.dir / SINGLE).is_file():
-            with safe_open(self.dir / SINGLE, framework="pt") as f:
-                self.weight_map = {k: SINGLE for k in f.keys()}
+            try:
+                with safe_open(self.dir / SINGLE, framework="pt") as f:
+                    self.weight_map = {k: SINGLE for k in f.keys()}
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{self.dir / SINGLE}: not a readable safetensors file ({e})") from None
         else:
             raise CheckpointError(f"{self.dir}: no {INDEX} or {SINGLE} found")
         self._handles: dict[str, Any] = {}

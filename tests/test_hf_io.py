@@ -72,3 +72,28 @@ def test_errors_name_the_tensor(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"2 planned tensor\(s\) never arrived"):
         writer.close()
     assert not (tmp_path / INDEX).exists()
+
+
+def test_reader_follows_symlinked_shards_like_the_hf_hub_cache(tmp_path: Path) -> None:
+    """The hub cache's snapshot folders hold symlinks into ``../../blobs``: the index names plain files,
+    so they are read; only a name in the index that leaves the folder is refused (tests/bad_inputs)."""
+    ts = tensors()
+    blobs = tmp_path / "blobs"
+    writer = HFWriter(blobs, LAYOUT, max_shard_bytes=40)
+    for name, tensor in ts.items():
+        writer.add(name, tensor)
+    writer.close()
+    snapshot = tmp_path / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    for file in blobs.iterdir():
+        (snapshot / file.name).symlink_to(Path("../..") / "blobs" / file.name)
+    reader = HFReader(snapshot)
+    assert sorted(reader.names()) == sorted(ts)
+    assert all(torch.equal(reader.get(n), t) for n, t in ts.items())
+
+
+@pytest.mark.parametrize("shard", ["../blobs/x.safetensors", "/abs/x.safetensors", "..", "", 3, None])
+def test_reader_refuses_an_index_naming_a_shard_outside_the_folder(tmp_path: Path, shard: object) -> None:
+    (tmp_path / INDEX).write_text(json.dumps({"weight_map": {"a": "x.safetensors", "b": shard}}))
+    with pytest.raises(CheckpointError, match=rf"{INDEX}: entry 'b' of 'weight_map' names shard"):
+        HFReader(tmp_path)
