@@ -8,11 +8,12 @@ named, instead of being ignored.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from mars_megatron.json_file import read_json
 
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -301,10 +302,7 @@ def load_hf_config(model_dir: str | Path) -> Qwen3Arch:
         path = path / "config.json"
     if not path.is_file():
         raise HFConfigError(f"{path}: no such file (expected an HF checkpoint directory with config.json)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise HFConfigError(f"{path}: not valid JSON ({e})") from e
+    cfg = read_json(path, HFConfigError)  # not UTF-8, bad JSON, nested too deeply: named, not raised raw
     if not isinstance(cfg, dict):
         raise HFConfigError(f"{path}: expected a JSON object")
     return parse_hf_config(cfg, str(path))

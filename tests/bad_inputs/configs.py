@@ -13,12 +13,6 @@ from typing import Any
 from tests.bad_inputs.harness import Case, Workspace, mars
 
 CATEGORY = "configs"
-OWNER_B = "helper B (mars_megatron/config.py): no upper bound"
-NO_UPPER_BOUND = {
-    ("optimizer.clip_grad", "absurd"),
-    ("algorithm.clip_high", "absurd"),
-    ("algorithm.kl_coef", "absurd"),
-}
 INT_FIELDS = (
     "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "train.steps", "train.pack_length",
     "train.updates_per_batch", "train.seed", "data.problems_per_step", "agents.group_size",
@@ -131,13 +125,7 @@ def cases() -> list[Case]:
                 add(f"file-int/{field}={label}", lambda ws, t=text: _load(ws, t), "{ws}/c.yaml", field)
     for field in FLOAT_FIELDS:
         for label, value in FLOAT_VALUES.items():
-            owner = OWNER_B if (field, label) in NO_UPPER_BOUND else None
-            add(
-                f"float/{field}={label}",
-                functools.partial(_override, text=f"{field}={value}"),
-                field,
-                owner=owner,
-            )
+            add(f"float/{field}={label}", functools.partial(_override, text=f"{field}={value}"), field)
     for field in CHOICE_FIELDS:
         for label, value in (("unknown", "evil"), ("int", "3"), ("list", "[a]"), ("null", "null")):
             add(f"choice/{field}={label}", functools.partial(_override, text=f"{field}={value}"), field)
