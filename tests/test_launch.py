@@ -269,7 +269,8 @@ def fake_venv(tmp: Path, tools: dict[str, str]) -> Path:
     script per name of ``tools``."""
     venv = tmp / "venv"
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "activate").write_text(f'export VIRTUAL_ENV={venv}\nexport PATH="$VIRTUAL_ENV/bin:$PATH"\n')
+    activate = f'export VIRTUAL_ENV={venv}\nexport PATH="$VIRTUAL_ENV/bin:$PATH"\n'
+    (venv / "bin" / "activate").write_text(activate)
     for name, body in tools.items():
         (venv / "bin" / name).write_text(f"#!/bin/bash\n{body}\n")
         (venv / "bin" / name).chmod(0o755)
@@ -291,7 +292,7 @@ case "$*" in
 esac""",
 }
 # a node has joined once its `ray start` step has started
-VENV_TOOLS = {"ray": "echo \" 0.0/$(grep -c 'ray start' \"$FAKE_LOG\").0 mars_node\"", "mars": "true"}
+VENV_TOOLS = {"ray": 'echo " 0.0/$(grep -c \'ray start\' "$FAKE_LOG").0 mars_node"', "mars": "true"}
 
 
 @needs_launch_env

@@ -260,7 +260,7 @@ def test_encoded_demo_trains_the_response_and_its_end_of_turn(codec: ChatCodec) 
 
 
 def test_demo_config_errors_name_the_field() -> None:
-    with pytest.raises(ConfigError, match="verifier_careful: expected float <= 1, got 1.5"):
+    with pytest.raises(ConfigError, match=r"verifier_careful: expected float <= 1, got 1\.5"):
         DemoConfig(verifier_careful=1.5)
     with pytest.raises(ConfigError, match="solver_careful: expected float >= 0"):
         DemoConfig(solver_careful=-0.1)
