@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from checkpoints_conversion.hf_io import CheckpointError
-from mars_megatron.checkpoint.safe_load import load_plain
+from mars_megatron.checkpoint.safe_load import TORCH_LOAD_ERRORS, load_plain, refusal_reason
 
 __all__ = ["MetadataUnpickler", "load", "load_content_metadata", "read_metadata"]
 
@@ -186,12 +186,11 @@ class SafeLoadPlanner(MCoreLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True, map_location="cpu")
         except pickle.UnpicklingError as e:
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise CheckpointError(
                 f"{self.directory}: refused: object {fqn!r} in a data shard holds more than tensors and "
-                f"plain values, so loading it could run code; not loaded ({reason[:200]})"
+                f"plain values, so loading it could run code; not loaded ({refusal_reason(e)})"
             ) from None
-        except (EOFError, RuntimeError, OSError, ValueError) as e:
+        except TORCH_LOAD_ERRORS as e:
             raise CheckpointError(f"{self.directory}: object {fqn!r} is unreadable ({e})") from None
         if self.flatten_state_dict:  # as torch's DefaultLoadPlanner.load_bytes
             from torch.distributed.checkpoint._traverse import set_element

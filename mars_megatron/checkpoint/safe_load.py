@@ -40,7 +40,7 @@ def _array_globals() -> list[Any]:
     return [np.ndarray, np.dtype, _reconstruct, bytes, *(type(np.dtype(t)) for t in _ARRAY_DTYPES)]
 
 
-_CORRUPT: tuple[type[Exception], ...] = (
+TORCH_LOAD_ERRORS: tuple[type[Exception], ...] = (
     EOFError,
     RuntimeError,  # "Invalid magic number", a zip archive without data.pkl or cut short
     OSError,
@@ -58,6 +58,13 @@ interprets whatever it is given, and each malformed opcode fails in its own way.
 ``Exception`` so that a bug of ours (or a MemoryError) is not reported as a corrupt file."""
 
 
+def refusal_reason(e: Exception) -> str:
+    """The line of a ``weights_only`` refusal that says what was asked for (torch's message ends with it,
+    after advice on how to allow it, which is not ours to give), cut to 200 characters."""
+    text = str(e).strip()
+    return (text.splitlines()[-1] if text else type(e).__name__)[:200]
+
+
 def load_plain(path: str | Path) -> Any:
     """The object ``torch.save`` stored in ``path``, if it is made of tensors, numeric numpy arrays and plain
     containers only; :class:`CheckpointError` naming the file otherwise (or when it is missing or cut)."""
@@ -72,12 +79,11 @@ def load_plain(path: str | Path) -> Any:
         with torch.serialization.safe_globals(_array_globals()):
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(
             f"{path}: refused: it holds more than tensors, numeric arrays and plain containers, so loading "
-            f"it could run code; not loaded ({reason[:200]})"
+            f"it could run code; not loaded ({refusal_reason(e)})"
         ) from None
-    except _CORRUPT as e:
+    except TORCH_LOAD_ERRORS as e:
         raise CheckpointError(
             f"{path}: unreadable or cut short, or not a torch.save file at all ({type(e).__name__}: {e})"
         ) from None
