@@ -10,7 +10,6 @@ converted model's log-probs then differed from transformers' by 0.26).
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from pathlib import Path
@@ -20,50 +19,13 @@ import pytest
 import torch
 
 from mars_megatron.training.hf_config import HFConfigError, Qwen3Arch, load_hf_config
+from tests.test_hf_config import DENSE as BASE_DENSE
+from tests.test_hf_config import MOE as BASE_MOE
+from tests.test_hf_config import cfg
 
-DENSE: dict[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "vocab_size": 1000,
-    "hidden_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 96,
-    "max_position_embeddings": 512,
-    "rope_theta": 1000000,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-    "attention_bias": False,
-    "initializer_range": 0.01,
-    "torch_dtype": "bfloat16",
-}
-MOE: dict[str, Any] = {
-    **DENSE,
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "num_hidden_layers": 6,
-    "tie_word_embeddings": False,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 24,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "router_aux_loss_coef": 0.001,
-}
-
-
-def cfg(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
-    """A copy of ``base`` with ``changes``; a value of ``...`` deletes the key."""
-    out = copy.deepcopy(base)
-    for k, v in changes.items():
-        if v is ...:
-            out.pop(k, None)
-        else:
-            out[k] = v
-    return out
+# test_hf_config's configs, with the model_type transformers' AutoConfig dispatches on
+DENSE: dict[str, Any] = {**BASE_DENSE, "model_type": "qwen3"}
+MOE: dict[str, Any] = {**BASE_MOE, "model_type": "qwen3_moe"}
 
 
 def rope(theta: float, **more: Any) -> dict[str, Any]:

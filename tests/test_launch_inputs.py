@@ -133,44 +133,35 @@ def test_srun_lines_ask_for_the_account_and_partition_with_long_options(tmp_path
     assert "#SBATCH --account=acme_llm" in lines and "#SBATCH --partition=batch" in lines
 
 
-# the stand-in srun runs the driver command as the real one would (bash -c in the head's container), and a
-# stand-in mars records the arguments it gets
+# the stand-in srun runs the driver command as the real one would (bash -c on the head node), and a stand-in
+# mars records the arguments it gets
 RUN_DRIVER = {
     **FAKES,
     "srun": FAKES["srun"].replace('printf \'%s\' "${@: -1}" > "$FAKE_DRIVER"', 'bash -c "${@: -1}"'),
     "mars": 'printf "%s\\n" "$@" > "$FAKE_DRIVER"',
 }
+VENV_RUN_DRIVER = {
+    **VENV_FAKES,
+    "srun": VENV_FAKES["srun"].replace('printf \'%s\' "${@: -1}" > "$FAKE_DRIVER"', 'bash -c "${@: -1}"'),
+}
 
 
 @needs_launch_env
-def test_quoted_values_stay_text_when_the_script_runs(tmp_path: Path) -> None:
-    assert RUN_DRIVER["srun"] != FAKES["srun"]
+@pytest.mark.parametrize("mode", ["container", "venv"])
+def test_quoted_values_stay_text_when_the_script_runs(mode: str, tmp_path: Path) -> None:
+    assert RUN_DRIVER["srun"] != FAKES["srun"] and VENV_RUN_DRIVER["srun"] != VENV_FAKES["srun"]
     marker = tmp_path / "pwned"
     hostile = f"$(touch {marker}) `touch {marker}`; touch {marker} #'\"\n"
     override = f"logging.run_dir=runs/$(touch {marker})`touch {marker}`;touch {marker}"
-    script = render(tmp_path, override, "--env", f"NOTE={hostile}", "--resume", f"$(touch {marker})")
-    _, driver = run_script(script, tmp_path, RUN_DRIVER, nodes=1, nodelist="node001")
-    assert driver.read_text().splitlines() == [
-        "train", Q30B, *ALL_TRAINER, override, "--nproc", "8", "--resume", f"$(touch {marker})"
-    ]  # fmt: skip
-    assert f"export NOTE={shlex.quote(hostile)}" in script.read_text()
-    assert not marker.exists()
-
-
-@needs_launch_env
-def test_quoted_values_stay_text_in_the_container_less_script(tmp_path: Path) -> None:
-    marker = tmp_path / "pwned"
-    venv = fake_venv(tmp_path, {**VENV_TOOLS, "mars": 'printf "%s\\n" "$@" > "$FAKE_DRIVER"'})
-    hostile = f"$(touch {marker}) `touch {marker}`; touch {marker} #'\"\n"
-    override = f"logging.run_dir=runs/$(touch {marker})`touch {marker}`;touch {marker}"
-    args = [a for a in argv(tmp_path) if not a.startswith(("--container-image=", "--container-mounts="))]
-    extra = [override, "--venv", str(venv), "--env", f"NOTE={hostile}", "--resume", f"$(touch {marker})"]
-    r = launch(*args, *extra, env={"NEMORUN_HOME": str(tmp_path / "nemorun")})
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
-    script = Path(r.stdout.strip().splitlines()[-1])
-    tools = {**VENV_FAKES, "srun": VENV_FAKES["srun"].replace(
-        '''printf '%s' "${@: -1}" > "$FAKE_DRIVER"''', '''bash -c "${@: -1}"''')}  # fmt: skip
-    assert tools["srun"] != VENV_FAKES["srun"]
+    extra = [override, "--env", f"NOTE={hostile}", "--resume", f"$(touch {marker})"]
+    if mode == "container":
+        script, tools = render(tmp_path, *extra), RUN_DRIVER
+    else:  # container-less: the stand-in mars sits in the environment the script activates
+        venv = fake_venv(tmp_path, {**VENV_TOOLS, "mars": RUN_DRIVER["mars"]})
+        args = [a for a in argv(tmp_path) if not a.startswith(("--container-image=", "--container-mounts="))]
+        r = launch(*args, *extra, "--venv", str(venv), env={"NEMORUN_HOME": str(tmp_path / "nemorun")})
+        assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+        script, tools = Path(r.stdout.strip().splitlines()[-1]), VENV_RUN_DRIVER
     _, driver = run_script(script, tmp_path, tools, nodes=1, nodelist="node001")
     assert driver.read_text().splitlines() == [
         "train", Q30B, *ALL_TRAINER, override, "--nproc", "8", "--resume", f"$(touch {marker})"

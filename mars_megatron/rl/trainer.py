@@ -173,7 +173,6 @@ class MarsRLTrainer:
     """Owns the engines, the trainer ranks and the loop of one run."""
 
     def __init__(self, cfg: MarsConfig, plan: Plan, *, log: Callable[[str], None] = print) -> None:
-
         from mars_megatron.pipeline.fleet import EngineFleet
         from mars_megatron.pipeline.placement import place, unplaced_gpus, unplaced_launch
         from mars_megatron.rollout.chat import ChatCodec
