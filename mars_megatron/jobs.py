@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mars_megatron.config import ParallelConfig
+from mars_megatron.json_file import parse_json
 from mars_megatron.training import parallel as par
 
 # megatron warns on every import that Apex/TE are missing; on CPU that is the expected state.
@@ -161,17 +162,9 @@ def read_token_lines(path: str | Path, vocab_size: int | None = None) -> list[li
             if not data.strip():
                 continue
             try:
-                record = json.loads(data.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {e.start})") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            except (
-                ValueError,
-                RecursionError,
-            ) as e:  # a 5000-digit integer; nesting past the recursion limit
-                reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({reason})") from None
+                record = parse_json(data)
+            except ValueError as e:  # not UTF-8, bad JSON, huge ints, deep nesting
+                raise ValueError(f"{path}:{lineno}: {e}") from None
             tokens = record.get("tokens") if isinstance(record, dict) else None
             if (
                 not isinstance(tokens, list)

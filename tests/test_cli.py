@@ -165,7 +165,7 @@ def assert_failed(result: subprocess.CompletedProcess[str], code: int, *needles:
 @pytest.mark.parametrize(
     ("lines", "lineno", "message"),
     [
-        (['{"tokens": [1, 2]}', '{"tokens": [1, 2]'], 2, "not valid JSON"),
+        (['{"tokens": [1, 2]}', '{"tokens": [1, 2]'], 2, "invalid JSON (Expecting"),
         (['{"ids": [1, 2]}'], 1, "field 'tokens' must be a non-empty list"),
         (['{"tokens": [1, 2]}', "", '{"tokens": []}'], 3, "field 'tokens' must be a non-empty list"),
         (['{"tokens": [1, -2]}'], 1, "field 'tokens' must be a non-empty list"),

@@ -9,11 +9,11 @@ reference answer math-verify cannot read, over 1 MiB, a duplicate id) is skipped
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from mars_megatron.json_file import parse_json
 from mars_megatron.rewards.answers import check_reference
 
 MAX_LINE_BYTES = 2**20
@@ -42,18 +42,7 @@ class Dataset:
 
 def _parse_line(data: bytes, line: int) -> Problem:
     """One problem, or ValueError with the reason."""
-    try:
-        raw = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8 text (byte {e.start}: {data[e.start : e.start + 1]!r})") from None
-    try:
-        record = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON ({e.msg})") from None
-    except ValueError as e:  # e.g. an integer of more than 4300 digits
-        raise ValueError(f"invalid JSON ({e})") from None
-    except RecursionError:
-        raise ValueError("invalid JSON (nested too deeply)") from None
+    record = parse_json(data)  # not UTF-8, bad JSON, huge ints, deep nesting: a ValueError saying which
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     text = next(
