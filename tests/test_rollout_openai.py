@@ -249,6 +249,27 @@ def test_response_without_token_ids_is_explained() -> None:
             engine.generate(requests(GREEDY)[:1])
 
 
+def test_a_reply_nested_past_the_recursion_limit_is_invalid_json() -> None:
+    """A hostile or broken server's reply fails as an EngineError naming the endpoint, not as the
+    RecursionError json.loads raises (which escaped every handler written for bad JSON)."""
+
+    class Deep(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = b"[" * 100_000 + b"]" * 100_000
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    with LocalServer(Deep) as fake:
+        with pytest.raises(EngineError, match=r"returned invalid JSON"):
+            OpenAIEngine(fake.url, "m").generate(requests(GREEDY)[:1])
+
+
 def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as reply:

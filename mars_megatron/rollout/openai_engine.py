@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from mars_megatron.json_file import parse_json
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest
 
 _TOKEN_ID_PREFIX = "token_id:"
@@ -190,7 +191,7 @@ class OpenAIEngine:
                 last_failure = f"connection lost ({type(e).__name__}: {e})"
             else:
                 try:
-                    return json.loads(raw)
+                    return parse_json(raw)  # a reply nested past the recursion limit is a ValueError too
                 except ValueError as e:
                     raise EngineError(f"POST {self.url} returned invalid JSON: {raw[:200]!r}") from e
         raise EngineError(f"POST {self.url} failed after {self.max_retries + 1} attempts: {last_failure}")
@@ -227,7 +228,7 @@ def _error_message(error: urllib.error.HTTPError) -> str:
     except OSError:
         return error.reason or ""
     try:
-        payload = json.loads(raw)
+        payload = parse_json(raw)
     except ValueError:
         return raw[:500] or str(error.reason)
     if isinstance(payload, dict):
