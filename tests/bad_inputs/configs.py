@@ -10,7 +10,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from tests.bad_inputs.harness import Case, Workspace, mars
+from tests.bad_inputs.harness import YAML_TAG, Case, Workspace, mars
 
 CATEGORY = "configs"
 INT_FIELDS = (
@@ -65,7 +65,7 @@ def _earlier_run(ws: Workspace) -> None:
 
 
 FILES: list[tuple[str, str | bytes, tuple[str, ...]]] = [
-    ("yaml-python-object", "train: !!python/object/apply:os.system ['touch PWNED']\n", ("c.yaml",)),
+    ("yaml-python-object", f"train: {YAML_TAG}\n", ("c.yaml",)),
     ("yaml-python-name", "train:\n  steps: !!python/name:os.system\n", ("c.yaml",)),
     ("yaml-python-module", "x: !!python/module:os\n", ("c.yaml",)),
     ("yaml-custom-tag", "train: !evil {steps: 1}\n", ("c.yaml",)),
@@ -104,7 +104,7 @@ OVERRIDES: list[tuple[str, str, tuple[str, ...]]] = [
     ("section-scalar", "train=5", ("train",)),
     ("too-deep", "train.steps.x=5", ("train.steps",)),
     ("empty-value", "train.steps=", ("train.steps",)),
-    ("yaml-tag", "train.steps=!!python/object/apply:os.system ['touch PWNED']", ("train.steps",)),
+    ("yaml-tag", f"train.steps={YAML_TAG}", ("train.steps",)),
     ("bad-yaml", "train.steps=[1", ("train.steps",)),
     ("shell", "logging.run_dir=$(touch PWNED)", ()),
 ]

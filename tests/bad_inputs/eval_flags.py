@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.bad_inputs.harness import Case, Workspace, mars, mars_main
+from tests.bad_inputs.harness import YAML_TAG, Case, Workspace, mars, mars_main
 
 CATEGORY = "eval flags"
 
@@ -73,7 +73,6 @@ def _dir(name: str) -> Any:
 
 
 OPENAI = {"engine": "openai", "endpoint": "http://127.0.0.1:9"}
-YAML_TAG = "!!python/object/apply:os.system ['touch PWNED']"
 # (name, flags, names the error must hold)
 FLAG_CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("samples-zero", {"samples": "0"}, ("--samples",)),

@@ -43,6 +43,8 @@ PROJECT_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError
 """What ``mars`` answers with ``error: …`` and exit 2 (ConfigError, HFConfigError, CheckpointError,
 RequestError, PolicyError are ValueErrors)."""
 MARKER = "PWNED"
+YAML_TAG = f"!!python/object/apply:os.system ['touch {MARKER}']"
+"""A YAML value that would run a shell command, were YAML loaded unsafely (it creates the canary)."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from tests.bad_inputs.harness import Case, Workspace, mars_main
+from tests.bad_inputs.harness import YAML_TAG, Case, Workspace, mars_main
 
 CATEGORY = "launch flags"
 
@@ -32,7 +32,6 @@ def _hostile(ws: Workspace, flag: str, value: str) -> Any:
     return _launch(ws, **{flag[2:].replace("-", "_"): value})
 
 
-YAML_TAG = "!!python/object/apply:os.system ['touch PWNED']"
 CONFIGS = [("missing", None), ("not-yaml", "a: [b"), ("list", "- 1"), ("tag", "!!python/name:os.system"),
            ("binary", "\x00\x01")]  # fmt: skip
 OWN: list[tuple[str, tuple[Any, ...], bool, tuple[str, ...]]] = [
