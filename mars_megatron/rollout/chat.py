@@ -34,14 +34,16 @@ REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
 def refuse_remote_code(model_dir: str | Path) -> None:
     """Refuse a model folder whose config asks transformers for code of its own (``auto_map``): mars never
     runs code that comes with a model, and transformers would otherwise ask on stdin whether to."""
-    import json
+    from mars_megatron.json_file import read_json
 
     for name in REMOTE_CODE_FILES:
         path = Path(model_dir) / name
+        if not path.is_file():
+            continue
         try:
-            data = json.loads(path.read_bytes())
-        except (OSError, ValueError, RecursionError):
-            continue  # missing or unreadable: whoever reads it for real names it
+            data = read_json(path)
+        except ValueError:
+            continue  # unreadable: whoever reads it for real names it
         if isinstance(data, dict) and data.get("auto_map"):
             raise ValueError(
                 f"{path}: field 'auto_map' asks to run the model folder's own Python code; mars runs no code "
