@@ -16,7 +16,12 @@ import sys
 from pathlib import Path
 
 WALL_CLOCK_PREFIXES = ("time/", "pipeline/trainer_busy")
-"""Fields that measure elapsed time, so differ between identical runs."""
+WALL_CLOCK_SUFFIXES = ("/time",)
+"""Fields that measure elapsed time (``time/step``, ``eval/time``, …), so differ between identical runs."""
+
+
+def _wall_clock(key: str) -> bool:
+    return key.startswith(WALL_CLOCK_PREFIXES) or key.endswith(WALL_CLOCK_SUFFIXES)
 
 
 def _rows(path: Path) -> list[dict[str, object]]:
@@ -37,7 +42,7 @@ def compare(before: Path, after: Path) -> list[str]:
     if len(rows_a) != len(rows_b):
         out.append(f"{after.name}: {len(rows_b)} rows, {before.name} before had {len(rows_a)}")
     for i, (a, b) in enumerate(zip(rows_a, rows_b, strict=False)):
-        keys = {k for k in a.keys() | b.keys() if not k.startswith(WALL_CLOCK_PREFIXES)}
+        keys = {k for k in a.keys() | b.keys() if not _wall_clock(k)}
         for key in sorted(keys):
             if key not in a or key not in b:
                 out.append(f"{after.name} row {i + 1}: {key} only {'before' if key in a else 'after'}")
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in diffs[:200]:
         print(line)
-    ignored = ", ".join(WALL_CLOCK_PREFIXES)
+    ignored = ", ".join([f"{p}*" for p in WALL_CLOCK_PREFIXES] + [f"*{s}" for s in WALL_CLOCK_SUFFIXES])
     print(f"{compared} rows compared, {len(diffs)} differences (wall-clock fields ignored: {ignored})")
     return 1 if diffs else 0
 
