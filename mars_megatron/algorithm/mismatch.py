@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from mars_megatron.agents.sample import Sample
 from mars_megatron.algorithm.objective import response_span
-from mars_megatron.algorithm.sample import Sample
 from mars_megatron.training.batches import MicroBatch
 from mars_megatron.training.packing import PackedSequence
 

@@ -29,18 +29,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from mars_megatron.agents.roles import Role
-from mars_megatron.algorithm.sample import Sample
+from mars_megatron.agents.sample import Sample
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import (
-    RewardItem,
+    ScoreRequest,
     batch_metrics,
     record_outputs,
-    reward_item,
-    score_items,
+    score_requests,
     segment_request,
+    set_shared_rewards,
 )
 from mars_megatron.pipeline.fleet import EngineFleet
-from mars_megatron.pipeline.scheduler import Batch, Scheduler, shared_rewards
+from mars_megatron.pipeline.scheduler import Batch, Scheduler
 from mars_megatron.rollout.engine import SamplingParams
 
 
@@ -52,8 +52,8 @@ class RewardActor:
 
         self.checker = AnswerChecker(CheckerConfig(num_workers=1))
 
-    def score(self, items: Sequence[RewardItem]) -> list[tuple[str, float, bool | None]]:
-        return score_items(items, self.checker)
+    def score(self, requests: Sequence[ScoreRequest]) -> list[tuple[str, float, bool | None]]:
+        return score_requests(requests, self.checker)
 
     def ping(self) -> bool:
         return True
@@ -89,9 +89,7 @@ class PipelineDriver:
         feed: Callable[[], list[Problem]],
         train: Callable[[dict[str, list[Sample]]], list[Any]],
         finish_train: Callable[[list[Any]], dict[str, float]],
-        samples_for: Callable[
-            [Batch, Mapping[str, float] | None], tuple[dict[str, list[Sample]], dict[str, float]]
-        ],
+        samples_for: Callable[[Batch], tuple[dict[str, list[Sample]], dict[str, float]]],
         max_batch: int,
         colocated: bool = False,
         shared_reward: bool = False,
@@ -119,7 +117,6 @@ class PipelineDriver:
         trajectory tree is scored: ``Limits.whole_trajectories``)."""
         self.flight: dict[Any, _InFlight] = {}
         self.to_score: list[str] = []
-        self.judged_right: dict[str, bool] = {}
         self.busy_rollout: set[int] = set()
         self.busy_reward: set[int] = set()
         self.train_handles: list[Any] | None = None
@@ -144,20 +141,14 @@ class PipelineDriver:
             if not free:
                 break
             w = free[0]
-            items = [self._reward_item(sid) for sid in self.to_score]
-            ref = self.rewards[w].score.remote(items)
+            requests = [ScoreRequest.of(self.s, sid) for sid in self.to_score]
+            ref = self.rewards[w].score.remote(requests)
             self.flight[ref] = _InFlight("reward", w, list(self.to_score))
             self.busy_reward.add(w)
             self.to_score = []
 
     def _roles_of(self, name: str) -> set[Role]:
         return {r for r in Role if self.policy_of(r) == name}
-
-    def _reward_item(self, sid: str) -> RewardItem:
-        item = reward_item(self.s, sid)
-        if self.s.seqs[sid].judged_id is not None:
-            self.judged_right[sid] = item[4]
-        return item
 
     # ----------------------------------------------------------------------------------------- results
     def _on_rollout(self, item: _InFlight, result: tuple[list[Any], int]) -> None:
@@ -168,7 +159,7 @@ class PipelineDriver:
     def _on_reward(self, item: _InFlight, results: list[tuple[str, float, bool | None]]) -> None:
         self.busy_reward.discard(item.worker)
         for sid, reward, verdict in results:
-            self.s.on_scored(sid, self.s.seqs[sid].text, reward, verdict)
+            self.s.on_scored(sid, reward, verdict)
 
     def _lost(self, item: _InFlight) -> None:
         """The worker of ``item`` died: replace it and put its work back."""
@@ -204,10 +195,7 @@ class PipelineDriver:
 
         restore_scheduler(self.s, state["scheduler"])
         self.counters.update(state["counters"])
-        self.to_score = [sid for sid, q in self.s.seqs.items() if q.state is SeqState.SCORING]
-        for sid, q in self.s.seqs.items():
-            if q.state is SeqState.DONE and q.judged_id is not None:
-                self.judged_right[sid] = bool(self.s.seqs[q.judged_id].reward)
+        self.to_score = [sid for sid in self.s.samples if self.s.state(sid) is SeqState.SCORING]
 
     # -------------------------------------------------------------------------------------------- loop
     def run_update(self) -> dict[str, float]:
@@ -217,7 +205,6 @@ class PipelineDriver:
         t0 = time.perf_counter()
         batch: Batch | None = None
         stats: dict[str, float] = {}
-        training: Mapping[str, float] | None = None
         while True:
             due = self.train_handles is None and self.s.update_ready()
             self._dispatch(rollouts=not (self.colocated and (due or self.train_handles is not None)))
@@ -226,8 +213,9 @@ class PipelineDriver:
                     self.fleet.sleep()
                 batch = self.s.take_batch()
                 assert batch is not None
-                training = shared_rewards(self.s, batch.seqs) if self.shared_reward else None
-                samples, stats = self.samples_for(batch, training)
+                if self.shared_reward:
+                    set_shared_rewards(self.s, batch)
+                samples, stats = self.samples_for(batch)
                 self.train_handles = self.train(samples)
                 self.flight[self.train_handles[0]] = _InFlight("train", payload=batch)
                 for h in self.train_handles[1:]:
@@ -260,7 +248,7 @@ class PipelineDriver:
                 self.s.check()
                 self.train_handles = None
                 step_s = time.perf_counter() - t0
-                metrics.update(batch_metrics(done, self.judged_right, training))
+                metrics.update(batch_metrics(done))
                 metrics.update(stats)
                 metrics.update(
                     {
@@ -275,8 +263,6 @@ class PipelineDriver:
                         "pipeline/trained_total": float(self.s.census()["trained"]),
                     }
                 )
-                for sid in [q.sample_id for q in done.seqs]:
-                    self.judged_right.pop(sid, None)
                 return metrics
             try:
                 result = ray.get(ref)

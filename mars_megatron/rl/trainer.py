@@ -336,19 +336,16 @@ class MarsRLTrainer:
             log=self.log,
         )
 
-    def _samples_for(
-        self, batch: Any, training: Mapping[str, float] | None
-    ) -> tuple[dict[str, list], dict[str, float]]:
+    def _samples_for(self, batch: Any) -> tuple[dict[str, list], dict[str, float]]:
         from mars_megatron.algorithm.advantages import assign_advantages
-        from mars_megatron.pipeline.agents import to_sample
 
-        raw = [to_sample(q, None if training is None else training[q.sample_id]) for q in batch.seqs]
+        raw = batch.samples
         samples, adv = assign_advantages(raw, filter_zero_variance=self.cfg.algorithm.filter_zero_variance)
         batches: dict[str, list] = {name: [] for name in self.names}
         for s in samples:
             batches[policy_of(s.role, self.names)].append(s)
         if self.cfg.logging.rollouts:
-            write_rollouts(Path(self.cfg.logging.run_dir) / "rollouts", self.step, batch, raw, samples)
+            write_rollouts(Path(self.cfg.logging.run_dir) / "rollouts", self.step, batch, samples)
         stats = {
             "tokens": float(sum(len(s.prompt_ids) + s.response_len for s in samples)),
             "samples": float(len(raw)),
@@ -492,10 +489,10 @@ class MarsRLTrainer:
         return self.driver.run_update()
 
 
-def write_rollouts(folder: Path, step: int, batch: Any, raw: list[Any], trained: list[Any]) -> Path:
-    """One JSON line per output of ``step``'s update (``raw``: its samples with training rewards;
-    ``trained``: those kept, with advantages). Written whole, then renamed, so a resumed run that redoes
-    the step replaces the file."""
+def write_rollouts(folder: Path, step: int, batch: Any, trained: list[Any]) -> Path:
+    """One JSON line per output of ``step``'s update (``batch.samples``: its records, with training
+    rewards; ``trained``: those kept, with advantages). Written whole, then renamed, so a resumed run
+    that redoes the step replaces the file."""
     import json
 
     advantage = {s.sample_id: s.advantage for s in trained}
@@ -503,24 +500,24 @@ def write_rollouts(folder: Path, step: int, batch: Any, raw: list[Any], trained:
     path = folder / f"step_{step:06d}.jsonl"
     tmp = path.with_suffix(".tmp")
     with tmp.open("w", encoding="utf-8") as f:
-        for seq, sample in zip(batch.seqs, raw, strict=True):
+        for sample in batch.samples:
             record = {
                 "step": step,
                 "policy_version": batch.version,
-                "sample_id": seq.sample_id,
-                "problem_id": seq.problem.problem_id,
-                "position": seq.position.value,
-                "group_id": seq.group_id,
-                "parent_id": seq.parent_id,
-                "prompt_ids": list(seq.prompt_ids),
-                "response_ids": list(seq.tokens),
-                "text": seq.text,
-                "finish_reason": seq.finish_reason,
-                "verdict": seq.verdict,
-                "agent_reward": seq.reward,
-                "reward": sample.reward,
-                "advantage": advantage.get(seq.sample_id),
-                "segments": [[g.start, g.end, g.version] for g in seq.segments],
+                "sample_id": sample.sample_id,
+                "problem_id": sample.problem_id,
+                "position": sample.position.value,
+                "group_id": sample.group_id,
+                "parent_id": sample.parent_id,
+                "prompt_ids": list(sample.prompt_ids),
+                "response_ids": list(sample.response_ids),
+                "text": sample.text,
+                "finish_reason": sample.finish_reason,
+                "verdict": sample.verdict,
+                "agent_reward": sample.reward,
+                "reward": sample.reward_trained_on,
+                "advantage": advantage.get(sample.sample_id),
+                "segments": [[g.start, g.end, g.version] for g in sample.segment_versions],
             }
             f.write(json.dumps(record) + "\n")
     tmp.replace(path)
