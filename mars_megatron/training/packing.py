@@ -1,7 +1,7 @@
 """Sequence packing: variable-length samples into fixed-capacity packs, spread over data-parallel ranks.
 
 Pure: lengths in, a :class:`PackPlan` out (plain Python, no torch); torch only to materialise one pack as
-tensors (:func:`build_pack`). Megatron is imported lazily, only by :meth:`PackedSequence.packed_seq_params`.
+tensors (:func:`build_pack`: an :class:`~mars_megatron.algorithm.tensors.PackedSequence`).
 
 Planning (``plan_packs``):
 
@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from mars_megatron.algorithm.tensors import PackedSequence
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -473,57 +475,6 @@ def _rebalance(
 
 
 # --------------------------------------------------------------------------------------------- tensors
-@dataclass(frozen=True)
-class PackedSequence:
-    """One pack as a single sequence of length T (a multiple of the requested ``multiple``).
-
-    ``tokens[0, t]`` is fed at position ``position_ids[0, t]`` and ``targets[0, t]`` is the next token of
-    the same sample; ``loss_mask`` is 0 on each sample's last token and on the pad sample, so no target
-    crosses a sample boundary. ``cu_seqlens`` are the segment boundaries (the pad sample, if any, is the
-    last segment); ``sample_spans[j] = (start, end)`` locate sample ``sample_ids[j]`` in the pack.
-    """
-
-    tokens: torch.Tensor  # [1, T] int64
-    position_ids: torch.Tensor  # [1, T] int64
-    targets: torch.Tensor  # [1, T] int64
-    loss_mask: torch.Tensor  # [1, T] float32
-    cu_seqlens: torch.Tensor  # [segments + 1] int32
-    sample_ids: tuple[int, ...]
-    sample_spans: tuple[tuple[int, int], ...]
-
-    @property
-    def length(self) -> int:
-        return self.tokens.shape[1]
-
-    def attention_mask(self) -> torch.Tensor:
-        """sbhd form (CPU, local attention): block-diagonal causal mask [1, 1, T, T], True = masked out
-        (megatron's convention). T*T booleans: for small packs only."""
-        segment = torch.repeat_interleave(
-            torch.arange(len(self.cu_seqlens) - 1), self.cu_seqlens.diff().long()
-        )
-        same = segment[:, None] == segment[None, :]
-        causal = torch.ones(self.length, self.length, dtype=torch.bool).tril()
-        return ~(same & causal)[None, None]
-
-    def packed_seq_params(self):
-        """THD form (GPU, ``TEDotProductAttention``): megatron ``PackedSeqParams`` for this pack."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        longest = int(self.cu_seqlens.diff().max())
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens,
-            cu_seqlens_kv=self.cu_seqlens,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-        )
-
-    def unpack(self, per_token: torch.Tensor) -> list[torch.Tensor]:
-        """Split a per-token output ``[1, T, ...]`` (or ``[T, ...]``) back into one tensor per sample."""
-        rows = per_token[0] if per_token.dim() > 1 and per_token.shape[0] == 1 else per_token
-        return [rows[a:b] for a, b in self.sample_spans]
-
-
 def build_pack(
     seqs: Sequence[Sequence[int]],
     *,
