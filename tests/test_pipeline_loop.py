@@ -42,7 +42,7 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
         # ... and their trajectories go on: the Verifiers of those solutions exist, untrained
         assert any(q.role.value == "verifier" for q in driver.s.samples.values())
         ray.kill(driver.fleet.engines[0][1].actor)  # both die with work in flight or queued for them
-        ray.kill(driver.rewards[0])
+        ray.kill(driver.rewards.actors[0])
         rest = [trainer.train_step() for _ in range(4)]
         census = driver.s.census()
     assert driver.counters["rollout_restarts"] >= 1 and driver.counters["reward_restarts"] >= 1

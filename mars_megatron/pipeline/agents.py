@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mars_megatron.agents.prompts import PromptSet
@@ -143,3 +144,38 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         sum(len({s.version for s in q.segment_versions}) > 1 for q in samples)
     )
     return out
+
+
+def write_rollouts(folder: Path, step: int, batch: Batch, trained: Sequence[Sample]) -> Path:
+    """One JSON line per output of ``step``'s update (``batch.samples``: its records, with training
+    rewards; ``trained``: those kept, with advantages). Written whole, then renamed, so a resumed run
+    that redoes the step replaces the file."""
+    import json
+
+    advantage = {s.sample_id: s.advantage for s in trained}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step_{step:06d}.jsonl"
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for sample in batch.samples:
+            record = {
+                "step": step,
+                "policy_version": batch.version,
+                "sample_id": sample.sample_id,
+                "problem_id": sample.problem_id,
+                "position": sample.position.value,
+                "group_id": sample.group_id,
+                "parent_id": sample.parent_id,
+                "prompt_ids": list(sample.prompt_ids),
+                "response_ids": list(sample.response_ids),
+                "text": sample.text,
+                "finish_reason": sample.finish_reason,
+                "verdict": sample.verdict,
+                "agent_reward": sample.reward,
+                "reward": sample.reward_trained_on,
+                "advantage": advantage.get(sample.sample_id),
+                "segments": [[g.start, g.end, g.version] for g in sample.segment_versions],
+            }
+            f.write(json.dumps(record) + "\n")
+    tmp.replace(path)
+    return path
