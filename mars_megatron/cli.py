@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             jobs.run(sft_job, layout, args.model_dir, layout, sft, None, args.impl, nproc=args.nproc)
             print(f"wrote {args.out}")
         elif args.command == "train":
-            from mars_megatron.rl.trainer import train
+            from mars_megatron.pipeline.trainer import train
 
             train(load_config(args.config, args.overrides), nproc=args.nproc, resume=args.resume)
         elif args.command == "plot":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mars_megatron.algorithm.sample import Sample
+from mars_megatron.agents.sample import Sample
 from mars_megatron.config import load_config
 
 

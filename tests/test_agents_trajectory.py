@@ -6,13 +6,9 @@ import pytest
 
 from mars_megatron.agents.loop import InferenceLoop, LoopResult, SystemConfig, choose_fallback
 from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import (
-    Position,
-    RolloutRecord,
-    TrainingConfig,
-    group_id,
-    select_inputs,
-)
+from mars_megatron.agents.sample import Sample
+from mars_megatron.agents.selection import select_inputs
+from mars_megatron.agents.trajectory import Position, TrainingConfig, group_id
 
 CORRECT = "**Final Verdict**: fine.\n\n**List of Findings**: None\n\n**Correctness**: Correct"
 WRONG = (
@@ -159,8 +155,8 @@ def test_system_config_validation_names_field(field: str) -> None:
 # --- training trajectories ---------------------------------------------------------------------
 
 
-def record(sid: str, position: Position, reward: float | None, verdict: bool | None = None) -> RolloutRecord:
-    return RolloutRecord(sid, "prob", position, [], "out", None, reward, verdict)
+def record(sid: str, position: Position, reward: float | None, verdict: bool | None = None) -> Sample:
+    return Sample([1], [2], position, "prob", sample_id=sid, text="out", reward=reward, verdict=verdict)
 
 
 SOLUTIONS = [
@@ -178,7 +174,7 @@ REPORTS = [
 ]
 
 
-def ids(records: list[RolloutRecord]) -> list[str]:
+def ids(records: list[Sample]) -> list[str]:
     return [r.sample_id for r in records]
 
 
@@ -256,10 +252,10 @@ def test_training_positions_and_config() -> None:
             TrainingConfig(**bad)
 
 
-def test_rollout_record_groups_by_input() -> None:
-    a = RolloutRecord("x1", "prob", Position.CORRECTOR_1, [], "o", parent_id="v1")
-    b = RolloutRecord("x2", "prob", Position.CORRECTOR_1, [], "o", parent_id="v1")
-    c = RolloutRecord("x3", "prob", Position.CORRECTOR_1, [], "o", parent_id="v2")
+def test_sample_groups_by_input() -> None:
+    a = Sample([1], [2], Position.CORRECTOR_1, "prob", sample_id="x1", parent_id="v1")
+    b = Sample([1], [2], Position.CORRECTOR_1, "prob", sample_id="x2", parent_id="v1")
+    c = Sample([1], [2], Position.CORRECTOR_1, "prob", sample_id="x3", parent_id="v2")
     assert a.role is Role.CORRECTOR and a.group_id == b.group_id != c.group_id
     assert group_id("prob", Position.SOLVER, None) == "prob/solver/-"
     assert not a.found_errors

@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.trajectory import Position
-from mars_megatron.algorithm.sample import Sample
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 from mars_megatron.training.packing import plan_packs

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import Position, RolloutRecord, group_id
+from mars_megatron.agents.trajectory import Position, group_id
 from mars_megatron.algorithm import (
     Sample,
     Segment,
@@ -39,10 +39,29 @@ def test_sample_helpers():
     assert s.staleness(3) == 0
 
 
-def test_sample_from_record():
-    record = RolloutRecord("s1", "p9", Position.VERIFIER_1, [], "text", parent_id="sol3", reward=1.0)
-    s = Sample.from_record(record, [1], [2, 3])
+def test_sample_group_id_is_derived_from_its_place_in_the_tree():
+    s = Sample([1], [2, 3], Position.VERIFIER_1, "p9", sample_id="s1", parent_id="sol3", reward=1.0)
     assert (s.group_id, s.problem_id, s.reward, s.role) == ("p9/verifier_1/sol3", "p9", 1.0, Role.VERIFIER)
+    again = Sample([1], [2], Position.VERIFIER_1, "p9", trajectory_id="p9@4", parent_id="sol3")
+    assert again.group_id == "p9@4/verifier_1/sol3"  # a later admission of the problem: another group
+
+
+def test_a_record_grows_segment_by_segment_and_stays_valid():
+    """The scheduler's in-flight record: empty while nothing is decoded, every per-token list as long as
+    the response after each segment, log-probs clamped to <= 0, checked again when finished."""
+    s = Sample([1, 2], [], Position.SOLVER, "p", behaviour_logprobs=[], sample_id="s")
+    assert s.response_len == 0 and s.loss_mask == [] and s.finish_reason is None
+    s.add_segment([5, 6], [-0.5, 1e-7], version=2)
+    s.add_segment([7], [-0.25], version=3)
+    assert s.response_ids == [5, 6, 7] and s.loss_mask == [1, 1, 1]
+    assert s.behaviour_logprobs == [-0.5, 0.0, -0.25]
+    assert [(g.start, g.end, g.version) for g in s.segment_versions] == [(0, 2, 2), (2, 3, 3)]
+    s.finish("length")
+    assert s.truncated and s.oldest_version == 2
+    with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
+        s.add_segment([8, 9], [-0.1], version=3)
+    with pytest.raises(ValueError, match="finish_reason"):
+        s.finish("eos")
 
 
 @pytest.mark.parametrize(

@@ -477,7 +477,7 @@ def test_training_refuses_an_evaluation_that_is_not_held_out(tmp_path: Path) -> 
     file, and a test file that shares problems with data.train_file (a score on trained problems)."""
     from mars_megatron.config import ConfigError, load_config
     from mars_megatron.models.presets import init_model
-    from mars_megatron.rl.trainer import prepare
+    from mars_megatron.pipeline.trainer import prepare
 
     data = REPO / "examples" / "data"
     model = init_model("tiny-moe", tmp_path / "hf")

@@ -76,7 +76,7 @@ def test_this_cpu_machine_is_refused_early_with_the_field(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match=r"model\.fp8: 'hybrid' needs an NVIDIA GPU .*model\.fp8=null"):
         check_fp8("hybrid")
     # `mars train` refuses in prepare(), before Ray or any rank starts
-    from mars_megatron.rl.trainer import prepare
+    from mars_megatron.pipeline.trainer import prepare
 
     model = init_model("tiny-moe", tmp_path / "hf")
     common = [f"model.hf_dir={model}", f"data.train_file={REPO / 'examples/data/arith_train.jsonl'}",

@@ -24,7 +24,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_every_gpu_run_passes_the_config_checks(tiny: Path, tmp_path: Path) -> None:
     from mars_megatron.launch.resources import trainer_world_size
-    from mars_megatron.rl.trainer import prepare
+    from mars_megatron.pipeline.trainer import prepare
     from tests.test_gpu import RUNS, run_overrides
 
     assert len(RUNS) >= 8
@@ -37,7 +37,7 @@ def test_every_gpu_run_passes_the_config_checks(tiny: Path, tmp_path: Path) -> N
 
 def test_the_fp8_runs_would_fail_without_the_alltoall_dispatcher(tiny: Path, tmp_path: Path) -> None:
     """What the FP8 GPU runs met before: tiny_cpu.yaml's allgather dispatcher with a MoE model."""
-    from mars_megatron.rl.trainer import prepare
+    from mars_megatron.pipeline.trainer import prepare
     from tests.test_gpu import run_overrides
 
     overrides = run_overrides("fp8_hybrid", tiny, tmp_path)
@@ -66,7 +66,7 @@ def test_auto_is_transformer_engine_on_gpus_and_refuses_without_it() -> None:
 def test_mars_train_checks_this_machine_before_starting(tiny: Path, tmp_path: Path) -> None:
     import torch
 
-    from mars_megatron.rl.trainer import prepare
+    from mars_megatron.pipeline.trainer import prepare
 
     if torch.cuda.is_available():
         pytest.skip("the CPU refusal is what is tested here")

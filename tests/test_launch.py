@@ -429,7 +429,7 @@ def test_the_trainer_joins_the_cluster_that_ray_address_names() -> None:
     )  # fmt: skip
     try:
         probe = (
-            "import time\nfrom mars_megatron.rl.trainer import _start_ray\nimport ray\n"
+            "import time\nfrom mars_megatron.pipeline.trainer import _start_ray\nimport ray\n"
             "for attempt in range(60):\n    try:\n        own = _start_ray(2, 3); break\n"
             "    except ConnectionError:\n        time.sleep(1)\n"
             "print('own', own, ray.cluster_resources()['CPU'])\n"

@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.trajectory import Position
 from mars_megatron.algorithm.mismatch import (
     SEQUENCE_KEYS,
@@ -29,7 +30,6 @@ from mars_megatron.algorithm.mismatch import (
     role_sums,
     token_sums,
 )
-from mars_megatron.algorithm.sample import Sample
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 from mars_megatron.training.batches import MicroBatch

@@ -29,7 +29,7 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
 ) -> None:
     import ray
 
-    from mars_megatron.rl.trainer import MarsRLTrainer, prepare
+    from mars_megatron.pipeline.trainer import MarsRLTrainer, prepare
 
     cfg = _config(sft_model, tmp_path / "run", "train.steps=5")
     with MarsRLTrainer(cfg, prepare(cfg, nproc=None, resume=None), log=print) as trainer:
@@ -40,9 +40,9 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
         # Solver outputs were trained while the Verifiers of the same problems were still running
         assert first["samples/solver"] > 0 and first["samples/verifier"] == 0
         # ... and their trajectories go on: the Verifiers of those solutions exist, untrained
-        assert any(q.role.value == "verifier" for q in driver.s.seqs.values())
+        assert any(q.role.value == "verifier" for q in driver.s.samples.values())
         ray.kill(driver.fleet.engines[0][1].actor)  # both die with work in flight or queued for them
-        ray.kill(driver.rewards[0])
+        ray.kill(driver.rewards.actors[0])
         rest = [trainer.train_step() for _ in range(4)]
         census = driver.s.census()
     assert driver.counters["rollout_restarts"] >= 1 and driver.counters["reward_restarts"] >= 1
@@ -61,7 +61,7 @@ def test_agentic_run_resumes_its_in_flight_state(sft_model: Path, tmp_path: Path
     """The step-2 checkpoint holds sequences still in flight; --resume continues the schedule from it. The
     schedule's file loads without unpickling anything but tensors, numeric arrays and containers."""
     from mars_megatron.checkpoint.safe_load import load_plain
-    from mars_megatron.rl.trainer import in_flight, train
+    from mars_megatron.pipeline.trainer import in_flight, train
 
     run = tmp_path / "run"
     ckpt = [f"checkpoint.save_dir={run / 'ckpt'}", "checkpoint.save_interval=1"]
@@ -88,7 +88,7 @@ def test_sync_is_the_agentic_pipeline_at_staleness_zero(sft_model: Path, tmp_pat
     """Same seed, same data: ``pipeline.mode=sync`` and ``agentic`` with every bound 0 train the same
     samples (ids, tokens, rewards, advantages, in the same order) and so take the same steps, though the
     agentic run decodes and scores on twice the workers with other timings."""
-    from mars_megatron.rl.trainer import train
+    from mars_megatron.pipeline.trainer import train
 
     common = ["train.steps=2", "logging.rollouts=true", "pipeline.segment_tokens=8"]
     sync = train(_config(sft_model, tmp_path / "sync", *common, "pipeline.mode=sync"))
@@ -121,7 +121,7 @@ def test_agentic_shared_reward_trains_whole_trajectories(sft_model: Path, tmp_pa
     trains on the tree's outcome. At staleness 0, so which trajectories exist does not depend on timing
     (with 1, whether a Corrector2 output reached the first 2 updates varied from run to run, and a loaded
     CI run had none); the scheduler tests hold groups across updates at staleness >= 1."""
-    from mars_megatron.rl.trainer import train
+    from mars_megatron.pipeline.trainer import train
 
     run = tmp_path / "run"
     metrics = train(
@@ -153,7 +153,7 @@ def test_agentic_r3_replays_each_sequences_engine_routing(sft_model: Path, tmp_p
     """``moe.routing_replay=R3`` in agentic mode with a bf16 engine beside the fp32 trainer: the engines'
     routing travels with every segment, also across policy updates, into the trainer, and the per-role
     mismatch is measured, small but not zero (bf16 rounding is the only difference left)."""
-    from mars_megatron.rl.trainer import train
+    from mars_megatron.pipeline.trainer import train
 
     metrics = train(
         _config(sft_model, tmp_path / "run", "train.steps=3", "moe.routing_replay=R3",

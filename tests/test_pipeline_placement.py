@@ -53,7 +53,7 @@ def test_trainer_ranks_and_engines_land_where_the_placement_says(
     update, wake their weights for the push, then their KV cache, and only then decode again."""
     import ray
 
-    from mars_megatron.rl.trainer import MarsRLTrainer, prepare
+    from mars_megatron.pipeline.trainer import MarsRLTrainer, prepare
 
     built = _recording_engines(monkeypatch, tmp_path / "engines")
 
@@ -154,7 +154,7 @@ def _start(cluster_cfg: list[str], sft_model: Path, tmp_path: Path, monkeypatch:
     variables, and for multi-GPU engines the bundles vLLM's own executor code accepts and picks."""
     import ray
 
-    from mars_megatron.rl.trainer import MarsRLTrainer, prepare
+    from mars_megatron.pipeline.trainer import MarsRLTrainer, prepare
 
     _recording_engines(monkeypatch, tmp_path / "engines")
     cfg = load_config(

@@ -14,11 +14,11 @@ import pytest
 
 from mars_megatron.agents.prompts import prompt_set
 from mars_megatron.agents.roles import Role
+from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.trajectory import Position, TrainingConfig, group_id
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.models.presets import init_model
 from mars_megatron.pipeline.local import Round, run_round
-from mars_megatron.pipeline.scheduler import Seq
 from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
 from mars_megatron.rl.rollout import derive_seed
 from mars_megatron.rollout.chat import ChatCodec
@@ -87,7 +87,8 @@ def _round(codec: ChatCodec, checker, *, reward="agent", strategy="adaptive", ma
 def test_grouped_expansion_and_agent_rewards(codec: ChatCodec, checker) -> None:
     engine = RuleEngine(codec)
     result = _round(codec, checker, engine=engine, max_batch=10)
-    seqs = {q.sample_id: q for q in result.batch.seqs}
+    seqs = {q.sample_id: q for q in result.batch.samples}
+    problem = result.scheduler.problem
     by_pos = Counter(q.position for q in seqs.values())
     assert by_pos[Position.SOLVER] == 2 * 4  # G per problem
     assert by_pos[Position.VERIFIER_1] == 2 * 2 * 4  # two inputs per problem, G each
@@ -96,7 +97,7 @@ def test_grouped_expansion_and_agent_rewards(codec: ChatCodec, checker) -> None:
     assert sorted(i for call in engine.calls for i in call) == sorted(seqs)  # every output decoded once
     for q in seqs.values():
         parent = seqs.get(q.parent_id) if q.parent_id else None
-        answer = f"{{{q.problem.reference}}}" in q.text
+        answer = f"{{{problem(q).reference}}}" in q.text
         if q.position is Position.SOLVER:
             assert q.reward == float(answer) and parent is None
         elif q.role is Role.VERIFIER:
@@ -106,13 +107,13 @@ def test_grouped_expansion_and_agent_rewards(codec: ChatCodec, checker) -> None:
         else:  # Corrector: its input is a Verifier that found errors, on the solution it revises
             assert parent.verdict is False and q.judged_id == parent.judged_id
             assert q.reward == float(answer)
-        assert q.problem.text in codec.decode(q.prompt_ids)
+        assert problem(q).text in codec.decode(q.prompt_ids)
     groups = Counter(s.group_id for s in result.samples)
     assert set(groups.values()) == {4}
     for s in result.samples:
         q = seqs[s.sample_id]
         assert s.reward == q.reward and s.role is q.role and s.prompt_ids == q.prompt_ids
-        assert s.group_id == group_id(q.key, q.position, q.parent_id)
+        assert s.group_id == group_id(q.trajectory_id, q.position, q.parent_id)
         assert s.behaviour_logprobs == [-0.5] * s.response_len
         assert [(seg.start, seg.end, seg.version) for seg in s.segment_versions] == [(0, s.response_len, 7)]
     m = result.metrics
@@ -130,9 +131,9 @@ def test_grouped_expansion_and_agent_rewards(codec: ChatCodec, checker) -> None:
 
 def test_adaptive_verifier_takes_incorrect_solutions_first(codec: ChatCodec, checker) -> None:
     result = _round(codec, checker, max_steps=2, seed=5)
-    seqs = {q.sample_id: q for q in result.batch.seqs}
+    seqs = {q.sample_id: q for q in result.batch.samples}
     for problem in PROBLEMS:
-        mine = [q for q in seqs.values() if q.problem.problem_id == problem.problem_id]
+        mine = [q for q in seqs.values() if q.problem_id == problem.problem_id]
         wrong = sum(q.reward == 0 for q in mine if q.position is Position.SOLVER)
         judged = {q.parent_id for q in mine if q.position is Position.VERIFIER_1}
         assert len(judged) == 2
@@ -142,7 +143,8 @@ def test_adaptive_verifier_takes_incorrect_solutions_first(codec: ChatCodec, che
 def test_rollout_is_a_function_of_the_seed(codec: ChatCodec, checker) -> None:
     def texts(seed: int, max_batch: int) -> list[tuple[str, str]]:
         return sorted(
-            (q.sample_id, q.text) for q in _round(codec, checker, seed=seed, max_batch=max_batch).batch.seqs
+            (q.sample_id, q.text)
+            for q in _round(codec, checker, seed=seed, max_batch=max_batch).batch.samples
         )
 
     assert texts(9, 64) == texts(9, 3)  # whatever the engine batches
@@ -153,18 +155,18 @@ def test_rollout_is_a_function_of_the_seed(codec: ChatCodec, checker) -> None:
 def test_shared_reward_is_the_trajectory_outcome(codec: ChatCodec, checker) -> None:
     agent = _round(codec, checker, seed=2)
     shared = _round(codec, checker, seed=2, reward="shared")
-    assert [q.text for q in agent.batch.seqs] == [q.text for q in shared.batch.seqs]
+    assert [q.text for q in agent.batch.samples] == [q.text for q in shared.batch.samples]
     # the agent-specific rewards are still what is reported, the training rewards differ
     assert agent.metrics["reward/verifier"] == shared.metrics["reward/verifier"]
     assert "train_reward/verifier" in shared.metrics and "train_reward/verifier" not in agent.metrics
-    reward = {s.sample_id: s.reward for s in shared.samples}
-    seqs = {q.sample_id: q for q in shared.batch.seqs}
-    children: dict[str, list[Seq]] = {}
+    reward = {s.sample_id: s.reward_trained_on for s in shared.samples}
+    seqs = {q.sample_id: q for q in shared.batch.samples}
+    children: dict[str, list[Sample]] = {}
     for q in seqs.values():
         if q.parent_id:
             children.setdefault(q.parent_id, []).append(q)
 
-    def outcome(q: Seq) -> float:  # written out independently of the implementation
+    def outcome(q: Sample) -> float:  # written out independently of the implementation
         kids = children.get(q.sample_id)
         if kids:
             return sum(outcome(c) for c in kids) / len(kids)

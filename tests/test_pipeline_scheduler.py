@@ -68,16 +68,15 @@ def drive(s: Scheduler, rng: random.Random, on_batch: Callable[[Batch], None] = 
                 s.requeue([sid])
                 scoring.append(sid)
                 continue
-            seq = s.seqs[sid]
+            seq = s.samples[sid]
             reward = float(derive_seed(sid, "r") % 2)
             verdict = None if seq.role is not Role.VERIFIER else bool(derive_seed(sid, "v") % 3)
-            s.on_scored(sid, "", reward, verdict)
+            s.on_scored(sid, reward, verdict)
             continue
         job = out.pop(rng.randrange(len(out)))
         if rng.random() < lose:
             s.requeue([job.sample_id])
             continue
-        seq = s.seqs[job.sample_id]
         target = 1 + derive_seed(job.sample_id) % 20
         n = min(job.max_tokens, target - len(job.prefix))
         if s.on_segment(job.sample_id, [7] * n, [-0.5] * n, stopped=len(job.prefix) + n >= target):
@@ -90,11 +89,11 @@ def test_outputs_reach_training_before_their_trajectories_finish() -> None:
     seen_early = []
 
     def on_batch(batch: Batch) -> None:
-        for seq in batch.seqs:
-            assert seq.state is SeqState.DONE
-        problems_in_batch = {q.problem.problem_id for q in batch.seqs}
-        pending = [q for q in s.seqs.values() if q.state is not SeqState.DONE]
-        seen_early.extend(q for q in pending if q.problem.problem_id in problems_in_batch)
+        for seq in batch.samples:
+            assert s.state(seq.sample_id) is SeqState.DONE
+        problems_in_batch = {q.problem_id for q in batch.samples}
+        pending = [q for q in s.samples.values() if s.state(q.sample_id) is not SeqState.DONE]
+        seen_early.extend(q for q in pending if q.problem_id in problems_in_batch)
 
     s = scheduler(1, batch_groups=2)
     drive(s, random.Random(0), on_batch)
@@ -105,7 +104,7 @@ def test_outputs_reach_training_before_their_trajectories_finish() -> None:
 def test_groups_are_trained_whole_and_once() -> None:
     s = scheduler(2, segment=4)
     batches = drive(s, random.Random(1))
-    ids = [q.sample_id for b in batches for q in b.seqs]
+    ids = [q.sample_id for b in batches for q in b.samples]
     assert len(ids) == len(set(ids)) and len(ids) > 0
     for b in batches:
         for group in b.groups:
@@ -121,9 +120,9 @@ def test_staleness_bound_is_never_exceeded(bound: int) -> None:
     mixed = []
 
     def on_batch(batch: Batch) -> None:
-        for q in batch.seqs:
-            assert all(batch.version - seg.version <= bound for seg in q.segments), q.sample_id
-            if len({seg.version for seg in q.segments}) > 1:
+        for q in batch.samples:
+            assert all(batch.version - seg.version <= bound for seg in q.segment_versions), q.sample_id
+            if len({seg.version for seg in q.segment_versions}) > 1:
                 mixed.append(q)
 
     drive(s, random.Random(bound), on_batch)
@@ -139,8 +138,8 @@ def test_an_update_waits_for_a_sequence_it_would_make_too_stale() -> None:
     rng = random.Random(3)
 
     def on_batch(batch: Batch) -> None:
-        open_old = [q for q in s.seqs.values() if q.state is not SeqState.DONE and q.first_version is not None
-                    and q.first_version <= batch.version - 1]  # fmt: skip
+        first = {sid: s.first_version(sid) for sid in s.samples if s.state(sid) is not SeqState.DONE}
+        open_old = [sid for sid, v in first.items() if v is not None and v <= batch.version - 1]
         assert not open_old
         waited.append(batch.version)
 
@@ -152,7 +151,7 @@ def test_an_update_waits_for_a_sequence_it_would_make_too_stale() -> None:
 # ----------------------------------------------------------------------------------- zero staleness = sync
 def _data(batches: list[Batch]) -> list[tuple[int, list[tuple[str, int, float | None]]]]:
     """Each update's samples in batch order (one order whatever the timing, so packing is the same)."""
-    return [(b.version, [(q.sample_id, len(q.tokens), q.reward) for q in b.seqs]) for b in batches]
+    return [(b.version, [(q.sample_id, len(q.response_ids), q.reward) for q in b.samples]) for b in batches]
 
 
 def test_zero_staleness_is_the_synchronous_loop_whatever_the_timing() -> None:
@@ -160,13 +159,13 @@ def test_zero_staleness_is_the_synchronous_loop_whatever_the_timing() -> None:
     version, all of them, whatever the order work completes in or the segment size."""
     runs = [drive(scheduler(0, segment=seg), random.Random(k)) for k, seg in [(0, 64), (1, 64), (2, 5)]]
     assert _data(runs[0]) == _data(runs[1])  # same samples, tokens and rewards in every update
-    members = [[sorted(q.sample_id for q in b.seqs) for b in batches] for batches in runs]
+    members = [[sorted(q.sample_id for q in b.samples) for b in batches] for batches in runs]
     assert members[0] == members[2]  # segmenting changes sampling seeds, not the schedule
     for batches in runs:
         assert len(batches) == 6
         for k, b in enumerate(batches):
             assert b.version == k
-            assert {q.problem.problem_id for q in b.seqs} == {f"p{2 * k}", f"p{2 * k + 1}"}
+            assert {q.problem_id for q in b.samples} == {f"p{2 * k}", f"p{2 * k + 1}"}
     sims = [simulate(scheduler(0), workers=w, worker_batch=wb)[0] for w, wb in [(1, 1), (3, 4)]]
     assert _data(sims[0].batches) == _data(sims[1].batches)
 
@@ -177,10 +176,12 @@ def test_whole_trajectories_hold_groups_until_their_tree_is_scored() -> None:
     s = scheduler(1, segment=3, batch_groups=2, whole=True)
 
     def on_batch(batch: Batch) -> None:
-        keys = {q.key for q in batch.seqs}
-        assert all(q.state is SeqState.DONE for q in s.seqs.values() if q.key in keys)
-        for q in batch.seqs:
-            assert all(batch.version - seg.version <= 1 for seg in q.segments), q.sample_id
+        keys = {q.trajectory_id for q in batch.samples}
+        assert all(
+            s.state(q.sample_id) is SeqState.DONE for q in s.samples.values() if q.trajectory_id in keys
+        )
+        for q in batch.samples:
+            assert all(batch.version - seg.version <= 1 for seg in q.segment_versions), q.sample_id
 
     batches = drive(s, random.Random(4), on_batch)
     assert len(batches) > 3 and s.idle() and s.trained == s.counters["spawned"]
@@ -192,7 +193,7 @@ def test_lost_segments_and_scores_are_requeued_nothing_lost_or_twice() -> None:
     s = scheduler(1, segment=4)
     batches = drive(s, random.Random(5), lose=0.2)
     assert s.counters["requeued"] > 0
-    ids = [q.sample_id for b in batches for q in b.seqs]
+    ids = [q.sample_id for b in batches for q in b.samples]
     assert len(ids) == len(set(ids)) == s.trained
     clean = scheduler(1, segment=4)
     drive(clean, random.Random(5))
@@ -213,7 +214,7 @@ def test_bad_calls_name_the_sample_or_field() -> None:
     with pytest.raises(KeyError, match="unknown sample id 'nope'"):
         s.on_segment("nope", [], [], stopped=True)
     with pytest.raises(ValueError, match="expected state scoring, it is decoding"):
-        s.on_scored(job.sample_id, "", 1.0)
+        s.on_scored(job.sample_id, 1.0)
     with pytest.raises(RuntimeError, match="no update is running"):
         s.on_trained()
 
@@ -223,9 +224,9 @@ def test_a_problem_met_again_is_a_new_trajectory_tree() -> None:
     s = scheduler(1, n=0)
     s.add_problems(problems(2) + problems(2))
     batches = drive(s, random.Random(7))
-    ids = [q.sample_id for b in batches for q in b.seqs]
+    ids = [q.sample_id for b in batches for q in b.samples]
     assert len(ids) == len(set(ids))
-    assert {q.key for b in batches for q in b.seqs} == {"p0@0", "p1@1", "p0@2", "p1@3"}
+    assert {q.trajectory_id for b in batches for q in b.samples} == {"p0@0", "p1@1", "p0@2", "p1@3"}
 
 
 @pytest.mark.parametrize("whole", [False, True], ids=["groups", "whole-trajectories"])
@@ -245,7 +246,7 @@ def test_a_saved_schedule_continues_like_the_original(whole: bool) -> None:
     assert not whole or original._held  # complete groups were waiting for their trees at the save
     after = [drive(x, random.Random(12)) for x in (original, restored)]
     assert _data(after[0]) == _data(after[1]) and after[0]
-    ids = [q.sample_id for b in before + after[1] for q in b.seqs]
+    ids = [q.sample_id for b in before + after[1] for q in b.samples]
     assert len(ids) == len(set(ids))
     assert restored.idle()
 
@@ -256,7 +257,6 @@ def test_routing_of_each_segments_call_replaces_the_sequences_and_is_saved() -> 
     the routing survives a save."""
     import numpy as np
 
-    from mars_megatron.pipeline.agents import to_sample
     from mars_megatron.pipeline.scheduler import restore_scheduler, scheduler_state
 
     s = scheduler(1, segment=4)
@@ -264,15 +264,17 @@ def test_routing_of_each_segments_call_replaces_the_sequences_and_is_saved() -> 
     p = len(job.prompt_ids)
     first = np.zeros((p + 4 - 1, 2, 2), dtype=np.uint8)
     assert not s.on_segment(job.sample_id, [5] * 4, [-0.5] * 4, stopped=False, routed_experts=first)
-    assert s.seqs[job.sample_id].routing is first
+    assert s.samples[job.sample_id].routed_experts is first
     job = next(j for j in s.take_segments() if j.sample_id == job.sample_id)
-    with pytest.raises(ValueError, match=rf"{job.sample_id}: routed_experts has shape \(3, 2, 2\), expected"):
+    with pytest.raises(
+        ValueError, match=rf"'{job.sample_id}': routed_experts has shape \(3, 2, 2\), expected"
+    ):
         s.on_segment(job.sample_id, [6, 7], [-0.5] * 2, stopped=True, routed_experts=np.zeros((3, 2, 2)))
     second = np.ones((p + 6 - 1, 2, 2), dtype=np.uint8)
     assert s.on_segment(job.sample_id, [6, 7], [-0.5] * 2, stopped=True, routed_experts=second)
-    assert s.seqs[job.sample_id].routing is second
-    s.on_scored(job.sample_id, "x", 1.0)
-    assert to_sample(s.seqs[job.sample_id]).routed_experts is second
+    assert s.samples[job.sample_id].routed_experts is second
+    s.on_scored(job.sample_id, 1.0)
+    assert s.samples[job.sample_id].routed_experts is second  # the record the trainer reads
     restored = Scheduler(s.agents, s.limits, s.prompt_fn, seed=s.seed)
     restore_scheduler(restored, scheduler_state(s))
-    assert np.array_equal(restored.seqs[job.sample_id].routing, second)
+    assert np.array_equal(restored.samples[job.sample_id].routed_experts, second)

@@ -19,14 +19,9 @@ from mars_megatron.agents.prompts import (
     verifier_messages,
 )
 from mars_megatron.agents.roles import Message, Role
-from mars_megatron.agents.trajectory import (
-    Position,
-    RolloutRecord,
-    TrainingConfig,
-    eligible_inputs,
-    group_id,
-    select_inputs,
-)
+from mars_megatron.agents.sample import Sample, Segment
+from mars_megatron.agents.selection import eligible_inputs, select_inputs
+from mars_megatron.agents.trajectory import Position, TrainingConfig, group_id
 from mars_megatron.agents.verdict import bug_report, parse_verdict
 
 __all__ = [
@@ -37,7 +32,8 @@ __all__ = [
     "Position",
     "Request",
     "Role",
-    "RolloutRecord",
+    "Sample",
+    "Segment",
     "SystemConfig",
     "TrainingConfig",
     "bug_report",

@@ -1,5 +1,6 @@
 """MarsRL's algorithm core: the sample record, GRPO advantages and the policy loss (pure; torch only)."""
 
+from mars_megatron.agents.sample import Sample, Segment
 from mars_megatron.algorithm.advantages import assign_advantages, grpo_advantages, zero_variance_groups
 from mars_megatron.algorithm.losses import (
     KL_CLAMP,
@@ -26,7 +27,6 @@ from mars_megatron.algorithm.objective import (
     packed_loss_inputs,
     response_tensor,
 )
-from mars_megatron.algorithm.sample import Sample, Segment
 
 __all__ = [
     "KL_CLAMP",

@@ -14,7 +14,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
-from mars_megatron.algorithm.sample import Sample
+from mars_megatron.agents.sample import Sample
 
 G = TypeVar("G", bound=Hashable)
 
@@ -55,7 +55,8 @@ def assign_advantages(
 ) -> tuple[list[Sample], dict[str, float]]:
     """Return copies of ``samples`` with ``advantage`` set, grouped by ``Sample.group_id``.
 
-    Every sample needs a reward, and a group must hold one position only (a group id shared across
+    GRPO normalises :attr:`Sample.reward_trained_on` (the shared reward where set, else the agent
+    reward). Every sample needs one, and a group must hold one position only (a group id shared across
     roles or positions is a bug upstream, so it raises rather than mixing them). With
     ``filter_zero_variance`` the samples of zero-variance groups are left out. Input order is kept.
 
@@ -65,14 +66,15 @@ def assign_advantages(
     rewards: dict[str, list[float]] = {}
     positions: dict[str, object] = {}
     for s in samples:
-        if s.reward is None:
+        reward = s.reward_trained_on
+        if reward is None:
             raise ValueError(f"assign_advantages: sample {s.sample_id!r} (group {s.group_id}) has no reward")
         if positions.setdefault(s.group_id, s.position) != s.position:
             raise ValueError(
                 f"assign_advantages: group {s.group_id!r} mixes positions "
                 f"{positions[s.group_id]} and {s.position}"
             )
-        rewards.setdefault(s.group_id, []).append(s.reward)
+        rewards.setdefault(s.group_id, []).append(reward)
     advantages = grpo_advantages(rewards, eps=eps, normalize_std=normalize_std)
     dropped = zero_variance_groups(rewards) if filter_zero_variance else set()
 
@@ -92,7 +94,7 @@ def assign_advantages(
     }
     by_role: dict[str, list[float]] = {}
     for s in samples:
-        by_role.setdefault(s.role.value, []).append(s.reward)  # type: ignore[arg-type]
+        by_role.setdefault(s.role.value, []).append(s.reward_trained_on)  # type: ignore[arg-type]
     for role, values in by_role.items():
         stats[f"mean_reward/{role}"] = sum(values) / len(values)
     return kept, stats

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from mars_megatron.agents.roles import Role
-from mars_megatron.algorithm.sample import Sample
+from mars_megatron.agents.sample import Sample
 
 KLKind = Literal["k1", "k2", "k3"]
 _MAX_LOG_RATIO = 20.0  # exp() argument bound for k3 and ratios: keeps one wild token finite

@@ -30,10 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from mars_megatron.agents.sample import Sample
 from mars_megatron.algorithm.objective import response_span
-from mars_megatron.algorithm.sample import Sample
-from mars_megatron.training.batches import MicroBatch
-from mars_megatron.training.packing import PackedSequence
+from mars_megatron.algorithm.tensors import MicroBatch, PackedSequence
 
 SEQUENCE_KEYS = ("tokens", "abs", "k3", "tokens_over", "d")
 """Per-sequence sums over its compared tokens: count, |d|, k3 term, tokens with |d| > log t, and d."""

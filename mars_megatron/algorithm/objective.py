@@ -25,10 +25,9 @@ from typing import Literal
 import torch
 
 from mars_megatron.agents.roles import Role
+from mars_megatron.agents.sample import Sample
 from mars_megatron.algorithm import losses as L
-from mars_megatron.algorithm.sample import Sample
-from mars_megatron.training.batches import MicroBatch
-from mars_megatron.training.packing import PackedSequence
+from mars_megatron.algorithm.tensors import MicroBatch, PackedSequence
 
 Importance = Literal["none", "tis", "pois"]
 _IMPORTANCE = ("none", "tis", "pois")

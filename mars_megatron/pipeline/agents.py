@@ -1,5 +1,7 @@
 """What the pipeline does with one agent output, wherever the schedule runs (Ray workers or this process):
-its prompt, its engine request, its reward, its training record and its metrics.
+its prompt, its engine request, its reward and its metrics. The output is one record from start to
+finish (:class:`~mars_megatron.agents.sample.Sample`); the only conversion is the small
+:class:`ScoreRequest` a reward worker receives, built here from the record.
 
 One definition each, so the Ray driver (:mod:`.driver`) and the in-process runner (:mod:`.local`) cannot
 drift apart.
@@ -7,28 +9,29 @@ drift apart.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mars_megatron.agents.prompts import PromptSet
 from mars_megatron.agents.roles import Role
+from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.trajectory import Position
 from mars_megatron.agents.verdict import bug_report, parse_verdict
-from mars_megatron.algorithm.sample import Sample
 from mars_megatron.evaluation.data import Problem
-from mars_megatron.pipeline.scheduler import Batch, Scheduler, SegmentJob, Seq
+from mars_megatron.pipeline.scheduler import Batch, Scheduler, SegmentJob, shared_rewards
 from mars_megatron.rewards.agent_rewards import Checker, answer_rewards, verifier_reward
-from mars_megatron.rl.rollout import Scored, role_metrics
+from mars_megatron.rl.rollout import role_metrics
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
-
-RewardItem = tuple[str, str, str, Any, bool]
-"""``(sample_id, role, text, reference, judged_right)``: what a reward worker needs of a finished output."""
 
 
 def prompt_builder(prompts: PromptSet, encode: Callable[[list[Any]], Sequence[int]]) -> Callable:
     """The scheduler's prompt function for real engines: the role's chat messages, tokenised."""
 
-    def prompt_fn(position: Position, problem: Problem, parent: Seq | None, judged: Seq | None) -> list[int]:
+    def prompt_fn(
+        position: Position, problem: Problem, parent: Sample | None, judged: Sample | None
+    ) -> list[int]:
         if position.role is Role.SOLVER:
             messages = prompts.solver_messages(problem.text)
         elif position.role is Role.VERIFIER:
@@ -77,78 +80,102 @@ def record_outputs(
             version=version,
             routed_experts=out.routed_experts,
         ):
-            seq = s.seqs[job.sample_id]
-            seq.text = decode(seq.tokens)
+            sample = s.samples[job.sample_id]
+            sample.text = decode(sample.response_ids)
             finished.append(job.sample_id)
     return finished
 
 
-def reward_item(s: Scheduler, sample_id: str) -> RewardItem:
-    """A finished output as a reward worker sees it; a Verifier's or Corrector's ``judged_right`` is
-    whether the solution it judged or revised was right."""
-    seq = s.seqs[sample_id]
-    judged = True if seq.judged_id is None else bool(s.seqs[seq.judged_id].reward)
-    return (sample_id, seq.role.value, seq.text, seq.problem.reference, judged)
+@dataclass(frozen=True)
+class ScoreRequest:
+    """What a reward worker needs of a finished record (small and picklable: no token or routing arrays).
+    Built from the record by :meth:`of`, and only there; the score goes back onto the record
+    (:meth:`~.scheduler.Scheduler.on_scored`)."""
+
+    sample_id: str
+    role: Role
+    text: str
+    reference: Any
+    judged_right: bool
+    """Verifier/Corrector: whether the solution it judged or revised was right (True for the Solver)."""
+
+    @classmethod
+    def of(cls, s: Scheduler, sample_id: str) -> ScoreRequest:
+        sample = s.samples[sample_id]
+        judged_right = True if sample.judged_right is None else sample.judged_right
+        return cls(sample_id, sample.role, sample.text, s.problem(sample).reference, judged_right)
 
 
-def score_items(items: Sequence[RewardItem], checker: Checker) -> list[tuple[str, float, bool | None]]:
-    """``(sample_id, reward, verdict)`` per item. Solver/Corrector: 1 if the last boxed answer matches
+def score_requests(
+    requests: Sequence[ScoreRequest], checker: Checker
+) -> list[tuple[str, float, bool | None]]:
+    """``(sample_id, reward, verdict)`` per request. Solver/Corrector: 1 if the last boxed answer matches
     the reference (one batched math-verify call). Verifier: 1 if its verdict is right about the solution
     it judged."""
-    answers = [(i, text, ref) for i, (_, role, text, ref, _) in enumerate(items) if role != Role.VERIFIER]
+    answers = [(i, r.text, r.reference) for i, r in enumerate(requests) if r.role is not Role.VERIFIER]
     rewards = answer_rewards([(text, ref) for _, text, ref in answers], checker)
-    out: list[tuple[str, float, bool | None]] = [("", 0.0, None)] * len(items)
+    out: list[tuple[str, float, bool | None]] = [("", 0.0, None)] * len(requests)
     for (i, _, _), reward in zip(answers, rewards, strict=True):
-        out[i] = (items[i][0], reward, None)
-    for i, (sid, role, text, _, judged_right) in enumerate(items):
-        if role == Role.VERIFIER:
-            verdict = parse_verdict(text)
-            out[i] = (sid, verifier_reward(verdict, judged_right), verdict)
+        out[i] = (requests[i].sample_id, reward, None)
+    for i, r in enumerate(requests):
+        if r.role is Role.VERIFIER:
+            verdict = parse_verdict(r.text)
+            out[i] = (r.sample_id, verifier_reward(verdict, r.judged_right), verdict)
     return out
 
 
-def to_sample(seq: Seq, reward: float | None = None) -> Sample:
-    """The trainer's record of a scored sequence (segments keep their policy versions); ``reward``
-    overrides the agent reward (the shared reward)."""
-    return Sample(
-        prompt_ids=list(seq.prompt_ids),
-        response_ids=list(seq.tokens),
-        position=seq.position,
-        problem_id=seq.problem.problem_id,
-        group_id=seq.group_id,
-        reward=seq.reward if reward is None else reward,
-        behaviour_logprobs=[min(lp, 0.0) for lp in seq.logprobs],
-        segment_versions=list(seq.segments),
-        sample_id=seq.sample_id,
-        routed_experts=seq.routing,
-    )
+def set_shared_rewards(s: Scheduler, batch: Batch) -> None:
+    """``algorithm.reward=shared``: annotate each record of ``batch`` with the reward it trains on, its
+    trajectory's outcome (:func:`~.scheduler.shared_rewards`)."""
+    for sample_id, reward in shared_rewards(s, batch.samples).items():
+        s.samples[sample_id].training_reward = reward
 
 
-def batch_metrics(
-    batch: Batch, judged_right: Mapping[str, bool], training_reward: Mapping[str, float] | None = None
-) -> dict[str, float]:
-    """Per-role agent rewards of an update's samples (:func:`role_metrics`; ``training_reward`` where
-    it differs in kind, the shared reward), and how stale its segments were."""
-    out = role_metrics(
-        [
-            Scored(
-                q.position,
-                q.reward or 0.0,
-                judged_right.get(q.sample_id),
-                len(q.prompt_ids),
-                len(q.tokens),
-                q.finish_reason == "length",
-                q.verdict,
-                None if training_reward is None else training_reward[q.sample_id],
-            )
-            for q in batch.seqs
-        ]
-    )
-    out["problems"] = float(len({q.key for q in batch.seqs}))
-    staleness = [batch.version - s.version for q in batch.seqs for s in q.segments]
+def batch_metrics(batch: Batch) -> dict[str, float]:
+    """Per-role agent rewards of an update's samples (:func:`role_metrics`), and how stale its segments
+    were."""
+    samples = batch.samples
+    out = role_metrics(samples)
+    out["problems"] = float(len({q.trajectory_id for q in samples}))
+    staleness = [batch.version - s.version for q in samples for s in q.segment_versions]
     out["pipeline/staleness_max"] = float(max(staleness, default=0))
     out["pipeline/staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
     out["pipeline/multi_version_samples"] = float(
-        sum(len({s.version for s in q.segments}) > 1 for q in batch.seqs)
+        sum(len({s.version for s in q.segment_versions}) > 1 for q in samples)
     )
     return out
+
+
+def write_rollouts(folder: Path, step: int, batch: Batch, trained: Sequence[Sample]) -> Path:
+    """One JSON line per output of ``step``'s update (``batch.samples``: its records, with training
+    rewards; ``trained``: those kept, with advantages). Written whole, then renamed, so a resumed run
+    that redoes the step replaces the file."""
+    import json
+
+    advantage = {s.sample_id: s.advantage for s in trained}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step_{step:06d}.jsonl"
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for sample in batch.samples:
+            record = {
+                "step": step,
+                "policy_version": batch.version,
+                "sample_id": sample.sample_id,
+                "problem_id": sample.problem_id,
+                "position": sample.position.value,
+                "group_id": sample.group_id,
+                "parent_id": sample.parent_id,
+                "prompt_ids": list(sample.prompt_ids),
+                "response_ids": list(sample.response_ids),
+                "text": sample.text,
+                "finish_reason": sample.finish_reason,
+                "verdict": sample.verdict,
+                "agent_reward": sample.reward,
+                "reward": sample.reward_trained_on,
+                "advantage": advantage.get(sample.sample_id),
+                "segments": [[g.start, g.end, g.version] for g in sample.segment_versions],
+            }
+            f.write(json.dumps(record) + "\n")
+    tmp.replace(path)
+    return path

@@ -3,17 +3,18 @@ rollout workers, reward workers and the trainer group at once.
 
 The driver owns no heavy work. It asks the scheduler for segments and hands them to idle rollout workers
 (:class:`~mars_megatron.rollout.ray_engine.RolloutActor`, one engine each), sends finished outputs to
-reward workers (:class:`RewardActor`), and starts an update on the trainer group whenever the scheduler
-says one is due, all without blocking: ``ray.wait`` on whatever is in flight, and react to the first
-result. So rollouts go on while the trainer trains (where the staleness bounds allow it: not at all in
-sync mode), and every output reaches the training queue the moment its reward is known.
+reward workers (:class:`~.facades.RewardPool`), and starts an update on the trainer group
+(:class:`~.facades.TrainerGroup`) whenever the scheduler says one is due, all without blocking:
+``ray.wait`` on whatever is in flight, and react to the first result. So rollouts go on while the
+trainer trains (where the staleness bounds allow it: not at all in sync mode), and every output reaches
+the training queue the moment its reward is known.
 
 Versions: a rollout worker reports the policy version its engine held for each call (an actor runs one call
 at a time, so a call never straddles a weight update), and that is what the segment records. Engines are
 reached through the run's :class:`~.fleet.EngineFleet`, which pushes the weights into every engine after
-each update (``finish_train``). Colocated engines (``pipeline.placement=colocated``) sleep before the update
-with their weights discarded, then wake their weights, take the push, and only then wake their KV cache
-(:class:`~mars_megatron.rollout.engine.Sleepable`).
+each update (:meth:`~.facades.TrainerGroup.finish`). Colocated engines (``pipeline.placement=colocated``)
+sleep before the update with their weights discarded, then wake their weights, take the push, and only
+then wake their KV cache (:class:`~mars_megatron.rollout.engine.Sleepable`).
 
 Failures: a rollout or reward worker that dies is replaced by a new actor (a rollout worker gets the
 current weights from the fleet at once, or at the next push if the trainer is busy; it takes no work
@@ -24,39 +25,25 @@ are checked after every update.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.roles import Role
-from mars_megatron.algorithm.sample import Sample
-from mars_megatron.evaluation.data import Problem
+from mars_megatron.algorithm.advantages import assign_advantages
 from mars_megatron.pipeline.agents import (
-    RewardItem,
+    ScoreRequest,
     batch_metrics,
     record_outputs,
-    reward_item,
-    score_items,
     segment_request,
+    set_shared_rewards,
+    write_rollouts,
 )
+from mars_megatron.pipeline.facades import ProblemFeed, RewardPool, TrainerGroup
 from mars_megatron.pipeline.fleet import EngineFleet
-from mars_megatron.pipeline.scheduler import Batch, Scheduler, shared_rewards
+from mars_megatron.pipeline.scheduler import Batch, Scheduler
+from mars_megatron.rollout.chat import ChatCodec
 from mars_megatron.rollout.engine import SamplingParams
-
-
-class RewardActor:
-    """Body of a reward worker (wrap with ``ray.remote``): math-verify answers and parsed verdicts."""
-
-    def __init__(self) -> None:
-        from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
-
-        self.checker = AnswerChecker(CheckerConfig(num_workers=1))
-
-    def score(self, items: Sequence[RewardItem]) -> list[tuple[str, float, bool | None]]:
-        return score_items(items, self.checker)
-
-    def ping(self) -> bool:
-        return True
 
 
 @dataclass
@@ -69,11 +56,9 @@ class _InFlight:
 class PipelineDriver:
     """Runs the schedule; :meth:`run_update` returns when the next update has finished.
 
-    ``fleet``: the rollout engines and their weight pushes; ``start_reward`` builds a replacement reward
-    actor after a death. ``train``: submits one update's samples (per policy) to the
-    trainer group and returns the handles to wait on; ``finish_train`` turns their results into metrics
-    and pushes the new weights (into every engine: ``colocated`` engines wake their weights before it
-    and their KV cache after it).
+    It talks to typed handles: ``fleet`` (the rollout engines and their weight pushes), ``trainers`` (an
+    update's samples in, its metrics out, the new weights pushed: ``colocated`` engines wake their weights
+    before the push and their KV cache after it), ``rewards`` (the reward workers) and ``problems``.
     """
 
     def __init__(
@@ -81,34 +66,26 @@ class PipelineDriver:
         scheduler: Scheduler,
         *,
         fleet: EngineFleet,
-        policy_of: Callable[[Role], str],
-        start_reward: Callable[[], Any],
-        reward_workers: int,
-        decode: Callable[[Sequence[int]], str],
+        trainers: TrainerGroup,
+        rewards: RewardPool,
+        problems: ProblemFeed,
+        codec: ChatCodec,
         sampling: SamplingParams,
-        feed: Callable[[], list[Problem]],
-        train: Callable[[dict[str, list[Sample]]], list[Any]],
-        finish_train: Callable[[list[Any]], dict[str, float]],
-        samples_for: Callable[
-            [Batch, Mapping[str, float] | None], tuple[dict[str, list[Sample]], dict[str, float]]
-        ],
         max_batch: int,
         colocated: bool = False,
         shared_reward: bool = False,
+        filter_zero_variance: bool = False,
+        rollouts_dir: Path | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
         self.s = scheduler
         self.log = log
         self.fleet = fleet
-        self.policy_of = policy_of
-        self.start_reward = start_reward
-        self.rewards = [start_reward() for _ in range(reward_workers)]
-        self.decode = decode
+        self.trainers = trainers
+        self.rewards = rewards
+        self.problems = problems
+        self.codec = codec
         self.sampling = sampling
-        self.feed = feed
-        self.train = train
-        self.finish_train = finish_train
-        self.samples_for = samples_for
         self.max_batch = max_batch
         self.colocated = colocated
         """Engines share devices with the trainer: they finish their segments, sleep through the update
@@ -117,9 +94,12 @@ class PipelineDriver:
         self.shared_reward = shared_reward
         """Train every output on its trajectory's outcome (the scheduler holds groups until their
         trajectory tree is scored: ``Limits.whole_trajectories``)."""
+        self.filter_zero_variance = filter_zero_variance
+        """Leave out the groups whose rewards are all equal (``algorithm.filter_zero_variance``)."""
+        self.rollouts_dir = rollouts_dir
+        """Where each update's outputs are written, one JSON line each (``logging.rollouts``); None: not."""
         self.flight: dict[Any, _InFlight] = {}
         self.to_score: list[str] = []
-        self.judged_right: dict[str, bool] = {}
         self.busy_rollout: set[int] = set()
         self.busy_reward: set[int] = set()
         self.train_handles: list[Any] | None = None
@@ -129,11 +109,11 @@ class PipelineDriver:
     # ------------------------------------------------------------------------------------------ dispatch
     def _dispatch(self, rollouts: bool = True) -> None:
         if self.s.waiting() < self.s.limits.problems_per_update:
-            self.s.add_problems(self.feed())
+            self.s.add_problems(self.problems.take())
         for w, (name, engine) in enumerate(self.fleet.engines if rollouts else []):
             if w in self.busy_rollout or w in self.fleet.stale:
                 continue
-            jobs = self.s.take_segments(self.max_batch, roles=self._roles_of(name))
+            jobs = self.s.take_segments(self.max_batch, roles=self.trainers.roles_of(name))
             if not jobs:
                 continue
             ref = engine.actor.generate_versioned.remote([segment_request(j, self.sampling) for j in jobs])
@@ -144,31 +124,22 @@ class PipelineDriver:
             if not free:
                 break
             w = free[0]
-            items = [self._reward_item(sid) for sid in self.to_score]
-            ref = self.rewards[w].score.remote(items)
+            requests = [ScoreRequest.of(self.s, sid) for sid in self.to_score]
+            ref = self.rewards.score(w, requests)
             self.flight[ref] = _InFlight("reward", w, list(self.to_score))
             self.busy_reward.add(w)
             self.to_score = []
-
-    def _roles_of(self, name: str) -> set[Role]:
-        return {r for r in Role if self.policy_of(r) == name}
-
-    def _reward_item(self, sid: str) -> RewardItem:
-        item = reward_item(self.s, sid)
-        if self.s.seqs[sid].judged_id is not None:
-            self.judged_right[sid] = item[4]
-        return item
 
     # ----------------------------------------------------------------------------------------- results
     def _on_rollout(self, item: _InFlight, result: tuple[list[Any], int]) -> None:
         outputs, version = result
         self.busy_rollout.discard(item.worker)
-        self.to_score.extend(record_outputs(self.s, item.payload, outputs, self.decode, version))
+        self.to_score.extend(record_outputs(self.s, item.payload, outputs, self.codec.decode, version))
 
     def _on_reward(self, item: _InFlight, results: list[tuple[str, float, bool | None]]) -> None:
         self.busy_reward.discard(item.worker)
         for sid, reward, verdict in results:
-            self.s.on_scored(sid, self.s.seqs[sid].text, reward, verdict)
+            self.s.on_scored(sid, reward, verdict)
 
     def _lost(self, item: _InFlight) -> None:
         """The worker of ``item`` died: replace it and put its work back."""
@@ -182,7 +153,7 @@ class PipelineDriver:
             self.s.requeue(job.sample_id for job in item.payload)
         else:
             self.counters["reward_restarts"] += 1
-            self.rewards[item.worker] = self.start_reward()
+            self.rewards.restart(item.worker)
             self.busy_reward.discard(item.worker)
             self.s.requeue(item.payload)
             self.to_score.extend(item.payload)
@@ -204,35 +175,105 @@ class PipelineDriver:
 
         restore_scheduler(self.s, state["scheduler"])
         self.counters.update(state["counters"])
-        self.to_score = [sid for sid, q in self.s.seqs.items() if q.state is SeqState.SCORING]
-        for sid, q in self.s.seqs.items():
-            if q.state is SeqState.DONE and q.judged_id is not None:
-                self.judged_right[sid] = bool(self.s.seqs[q.judged_id].reward)
+        self.to_score = [sid for sid in self.s.samples if self.s.state(sid) is SeqState.SCORING]
+
+    # ------------------------------------------------------------------------------------------ updates
+    def _start_update(self, step: int) -> None:
+        """Take the due batch, build its training data and submit it to the trainer group (colocated
+        engines sleep first: the trainer needs their devices)."""
+        if self.colocated:
+            self.fleet.sleep()
+        batch = self.s.take_batch()
+        assert batch is not None
+        if self.shared_reward:
+            set_shared_rewards(self.s, batch)
+        samples, stats = self._training_data(batch, step)
+        self.train_handles = self.trainers.submit(samples)
+        self.flight[self.train_handles[0]] = _InFlight("train", payload=(batch, stats))
+        for h in self.train_handles[1:]:
+            self.flight[h] = _InFlight("train-rank", payload=(batch, stats))
+        self._train_started = time.perf_counter()
+
+    def _training_data(self, batch: Batch, step: int) -> tuple[dict[str, list[Any]], dict[str, float]]:
+        """GRPO advantages of ``batch``'s records, by policy, and the counts of what is trained."""
+        raw = batch.samples
+        samples, adv = assign_advantages(raw, filter_zero_variance=self.filter_zero_variance)
+        batches = self.trainers.split(samples)
+        if self.rollouts_dir is not None:
+            write_rollouts(self.rollouts_dir, step, batch, samples)
+        stats = {
+            "tokens": float(sum(len(s.prompt_ids) + s.response_len for s in samples)),
+            "samples": float(len(raw)),
+            "samples/trained": float(len(samples)),
+            "groups/filtered": adv["filtered_groups"],
+        }
+        return batches, stats
+
+    def _finish_update(self, ref: Any, item: _InFlight) -> tuple[Batch, dict[str, float], float]:
+        """Every rank's result is in: push the new weights (colocated engines wake their weights before
+        the push and their KV cache after it, so the device never holds the cache before the weights)
+        and let the scheduler move on. Returns the batch, the trainer's metrics and the training time."""
+        import ray
+
+        rest = [h for h in self.train_handles or [] if h is not ref]
+        for h in rest:
+            self.flight.pop(h, None)
+        results = [ray.get(ref), *ray.get(rest)]
+        train_s = time.perf_counter() - self._train_started
+        if self.colocated:
+            self.fleet.wake_weights()
+        metrics = self.trainers.finish(results)
+        if self.colocated:
+            self.fleet.wake()
+        batch, stats = item.payload
+        self.s.on_trained()
+        self.s.release(batch)
+        self.s.check()
+        self.train_handles = None
+        metrics.update(batch_metrics(batch))
+        metrics.update(stats)
+        return batch, metrics, train_s
+
+    def _pipeline_metrics(self, step_s: float, train_s: float) -> dict[str, float]:
+        return {
+            "time/step": step_s,
+            "time/train": train_s,
+            "pipeline/trainer_busy": min(1.0, train_s / step_s) if step_s > 0 else 0.0,
+            "pipeline/queue_groups": float(self.s.stats()["queue"]),
+            "pipeline/rollout_restarts": float(self.counters["rollout_restarts"]),
+            "pipeline/reward_restarts": float(self.counters["reward_restarts"]),
+            "pipeline/segments_during_update": float(self.counters["segments_during_update"]),
+            "pipeline/requeued": float(self.s.counters["requeued"]),
+            "pipeline/trained_total": float(self.s.census()["trained"]),
+        }
+
+    def _on_result(self, ref: Any, item: _InFlight) -> None:
+        """A rollout or reward call returned (or its worker died)."""
+        import ray
+
+        try:
+            result = ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
+            self._lost(item)
+            return
+        if item.kind == "rollout":
+            if self.train_handles is not None:
+                self.counters["segments_during_update"] += 1
+            self._on_rollout(item, result)
+        else:
+            self._on_reward(item, result)
 
     # -------------------------------------------------------------------------------------------- loop
-    def run_update(self) -> dict[str, float]:
-        """Drive everything until one update has finished; returns its metrics."""
+    def run_update(self, step: int) -> dict[str, float]:
+        """Drive everything until one update (the run's ``step``) has finished; returns its metrics."""
         import ray
 
         t0 = time.perf_counter()
-        batch: Batch | None = None
-        stats: dict[str, float] = {}
-        training: Mapping[str, float] | None = None
         while True:
             due = self.train_handles is None and self.s.update_ready()
             self._dispatch(rollouts=not (self.colocated and (due or self.train_handles is not None)))
             if due and not (self.colocated and self.busy_rollout):
-                if self.colocated:
-                    self.fleet.sleep()
-                batch = self.s.take_batch()
-                assert batch is not None
-                training = shared_rewards(self.s, batch.seqs) if self.shared_reward else None
-                samples, stats = self.samples_for(batch, training)
-                self.train_handles = self.train(samples)
-                self.flight[self.train_handles[0]] = _InFlight("train", payload=batch)
-                for h in self.train_handles[1:]:
-                    self.flight[h] = _InFlight("train-rank", payload=batch)
-                self._train_started = time.perf_counter()
+                self._start_update(step)
             if not self.flight:  # the problem stream never ends, so nothing to wait on is a bug
                 raise RuntimeError(f"pipeline stalled with nothing in flight: {self.s.stats()}")
             ready, _ = ray.wait(list(self.flight), num_returns=1)
@@ -241,51 +282,7 @@ class PipelineDriver:
             if item.kind == "train-rank":
                 continue
             if item.kind == "train":
-                rest = [h for h in self.train_handles or [] if h is not ref]
-                for h in rest:
-                    self.flight.pop(h, None)
-                results = [ray.get(ref), *ray.get(rest)]
-                train_s = time.perf_counter() - self._train_started
-                # Colocated engines slept with their weights discarded: give the weights their memory
-                # back, push the new ones (finish_train), and only then allocate the KV cache, so the
-                # device never holds the cache before the weights are in.
-                if self.colocated:
-                    self.fleet.wake_weights()
-                metrics = self.finish_train(results)
-                if self.colocated:
-                    self.fleet.wake()
-                done = item.payload
-                self.s.on_trained()
-                self.s.release(done)
-                self.s.check()
-                self.train_handles = None
-                step_s = time.perf_counter() - t0
-                metrics.update(batch_metrics(done, self.judged_right, training))
-                metrics.update(stats)
-                metrics.update(
-                    {
-                        "time/step": step_s,
-                        "time/train": train_s,
-                        "pipeline/trainer_busy": min(1.0, train_s / step_s) if step_s > 0 else 0.0,
-                        "pipeline/queue_groups": float(self.s.stats()["queue"]),
-                        "pipeline/rollout_restarts": float(self.counters["rollout_restarts"]),
-                        "pipeline/reward_restarts": float(self.counters["reward_restarts"]),
-                        "pipeline/segments_during_update": float(self.counters["segments_during_update"]),
-                        "pipeline/requeued": float(self.s.counters["requeued"]),
-                        "pipeline/trained_total": float(self.s.census()["trained"]),
-                    }
-                )
-                for sid in [q.sample_id for q in done.seqs]:
-                    self.judged_right.pop(sid, None)
+                _, metrics, train_s = self._finish_update(ref, item)
+                metrics.update(self._pipeline_metrics(time.perf_counter() - t0, train_s))
                 return metrics
-            try:
-                result = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
-                self._lost(item)
-                continue
-            if item.kind == "rollout":
-                if self.train_handles is not None:
-                    self.counters["segments_during_update"] += 1
-                self._on_rollout(item, result)
-            else:
-                self._on_reward(item, result)
+            self._on_result(ref, item)

@@ -14,19 +14,19 @@ from dataclasses import dataclass
 
 from mars_megatron.agents.prompts import PromptSet
 from mars_megatron.agents.roles import Role
+from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.trajectory import TrainingConfig
-from mars_megatron.algorithm.sample import Sample
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import (
+    ScoreRequest,
     batch_metrics,
     prompt_builder,
     record_outputs,
-    reward_item,
-    score_items,
+    score_requests,
     segment_request,
-    to_sample,
+    set_shared_rewards,
 )
-from mars_megatron.pipeline.scheduler import Batch, Limits, Scheduler, shared_rewards
+from mars_megatron.pipeline.scheduler import Batch, Limits, Scheduler
 from mars_megatron.rewards.agent_rewards import Checker
 from mars_megatron.rl.rollout import RewardMode
 from mars_megatron.rollout.chat import ChatCodec
@@ -39,7 +39,7 @@ class Round:
 
     batch: Batch
     samples: list[Sample]
-    """One per output, with its training reward."""
+    """One record per output, scored (with its training reward under ``reward=shared``)."""
     metrics: dict[str, float]
     scheduler: Scheduler
 
@@ -80,7 +80,6 @@ def run_round(
     by_engine: dict[int, tuple[RolloutEngine, set[Role]]] = {}
     for role, engine in engines.items():
         by_engine.setdefault(id(engine), (engine, set()))[1].add(role)
-    judged_right: dict[str, bool] = {}
     while not s.update_ready():
         finished: list[str] = []
         issued = 0
@@ -94,12 +93,11 @@ def run_round(
         if not issued:  # every sequence waits on a score, and none is being scored: a scheduler bug
             raise RuntimeError(f"run_round stalled: {s.stats()}")
         if finished:
-            items = [reward_item(s, sid) for sid in finished]
-            judged_right.update({sid: right for sid, _, _, _, right in items if s.seqs[sid].judged_id})
-            for sid, value, verdict in score_items(items, checker):
-                s.on_scored(sid, s.seqs[sid].text, value, verdict)
+            requests = [ScoreRequest.of(s, sid) for sid in finished]
+            for sid, value, verdict in score_requests(requests, checker):
+                s.on_scored(sid, value, verdict)
     batch = s.take_batch()
     assert batch is not None
-    training = shared_rewards(s, batch.seqs) if reward == "shared" else None
-    samples = [to_sample(q, None if training is None else training[q.sample_id]) for q in batch.seqs]
-    return Round(batch, samples, batch_metrics(batch, judged_right, training), s)
+    if reward == "shared":
+        set_shared_rewards(s, batch)
+    return Round(batch, batch.samples, batch_metrics(batch), s)

@@ -5,12 +5,13 @@ Pure bookkeeping: no engines, no Ray, no clock. The real pipeline (Ray actors) a
 measures the schedule the trainer actually runs.
 
 The unit of work is a *segment*: at most ``segment_tokens`` more tokens of one agent output
-(:class:`Seq`). A sequence that is not finished after its segment is carried over and continues with
-whatever weights the engines hold by then; each segment records that policy version. When a sequence
-finishes it is scored; when every output of a position for a problem is scored, the next position's
-inputs are selected (:func:`~mars_megatron.agents.trajectory.select_inputs`) and its sequences start at
-once, without waiting for other problems; when every member of a group (same role, same input) is
-scored, the group joins the training queue. Nothing waits for whole trajectories.
+(its record, a :class:`~mars_megatron.agents.sample.Sample`, grows by one segment at a time). A
+sequence that is not finished after its segment is carried over and continues with whatever weights
+the engines hold by then; each segment records that policy version. When a sequence finishes it is
+scored; when every output of a position for a problem is scored, the next position's inputs are
+selected (:func:`~mars_megatron.agents.selection.select_inputs`) and its sequences start at once,
+without waiting for other problems; when every member of a group (same role, same input) is scored,
+the group joins the training queue. Nothing waits for whole trajectories.
 
 Staleness. A segment decoded by version ``v`` and trained by the update of version ``u`` (the update that
 makes ``u + 1``) is ``u - v`` versions stale; ``max_staleness[role]`` bounds it. The scheduler keeps the
@@ -35,7 +36,8 @@ order it completed in.
 ``whole_trajectories`` (the shared, trajectory-level reward) holds complete groups back until every
 output of their problem's tree is scored; a held group counts as open for the staleness gate.
 
-Fault tolerance. Every sequence has a stable ``sample_id`` and a state. A worker that dies loses the
+Fault tolerance. Every sequence has a stable ``sample_id`` and a state (:class:`SeqState`, the
+scheduler's own bookkeeping beside the record). A worker that dies loses the
 segments and scores it held; :meth:`Scheduler.requeue` puts those sequences back exactly as they were
 before the lost call (the tokens of a lost segment were never recorded), so nothing is lost and nothing
 is recorded twice. :meth:`Scheduler.check` verifies the counts.
@@ -46,15 +48,16 @@ from __future__ import annotations
 import random
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import numpy as np
 
 from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import Position, RolloutRecord, TrainingConfig, group_id, select_inputs
-from mars_megatron.algorithm.sample import Segment
+from mars_megatron.agents.sample import Sample, Segment
+from mars_megatron.agents.selection import select_inputs
+from mars_megatron.agents.trajectory import Position, TrainingConfig, group_id
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.rl.rollout import derive_seed
 
@@ -71,60 +74,14 @@ class SeqState(StrEnum):
 
 
 @dataclass
-class Seq:
-    """One agent output, decoded over one or more segments."""
+class _Flight:
+    """The scheduler's bookkeeping of one record: where it is, and at which versions it was issued."""
 
-    sample_id: str
-    problem: Problem
-    key: str
-    """This admission of the problem (``<problem id>@<n>``): a problem met again in a later epoch is a
-    new trajectory tree with new sample ids."""
-    position: Position
-    parent_id: str | None
-    """The output this one's input was built from (None for the Solver)."""
-    judged_id: str | None
-    """Verifier: the solution it judges. Corrector: the solution it revises. None for the Solver."""
-    prompt_ids: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    segments: list[Segment] = field(default_factory=list)
-    routing: np.ndarray | None = None
-    """MoE engines that capture routing: the experts of every position fed so far, from the latest
-    segment's call (its prefill routed all earlier positions again, under the weights that decoded its
-    tokens, so it is the routing of the newest policy version for every position)."""
     state: SeqState = SeqState.READY
     first_version: int | None = None
     """The policy version its first segment was issued at (None until then)."""
     issued_version: int | None = None
     """The policy version of the segment now being decoded."""
-    finish_reason: str | None = None
-    text: str = ""
-    reward: float | None = None
-    verdict: bool | None = None
-
-    @property
-    def role(self) -> Role:
-        return self.position.role
-
-    @property
-    def group_id(self) -> str:
-        return group_id(self.key, self.position, self.parent_id)
-
-    @property
-    def oldest_version(self) -> int | None:
-        return self.segments[0].version if self.segments else None
-
-    def record(self) -> RolloutRecord:
-        return RolloutRecord(
-            sample_id=self.sample_id,
-            problem_id=self.problem.problem_id,
-            position=self.position,
-            messages=[],
-            output_text=self.text,
-            parent_id=self.parent_id,
-            reward=self.reward,
-            verdict=self.verdict,
-        )
 
 
 @dataclass(frozen=True)
@@ -170,7 +127,7 @@ class Limits:
             raise ValueError(f"Limits.max_staleness needs a bound >= 0 for every role (missing {missing})")
 
 
-PromptFn = Callable[[Position, Problem, "Seq | None", "Seq | None"], list[int]]
+PromptFn = Callable[[Position, Problem, "Sample | None", "Sample | None"], list[int]]
 """(position, problem, parent output, judged solution) -> the prompt's token ids."""
 
 
@@ -180,10 +137,10 @@ class Batch:
 
     version: int
     """The policy version this update trains (it produces ``version + 1``)."""
-    groups: list[list[Seq]]
+    groups: list[list[Sample]]
 
     @property
-    def seqs(self) -> list[Seq]:
+    def samples(self) -> list[Sample]:
         return [s for g in self.groups for s in g]
 
 
@@ -199,7 +156,10 @@ class Scheduler:
         """The policy version the rollout engines hold."""
         self.training: int | None = None
         """The version an update is now training, or None."""
-        self.seqs: dict[str, Seq] = {}
+        self.samples: dict[str, Sample] = {}
+        """Every record not yet retired, by sample id."""
+        self._flight: dict[str, _Flight] = {}
+        self._problems: dict[str, Problem] = {}  # trajectory id -> its problem
         self._waiting: deque[Problem] = deque()
         self._admitted_at: dict[int, int] = {}  # version -> problems admitted while it was current
         self._active: dict[str, int] = {}  # problem id -> unfinished sequences
@@ -233,31 +193,36 @@ class Scheduler:
             key = f"{problem.problem_id}@{self.counters['problems']}"
             self._admitted_at[self.version] = self._admitted_at.get(self.version, 0) + 1
             self.counters["problems"] += 1
+            self._problems[key] = problem
             self._active[key] = 0
             self._by_problem[key] = []
             self._untrained[key] = 0
-            self._spawn(Position.SOLVER, problem, key, None, None)
+            self._spawn(Position.SOLVER, key, None, None)
             budget -= 1
 
-    def _spawn(
-        self, position: Position, problem: Problem, key: str, parent: Seq | None, judged: Seq | None
-    ) -> None:
+    def _spawn(self, position: Position, key: str, parent: Sample | None, judged: Sample | None) -> None:
+        problem = self._problems[key]
         prompt = list(self.prompt_fn(position, problem, parent, judged))
         gid = group_id(key, position, parent.sample_id if parent else None)
         members = []
         for k in range(self.agents.group_size):
             sid = f"{gid}/{k}"
-            if sid in self.seqs:
+            if sid in self.samples:
                 raise ValueError(f"sample id {sid!r} issued twice")
-            self.seqs[sid] = Seq(
-                sid,
-                problem,
-                key,
-                position,
-                parent.sample_id if parent else None,
-                judged.sample_id if judged else None,
+            self.samples[sid] = Sample(
                 prompt,
+                [],
+                position,
+                problem.problem_id,
+                gid,
+                behaviour_logprobs=[],
+                sample_id=sid,
+                trajectory_id=key,
+                parent_id=parent.sample_id if parent else None,
+                judged_id=judged.sample_id if judged else None,
+                judged_right=None if judged is None else bool(judged.reward),
             )
+            self._flight[sid] = _Flight()
             members.append(sid)
             self.counters["spawned"] += 1
             self._unfinished[position.role] += 1
@@ -279,13 +244,13 @@ class Scheduler:
         started = self._group_first
 
         def priority(sid: str) -> tuple[bool, bool, tuple[int, str]]:
-            seq = self.seqs[sid]
-            return (not seq.tokens, seq.group_id not in started, self._ready[sid])
+            seq = self.samples[sid]
+            return (not seq.response_ids, seq.group_id not in started, self._ready[sid])
 
         order = sorted(self._ready, key=priority)
         jobs = []
         wanted = set(roles) if roles is not None else None
-        for seq in (self.seqs[sid] for sid in order):
+        for seq in (self.samples[sid] for sid in order):
             if limit is not None and len(jobs) >= limit:
                 break
             if wanted is not None and seq.role not in wanted:
@@ -295,13 +260,14 @@ class Scheduler:
             jobs.append(self._issue(seq))
         return jobs
 
-    def _issue(self, seq: Seq) -> SegmentJob:
-        left = self.limits.max_response_tokens - len(seq.tokens)
-        seq.state = SeqState.DECODING
+    def _issue(self, seq: Sample) -> SegmentJob:
+        left = self.limits.max_response_tokens - len(seq.response_ids)
+        flight = self._flight[seq.sample_id]
+        flight.state = SeqState.DECODING
         del self._ready[seq.sample_id]
-        seq.issued_version = self.version
-        if seq.first_version is None:
-            seq.first_version = self.version
+        flight.issued_version = self.version
+        if flight.first_version is None:
+            flight.first_version = self.version
         if seq.group_id not in self._group_first:
             self._group_first[seq.group_id] = self.version
             self._open_oldest[seq.role][self.version] += 1
@@ -309,9 +275,9 @@ class Scheduler:
             seq.sample_id,
             seq.role,
             seq.prompt_ids,
-            seq.tokens,
+            seq.response_ids,
             min(self.limits.segment_tokens, left),
-            derive_seed(self.seed, seq.sample_id, len(seq.segments)),
+            derive_seed(self.seed, seq.sample_id, len(seq.segment_versions)),
             self.version,
         )
 
@@ -333,44 +299,32 @@ class Scheduler:
         (``GenerationOutput.routed_experts``); it replaces the sequence's.
         """
         seq = self._expect(sample_id, SeqState.DECODING)
-        if len(token_ids) != len(logprobs):
-            raise ValueError(f"{sample_id}: {len(token_ids)} tokens but {len(logprobs)} log-probs")
-        if routed_experts is not None and token_ids:
-            fed = len(seq.prompt_ids) + len(seq.tokens) + len(token_ids) - 1
-            if routed_experts.ndim != 3 or routed_experts.shape[0] != fed:
-                raise ValueError(
-                    f"{sample_id}: routed_experts has shape {routed_experts.shape}, expected ({fed}, "
-                    "moe_layers, top_k) for the positions this segment's call fed"
-                )
-            seq.routing = routed_experts
-        assert seq.issued_version is not None
-        if token_ids:
-            start = len(seq.tokens)
-            seq.tokens.extend(token_ids)
-            seq.logprobs.extend(logprobs)
-            decoded_by = seq.issued_version if version is None else version
-            seq.segments.append(Segment(start, len(seq.tokens), decoded_by))
-        seq.issued_version = None
-        full = len(seq.tokens) >= self.limits.max_response_tokens
+        flight = self._flight[sample_id]
+        assert flight.issued_version is not None
+        decoded_by = flight.issued_version if version is None else version
+        seq.add_segment(token_ids, logprobs, decoded_by, routed_experts)
+        flight.issued_version = None
+        full = len(seq.response_ids) >= self.limits.max_response_tokens
         if stopped or full or not token_ids:
-            seq.finish_reason = "stop" if stopped else "length"
-            seq.state = SeqState.SCORING
+            seq.finish("stop" if stopped else "length")
+            flight.state = SeqState.SCORING
             return True
-        seq.state = SeqState.READY
+        flight.state = SeqState.READY
         self._ready[seq.sample_id] = (-self._depth[seq.position], seq.sample_id)
         return False
 
     # ------------------------------------------------------------------------------------------ scoring
-    def on_scored(self, sample_id: str, text: str, reward: float, verdict: bool | None = None) -> None:
+    def on_scored(self, sample_id: str, reward: float, verdict: bool | None = None) -> None:
         """Record a finished sequence's reward; completes groups and starts the next position."""
         seq = self._expect(sample_id, SeqState.SCORING)
-        seq.text, seq.reward, seq.verdict = text, reward, verdict
-        seq.state = SeqState.DONE
+        seq.reward, seq.verdict = reward, verdict
+        seq.check()
+        self._flight[sample_id].state = SeqState.DONE
         self._unfinished[seq.role] -= 1
-        pid = seq.key
+        pid = seq.trajectory_id
         self._active[pid] -= 1
         gid = seq.group_id
-        if all(self.seqs[m].state is SeqState.DONE for m in self._groups[gid]):
+        if all(self._flight[m].state is SeqState.DONE for m in self._groups[gid]):
             if self.limits.whole_trajectories:
                 self._held.setdefault(pid, []).append(gid)
             else:
@@ -378,7 +332,7 @@ class Scheduler:
         key = (pid, seq.position)
         self._position_left[key] -= 1
         if self._position_left[key] == 0:
-            self._next_position(seq.problem, seq.key, seq.position)
+            self._next_position(pid, seq.position)
         if self._active[pid] == 0:
             del self._active[pid]
             for held in self._held.pop(pid, []):
@@ -388,36 +342,31 @@ class Scheduler:
     def _enqueue(self, gid: str) -> None:
         """A group becomes trainable (it stays open for the staleness gate until then)."""
         self._queue.append(gid)
-        self._open_oldest[self.seqs[self._groups[gid][0]].role][self._group_first.pop(gid)] -= 1
+        self._open_oldest[self.samples[self._groups[gid][0]].role][self._group_first.pop(gid)] -= 1
 
     def _retire(self, pid: str) -> None:
         """Forget a problem whose sequences are all done and whose groups are all trained."""
         if pid in self._active or self._untrained.get(pid, 1) > 0:
             return
         for sid in self._by_problem.pop(pid):
-            seq = self.seqs.pop(sid)
+            seq = self.samples.pop(sid)
+            del self._flight[sid]
             self._groups.pop(seq.group_id, None)
             self._position_left.pop((pid, seq.position), None)
         del self._untrained[pid]
+        del self._problems[pid]
 
-    def _next_position(self, problem: Problem, key: str, position: Position) -> None:
+    def _next_position(self, key: str, position: Position) -> None:
         nxt = self.agents.next_position(position)
         if nxt is None:
             return
-        candidates = [self.seqs[sid] for sid in self._by_problem[key]]
+        candidates = [self.samples[sid] for sid in self._by_problem[key]]
         candidates = sorted((s for s in candidates if s.position is position), key=lambda s: s.sample_id)
         rng = random.Random(derive_seed(self.seed, key, position.value, "select"))
-        chosen = select_inputs(
-            [s.record() for s in candidates],
-            self.agents.inputs_per_agent,
-            self.agents.strategy,
-            nxt.role,
-            rng,
-        )
-        for record in chosen:
-            parent = self.seqs[record.sample_id]
-            judged = parent if nxt.role is Role.VERIFIER else self.seqs[parent.judged_id or ""]
-            self._spawn(nxt, problem, key, parent, judged)
+        chosen = select_inputs(candidates, self.agents.inputs_per_agent, self.agents.strategy, nxt.role, rng)
+        for parent in chosen:
+            judged = parent if nxt.role is Role.VERIFIER else self.samples[parent.judged_id or ""]
+            self._spawn(nxt, key, parent, judged)
 
     # ----------------------------------------------------------------------------------------- training
     def unfinished(self, roles: Iterable[Role] | None = None) -> int:
@@ -446,12 +395,12 @@ class Scheduler:
             return None
         zero = [r for r, b in self.limits.max_staleness.items() if b == 0]
         u = self.version
-        chosen: list[list[Seq]] = []
+        chosen: list[list[Sample]] = []
         kept: list[str] = []
         for gid in self._queue:
-            members = [self.seqs[m] for m in self._groups[gid]]
+            members = [self.samples[m] for m in self._groups[gid]]
             bound = self.limits.max_staleness[members[0].role]
-            oldest = min((s.segments[0].version for s in members if s.segments), default=u)
+            oldest = min((s.segment_versions[0].version for s in members if s.segment_versions), default=u)
             if u - oldest > bound:  # update_ready and the rule below make this impossible
                 raise AssertionError(f"group {gid} is {u - oldest} versions old, bound {bound}")
             if len(chosen) < self.limits.batch_groups or zero or u + 1 - oldest > bound:
@@ -463,7 +412,7 @@ class Scheduler:
             return None
         # One order for the same data whatever the timing (packing, and so the numerics, follow it):
         # by admission, then position, then group id.
-        chosen.sort(key=lambda g: (_admission(g[0].key), self._depth[g[0].position], g[0].group_id))
+        chosen.sort(key=lambda g: (_admission(g[0].trajectory_id), self._depth[g[0].position], g[0].group_id))
         self.training = u
         for members in chosen:
             for seq in members:
@@ -489,21 +438,21 @@ class Scheduler:
     def release(self, batch: Batch) -> None:
         """The driver is done with ``batch``'s sequences (samples built): let finished problems go."""
         for members in batch.groups:
-            self._settle(members[0].key)
+            self._settle(members[0].trajectory_id)
 
     # ---------------------------------------------------------------------------------- fault tolerance
     def requeue(self, sample_ids: Iterable[str]) -> None:
         """Sequences whose segment or score was lost with a worker: back to where they were before."""
         for sid in sample_ids:
-            seq = self.seqs[sid]
-            if seq.state is SeqState.DECODING:
-                seq.state = SeqState.READY
-                seq.issued_version = None
-                if not seq.segments:  # its first segment was lost (the group keeps its start version)
-                    seq.first_version = None
+            seq, flight = self.samples[sid], self._flight[sid]
+            if flight.state is SeqState.DECODING:
+                flight.state = SeqState.READY
+                flight.issued_version = None
+                if not seq.segment_versions:  # its first segment was lost (the group keeps its start version)
+                    flight.first_version = None
                 self._ready[sid] = (-self._depth[seq.position], sid)
-            elif seq.state is not SeqState.SCORING:  # SCORING stays: the driver sends it to score again
-                raise ValueError(f"requeue: {sid} is {seq.state.value}, not in flight")
+            elif flight.state is not SeqState.SCORING:  # SCORING stays: the driver sends it to score again
+                raise ValueError(f"requeue: {sid} is {flight.state.value}, not in flight")
             self.counters["requeued"] += 1
 
     def idle(self) -> bool:
@@ -519,8 +468,8 @@ class Scheduler:
         """Every sample ever started is trained, scored and waiting (for its group or an update), or not
         yet scored."""
         trained = len(self._trained)
-        done = sum(1 for s in self.seqs.values() if s.state is SeqState.DONE) - sum(
-            1 for sid in self._trained if sid in self.seqs
+        done = sum(1 for f in self._flight.values() if f.state is SeqState.DONE) - sum(
+            1 for sid in self._trained if sid in self.samples
         )
         return {
             "spawned": self.counters["spawned"],
@@ -541,23 +490,38 @@ class Scheduler:
                 raise AssertionError(f"group {gid}: {members}")
             seen.update(members)
         for sid in self._trained:
-            seq = self.seqs.get(sid)
-            if seq is not None and seq.state is not SeqState.DONE:
-                raise AssertionError(f"{sid} was trained but is {seq.state.value}")
+            flight = self._flight.get(sid)
+            if flight is not None and flight.state is not SeqState.DONE:
+                raise AssertionError(f"{sid} was trained but is {flight.state.value}")
 
-    def _expect(self, sample_id: str, state: SeqState) -> Seq:
-        seq = self.seqs.get(sample_id)
+    def _expect(self, sample_id: str, state: SeqState) -> Sample:
+        seq = self.samples.get(sample_id)
         if seq is None:
             raise KeyError(f"unknown sample id {sample_id!r}")
-        if seq.state is not state:
-            raise ValueError(f"{sample_id}: expected state {state.value}, it is {seq.state.value}")
+        if self._flight[sample_id].state is not state:
+            raise ValueError(
+                f"{sample_id}: expected state {state.value}, it is {self._flight[sample_id].state.value}"
+            )
         return seq
+
+    # ------------------------------------------------------------------------------------------- views
+    def state(self, sample_id: str) -> SeqState:
+        """Where the record ``sample_id`` is in the schedule."""
+        return self._flight[sample_id].state
+
+    def first_version(self, sample_id: str) -> int | None:
+        """The policy version the first segment of ``sample_id`` was issued at (None until then)."""
+        return self._flight[sample_id].first_version
+
+    def problem(self, sample: Sample) -> Problem:
+        """The problem of ``sample``'s trajectory (its text and reference)."""
+        return self._problems[sample.trajectory_id]
 
     # ---------------------------------------------------------------------------------------- metrics
     def stats(self) -> dict[str, Any]:
         by_state: dict[str, int] = {}
-        for s in self.seqs.values():
-            by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
+        for f in self._flight.values():
+            by_state[f.state.value] = by_state.get(f.state.value, 0) + 1
         return {**self.counters, **{f"seqs/{k}": v for k, v in by_state.items()}, "queue": len(self._queue)}
 
 
@@ -565,7 +529,7 @@ def _admission(key: str) -> int:
     return int(key.rsplit("@", 1)[1])
 
 
-def shared_rewards(s: Scheduler, seqs: Iterable[Seq]) -> dict[str, float]:
+def shared_rewards(s: Scheduler, seqs: Iterable[Sample]) -> dict[str, float]:
     """``algorithm.reward=shared``: each output's reward is the outcome of the trajectories through it —
     whether their final solution is right, averaged over its continuations (the whole tree must be
     scored: :attr:`Limits.whole_trajectories`).
@@ -574,21 +538,22 @@ def shared_rewards(s: Scheduler, seqs: Iterable[Seq]) -> dict[str, float]:
     judged when no Corrector revised it (it said Correct, or its branch was not selected).
     """
     children: dict[str, list[str]] = {}
-    for q in s.seqs.values():
+    for q in s.samples.values():
         if q.parent_id is not None:
             children.setdefault(q.parent_id, []).append(q.sample_id)
     memo: dict[str, float] = {}
 
     def outcome(sid: str) -> float:
         if sid not in memo:
-            q = s.seqs[sid]
-            if q.state is not SeqState.DONE:
-                raise ValueError(f"shared reward of {sid}: its trajectory is not finished ({q.state.value})")
+            q = s.samples[sid]
+            if s.state(sid) is not SeqState.DONE:
+                state = s.state(sid).value
+                raise ValueError(f"shared reward of {sid}: its trajectory is not finished ({state})")
             kids = children.get(sid, [])
             if kids:
                 memo[sid] = sum(outcome(k) for k in kids) / len(kids)
             elif q.role is Role.VERIFIER:
-                memo[sid] = float(s.seqs[q.judged_id or ""].reward or 0.0)
+                memo[sid] = float(s.samples[q.judged_id or ""].reward or 0.0)
             else:
                 memo[sid] = float(q.reward or 0.0)
         return memo[sid]
@@ -610,26 +575,28 @@ def scheduler_state(s: Scheduler) -> dict[str, Any]:
     if s.training is not None:
         raise RuntimeError("scheduler_state: an update is running; save between updates")
     seqs = []
-    for q in s.seqs.values():
+    for q in s.samples.values():
+        f = s._flight[q.sample_id]
         seqs.append(
             {
                 "sample_id": q.sample_id,
-                "problem": _problem_state(q.problem),
-                "key": q.key,
+                "problem": _problem_state(s.problem(q)),
+                "key": q.trajectory_id,
                 "position": q.position.value,
                 "parent_id": q.parent_id,
                 "judged_id": q.judged_id,
                 "prompt_ids": np.asarray(q.prompt_ids, dtype=np.int64),
-                "tokens": np.asarray(q.tokens, dtype=np.int64),
-                "logprobs": np.asarray(q.logprobs, dtype=np.float32),
-                "segments": [(g.start, g.end, g.version) for g in q.segments],
-                "routing": q.routing,
-                "state": (SeqState.READY if q.state is SeqState.DECODING else q.state).value,
-                "first_version": q.first_version if q.segments or q.state is SeqState.DONE else None,
+                "tokens": np.asarray(q.response_ids, dtype=np.int64),
+                "logprobs": np.asarray(q.behaviour_logprobs or [], dtype=np.float32),
+                "segments": [(g.start, g.end, g.version) for g in q.segment_versions],
+                "routing": q.routed_experts,
+                "state": (SeqState.READY if f.state is SeqState.DECODING else f.state).value,
+                "first_version": f.first_version if q.segment_versions or f.state is SeqState.DONE else None,
                 "finish_reason": q.finish_reason,
                 "text": q.text,
                 "reward": q.reward,
                 "verdict": q.verdict,
+                "judged_right": q.judged_right,
             }
         )
     return {
@@ -648,43 +615,52 @@ def scheduler_state(s: Scheduler) -> dict[str, Any]:
 
 def restore_scheduler(s: Scheduler, state: Mapping[str, Any]) -> None:
     """Load :func:`scheduler_state` into a fresh scheduler built with the same config."""
-    if s.seqs or s._waiting or s.version:
+    if s.samples or s._waiting or s.version:
         raise RuntimeError("restore_scheduler: the scheduler is not fresh")
     s.version = int(state["version"])
     for d in state["seqs"]:
-        q = Seq(
-            d["sample_id"],
-            Problem(**d["problem"]),
-            d["key"],
-            Position(d["position"]),
-            d["parent_id"],
-            d["judged_id"],
+        problem = Problem(**d["problem"])
+        key = d["key"]
+        position = Position(d["position"])
+        q = Sample(
             [int(x) for x in d["prompt_ids"]],
-            tokens=[int(x) for x in d["tokens"]],
-            logprobs=[float(x) for x in d["logprobs"]],
-            segments=[Segment(*g) for g in d["segments"]],
-            routing=d.get("routing"),  # absent in checkpoints from before routing capture
-            state=SeqState(d["state"]),
-            first_version=d["first_version"],
-            finish_reason=d["finish_reason"],
-            text=d["text"],
+            [int(x) for x in d["tokens"]],
+            position,
+            problem.problem_id,
+            group_id(key, position, d["parent_id"]),
             reward=d["reward"],
+            behaviour_logprobs=[min(float(x), 0.0) for x in d["logprobs"]],
+            segment_versions=[Segment(*g) for g in d["segments"]],
+            sample_id=d["sample_id"],
+            routed_experts=d.get("routing"),  # absent in checkpoints from before routing capture
+            trajectory_id=key,
+            parent_id=d["parent_id"],
+            judged_id=d["judged_id"],
+            text=d["text"],
+            finish_reason=d["finish_reason"],
             verdict=d["verdict"],
+            judged_right=d.get("judged_right"),
         )
-        s.seqs[q.sample_id] = q
-        s._by_problem.setdefault(q.key, []).append(q.sample_id)
-        if q.state is not SeqState.DONE:
+        state_ = SeqState(d["state"])
+        s.samples[q.sample_id] = q
+        s._flight[q.sample_id] = _Flight(state_, d["first_version"])
+        s._problems.setdefault(key, problem)
+        s._by_problem.setdefault(key, []).append(q.sample_id)
+        if state_ is not SeqState.DONE:
             s._unfinished[q.role] += 1
-            s._active[q.key] = s._active.get(q.key, 0) + 1
-            s._position_left[q.key, q.position] = s._position_left.get((q.key, q.position), 0) + 1
+            s._active[key] = s._active.get(key, 0) + 1
+            s._position_left[key, q.position] = s._position_left.get((key, q.position), 0) + 1
         else:
-            s._position_left.setdefault((q.key, q.position), 0)
-        if q.state is SeqState.READY:
+            s._position_left.setdefault((key, q.position), 0)
+        if state_ is SeqState.READY:
             s._ready[q.sample_id] = (-s._depth[q.position], q.sample_id)
+    for q in s.samples.values():  # checkpoints from before the record carried it
+        if q.judged_id is not None and q.judged_right is None:
+            q.judged_right = bool(s.samples[q.judged_id].reward)
     s._groups = {g: list(m) for g, m in state["groups"].items()}
     s._trained = set(state["trained"])
     for members in s._groups.values():
-        key = s.seqs[members[0]].key
+        key = s.samples[members[0]].trajectory_id
         if not all(m in s._trained for m in members):
             s._untrained[key] = s._untrained.get(key, 0) + 1
     for key in s._by_problem:
@@ -698,6 +674,6 @@ def restore_scheduler(s: Scheduler, state: Mapping[str, Any]) -> None:
     s._group_first = {g: int(v) for g, v in state["group_first"].items()}
     s._held = {k: list(v) for k, v in state.get("held", {}).items()}
     for gid, version in s._group_first.items():
-        s._open_oldest[s.seqs[s._groups[gid][0]].role][version] += 1
+        s._open_oldest[s.samples[s._groups[gid][0]].role][version] += 1
     s.counters.update(state["counters"])
     s.check()

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mars_megatron.agents.roles import Role
+from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.trajectory import Position
 from mars_megatron.evaluation.data import Problem
-from mars_megatron.pipeline.scheduler import Batch, PromptFn, Scheduler, SegmentJob, Seq
+from mars_megatron.pipeline.scheduler import Batch, PromptFn, Scheduler, SegmentJob
 from mars_megatron.rl.rollout import derive_seed
 
 Placement = Literal["disaggregated", "colocated"]
@@ -56,7 +57,7 @@ class Lengths:
     max_input_tokens: int = 32768
     """Cap of a prompt that carries earlier outputs (the solution judged, the report)."""
 
-    def draw(self, seq: Seq, seed: int) -> int:
+    def draw(self, seq: Sample, seed: int) -> int:
         rng = random.Random(derive_seed(seed, seq.sample_id, "length"))
         return max(1, int(self.median[seq.role] * math.exp(self.sigma * rng.gauss(0.0, 1.0))))
 
@@ -94,10 +95,12 @@ def simple_prompts(lengths: Lengths) -> PromptFn:
     """Prompts of the right length for the simulation (placeholder ids: their content never matters): the
     problem, plus the solution judged and, for a Corrector, the report, up to ``max_input_tokens``."""
 
-    def prompt_fn(position: Position, problem: Problem, parent: Seq | None, judged: Seq | None) -> list[int]:
-        carried = len(judged.tokens) if judged is not None else 0
+    def prompt_fn(
+        position: Position, problem: Problem, parent: Sample | None, judged: Sample | None
+    ) -> list[int]:
+        carried = len(judged.response_ids) if judged is not None else 0
         if parent is not None and parent is not judged:
-            carried += len(parent.tokens)
+            carried += len(parent.response_ids)
         return [0] * min(lengths.prompt_tokens + carried, lengths.max_input_tokens)
 
     return prompt_fn
@@ -136,19 +139,19 @@ class Simulation:
     def _decode(self, jobs: list[SegmentJob]) -> tuple[float, list[tuple[SegmentJob, int, bool]]]:
         out = []
         for job in jobs:
-            seq = self.s.seqs[job.sample_id]
+            seq = self.s.samples[job.sample_id]
             target = self.lengths.draw(seq, self.seed)
-            n = min(job.max_tokens, max(0, target - len(seq.tokens)))
-            out.append((job, n, len(seq.tokens) + n >= target))
+            n = min(job.max_tokens, max(0, target - len(seq.response_ids)))
+            out.append((job, n, len(seq.response_ids) + n >= target))
         steps = max((n for _, n, _ in out), default=0)
         return steps * self._step_time(len(jobs)), out
 
-    def _score(self, seq: Seq) -> tuple[float, bool | None]:
+    def _score(self, seq: Sample) -> tuple[float, bool | None]:
         rng = random.Random(derive_seed(self.seed, seq.sample_id, "reward"))
         right = rng.random() < self.accuracy[seq.role]
         if seq.role is not Role.VERIFIER:
             return float(right), None
-        judged = self.s.seqs[seq.judged_id or ""]
+        judged = self.s.samples[seq.judged_id or ""]
         truth = bool(judged.reward)
         verdict = truth if right else not truth
         return float(right), verdict
@@ -181,7 +184,7 @@ class Simulation:
                 batch = self.s.take_batch()
                 assert batch is not None
                 training = True
-                n_tokens = sum(len(q.prompt_ids) + len(q.tokens) for q in batch.seqs)
+                n_tokens = sum(len(q.prompt_ids) + q.response_len for q in batch.samples)
                 cost = self.costs.train_s_per_token * n_tokens + self.costs.sync_s
                 self.batches.append(batch)
                 push(clock + cost, "trained", (batch, cost, n_tokens))
@@ -205,15 +208,14 @@ class Simulation:
                 for job, n, stopped in results:
                     ids = [1] * n
                     if self.s.on_segment(job.sample_id, ids, [-1.0] * n, stopped=stopped):
-                        seq = self.s.seqs[job.sample_id]
-                        reward, verdict = self._score(seq)
-                        self.s.on_scored(job.sample_id, "", reward, verdict)
+                        reward, verdict = self._score(self.s.samples[job.sample_id])
+                        self.s.on_scored(job.sample_id, reward, verdict)
             elif kind == "trained":
                 batch, cost, n_tokens = payload  # type: ignore[misc]
                 train_busy += cost
-                samples += len(batch.seqs)
+                samples += len(batch.samples)
                 tokens += n_tokens
-                staleness.extend(batch.version - (q.oldest_version or batch.version) for q in batch.seqs)
+                staleness.extend(batch.version - (q.oldest_version or batch.version) for q in batch.samples)
                 self.s.on_trained()
                 self.s.release(batch)
                 training = False

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 from mars_megatron.agents.roles import Role
+from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.trajectory import Position
 
 RewardMode = Literal["agent", "shared"]
@@ -24,35 +24,18 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-@dataclass(frozen=True)
-class Scored:
-    """One scored agent output, as the per-role metrics see it."""
-
-    position: Position
-    reward: float
-    """The agent-specific reward."""
-    judged_right: bool | None
-    """Verifier/Corrector: whether the solution it judged or revised was right; None for the Solver."""
-    prompt_len: int
-    response_len: int
-    truncated: bool
-    verdict: bool | None = None
-    training_reward: float | None = None
-    """The reward trained on, where it differs in kind (``algorithm.reward=shared``)."""
-
-
-def role_metrics(outputs: Sequence[Scored]) -> dict[str, float]:
+def role_metrics(outputs: Sequence[Sample]) -> dict[str, float]:
     """Agent-specific rewards per role and position (also under ``algorithm.reward=shared``, so runs
-    compare on the same scale), sample counts, lengths and truncation. One definition for the
-    synchronous rollout and the agentic pipeline's updates."""
+    compare on the same scale), sample counts, lengths and truncation, of scored samples. One definition
+    for the synchronous rollout and the agentic pipeline's updates."""
     out: dict[str, float] = {}
-    by_role: dict[Role, list[Scored]] = {}
-    by_position: dict[Position, list[Scored]] = {}
+    by_role: dict[Role, list[Sample]] = {}
+    by_position: dict[Position, list[Sample]] = {}
     for o in outputs:
         by_role.setdefault(o.position.role, []).append(o)
         by_position.setdefault(o.position, []).append(o)
     for position, members in by_position.items():
-        out[f"position_reward/{position.value}"] = _mean([o.reward for o in members])
+        out[f"position_reward/{position.value}"] = _mean([o.reward or 0.0 for o in members])
         out[f"position_samples/{position.value}"] = float(len(members))
     for role in Role:
         members = by_role.get(role, [])
@@ -60,12 +43,12 @@ def role_metrics(outputs: Sequence[Scored]) -> dict[str, float]:
         if not members:  # e.g. no Verifier found an error: logged as null, plotted as a gap
             out[f"reward/{role.value}"] = float("nan")
             continue
-        out[f"reward/{role.value}"] = _mean([o.reward for o in members])
+        out[f"reward/{role.value}"] = _mean([o.reward or 0.0 for o in members])
         if all(o.training_reward is not None for o in members):
             out[f"train_reward/{role.value}"] = _mean([o.training_reward or 0.0 for o in members])
         out[f"response_len/{role.value}"] = _mean([float(o.response_len) for o in members])
         out[f"truncated/{role.value}"] = _mean([float(o.truncated) for o in members])
-    out["rollout/prompt_tokens"] = float(sum(o.prompt_len for o in outputs))
+    out["rollout/prompt_tokens"] = float(sum(len(o.prompt_ids) for o in outputs))
     out["rollout/response_tokens"] = float(sum(o.response_len for o in outputs))
     verifiers = by_role.get(Role.VERIFIER, [])
     if verifiers:
@@ -75,7 +58,8 @@ def role_metrics(outputs: Sequence[Scored]) -> dict[str, float]:
     for role in (Role.VERIFIER, Role.CORRECTOR):
         for truth, name in ((True, "on_right"), (False, "on_wrong")):
             members = [o for o in by_role.get(role, []) if o.judged_right is truth]
-            out[f"{role.value}/{name}"] = _mean([o.reward for o in members]) if members else float("nan")
+            rewards = [o.reward or 0.0 for o in members]
+            out[f"{role.value}/{name}"] = _mean(rewards) if members else float("nan")
             out[f"{role.value}/{name}_samples"] = float(len(members))
     return out
 

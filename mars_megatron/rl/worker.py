@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from mars_megatron.agents.roles import Role
+from mars_megatron.agents.sample import Sample
 from mars_megatron.algorithm import losses as L
 from mars_megatron.algorithm.mismatch import SUM_KEYS, MismatchTally, mismatch_metrics
 from mars_megatron.algorithm.objective import LossConfig, make_loss_fn, packed_loss_inputs
-from mars_megatron.algorithm.sample import Sample
 from mars_megatron.config import MarsConfig
 from mars_megatron.training import parallel as par
 from mars_megatron.training.batches import MicroBatch

@@ -8,51 +8,10 @@ TP when activations are sequence-parallel.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from mars_megatron.training.packing import PackedSequence
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """``tokens[b, t]`` is fed at position t and ``targets[b, t]`` is the token that follows it;
-    ``loss_mask`` marks the positions whose target is a real next token."""
-
-    tokens: torch.Tensor  # [b, s] int64, right-padded with 0
-    position_ids: torch.Tensor  # [b, s] int64
-    targets: torch.Tensor  # [b, s] int64
-    loss_mask: torch.Tensor  # [b, s] float32
-    lengths: tuple[int, ...]  # real lengths of the sequences in this micro-batch
-    pack: PackedSequence | None = None
-    """Set when the one row is a pack of several samples: where each sample sits, and its boundaries
-    (the attention mask on CPU, ``PackedSeqParams`` on GPU)."""
-    cp_index: torch.Tensor | None = None
-    """Set on a context-parallel rank's share (:meth:`select`): the positions of the full micro-batch its
-    columns are. ``lengths`` and ``pack`` still describe the full micro-batch."""
-    routing: torch.Tensor | None = None
-    """Experts to replay per position, ``[b, s, moe_layers, k]`` (``moe.routing_replay=R3``; see
-    ``training/routing_replay.py``); None: the router chooses."""
-
-    def select(self, index: torch.Tensor) -> MicroBatch:
-        """This CP rank's columns of the micro-batch (see ``training/context_parallel.py``)."""
-        if self.cp_index is not None:
-            raise ValueError("micro-batch is already one context-parallel rank's share")
-        return MicroBatch(
-            self.tokens[:, index],
-            self.position_ids[:, index],
-            self.targets[:, index],
-            self.loss_mask[:, index],
-            self.lengths,
-            self.pack,
-            index,
-            None if self.routing is None else self.routing[:, index],
-        )
-
-    @classmethod
-    def from_pack(cls, pack: PackedSequence) -> MicroBatch:
-        return cls(pack.tokens, pack.position_ids, pack.targets, pack.loss_mask, (pack.length,), pack)
+from mars_megatron.algorithm.tensors import MicroBatch
 
 
 def padded_length(seqs: Sequence[Sequence[int]], multiple: int = 1) -> int:

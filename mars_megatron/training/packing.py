@@ -1,7 +1,7 @@
 """Sequence packing: variable-length samples into fixed-capacity packs, spread over data-parallel ranks.
 
 Pure: lengths in, a :class:`PackPlan` out (plain Python, no torch); torch only to materialise one pack as
-tensors (:func:`build_pack`). Megatron is imported lazily, only by :meth:`PackedSequence.packed_seq_params`.
+tensors (:func:`build_pack`: an :class:`~mars_megatron.algorithm.tensors.PackedSequence`).
 
 Planning (``plan_packs``):
 
@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from mars_megatron.algorithm.tensors import PackedSequence
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -213,6 +215,149 @@ def _place_longest_pending(
     free[k] -= x
 
 
+@dataclass
+class _Room:
+    """Packs being rearranged while one pack is emptied: their members, their free room, and the pack of
+    every sample (-1: the sample is pending, not in any pack)."""
+
+    packs: list[list[int]]
+    free: list[int]
+    pack_of: list[int]
+    lengths: Sequence[int]
+    order: list[tuple[int, int]]
+    """``(length, index)`` of every sample, ascending."""
+
+    @classmethod
+    def without(cls, bins: list[list[int]], victim: int, lengths: Sequence[int], capacity: int) -> _Room:
+        """The packs of ``bins`` but ``victim``."""
+        loads = [sum(lengths[i] for i in b) for b in bins]
+        packs = [list(b) for k, b in enumerate(bins) if k != victim]
+        free = [capacity - loads[k] for k in range(len(bins)) if k != victim]
+        pack_of = [-1] * len(lengths)
+        for k, b in enumerate(packs):
+            for i in b:
+                pack_of[i] = k
+        return cls(packs, free, pack_of, lengths, sorted((lengths[i], i) for i in range(len(lengths))))
+
+    def make_room(self, x: int, by_free: list[int]) -> tuple[int, int, int, int, int] | None:
+        """A move or swap that leaves a pack A room for a sample of length ``x``: sample ``a`` of A into
+        the room of pack B (and, when ``b >= 0``, a shorter ``b`` of B back). The tightest fit first (a
+        leftover shorter than the shortest sample is as tight as it gets): ``(left, a, A, b, B)``."""
+        n, order, free = len(self.lengths), self.order, self.free
+        good = order[0][0]
+        fmax = free[by_free[0]]
+        best = None
+        for B in by_free[:16]:
+            fB = free[B]
+            if fB + fmax < x:
+                break
+            for b_len, b in [(0, -1)] + [(self.lengths[j], j) for j in self.packs[B]]:
+                lo = bisect.bisect_left(order, (b_len + x - fmax, -1))
+                hi = bisect.bisect_right(order, (b_len + fB, n))
+                for a_len, a in order[lo:hi]:
+                    k = self.pack_of[a]
+                    if k < 0 or k == B:
+                        continue
+                    left = free[k] + a_len - b_len - x
+                    if left >= 0 and (best is None or left < best[0]):
+                        best = (left, a, k, b, B)
+                        if left < good:
+                            break
+                if best is not None and best[0] < good:
+                    break
+            if best is not None and best[0] < good:
+                break
+        return best
+
+    def grow_room(self, anchor: int, by_free: list[int]) -> tuple[int, int, int, int, int] | None:
+        """Consolidate: the move or swap that most grows the free room of one pack A (the ``anchor``, or
+        one of the emptiest packs), as ``(room after, b, B, a, A)``; None when none grows it."""
+        order, free, lengths = self.order, self.free, self.lengths
+        fmax = free[by_free[0]]
+        best = None
+        for A in [anchor] if anchor >= 0 else by_free[:8]:
+            for a in self.packs[A]:
+                a_len = lengths[a]
+                lo = bisect.bisect_left(order, (a_len - fmax, -1))
+                hi = bisect.bisect_left(order, (a_len, -1))
+                for b_len, b in order[lo:hi]:  # swap a for a shorter b of another pack
+                    B = self.pack_of[b]
+                    if B < 0 or B == A:
+                        continue
+                    d = a_len - b_len
+                    if d <= free[B]:
+                        gain = free[A] + d
+                        if best is None or gain > best[0]:
+                            best = (gain, b, B, a, A)
+                for B in by_free[:4]:  # plain moves of a
+                    if B != A and free[B] >= a_len:
+                        gain = free[A] + a_len
+                        if best is None or gain > best[0]:
+                            best = (gain, -1, B, a, A)
+        if best is None or best[0] <= free[best[4]]:
+            return None
+        return best
+
+    def displace(self, pending: list[tuple[int, int]], x: int, fmax: int) -> bool:
+        """Chain: the longest pending sample (length ``x``) takes the place of the shortest sample of a
+        pack whose room then fits it; that sample becomes pending. False when no pack can take it."""
+        order, free, lengths = self.order, self.free, self.lengths
+        lo = bisect.bisect_left(order, (x - fmax, -1))
+        hi = bisect.bisect_left(order, (x, -1))
+        best = None
+        for a_len, a in order[lo:hi]:
+            k = self.pack_of[a]
+            if k < 0 or a_len + free[k] < x:
+                continue
+            if best is None or a_len < lengths[best[0]]:
+                best = (a, k)
+        if best is None:
+            return False
+        a, k = best
+        _, i = pending.pop()
+        self.packs[k].remove(a)
+        self.packs[k].append(i)
+        self.pack_of[i] = k
+        self.pack_of[a] = -1
+        free[k] -= x - lengths[a]
+        bisect.insort(pending, (lengths[a], a))
+        return True
+
+
+def _empty_pack(room: _Room, pending: list[tuple[int, int]], max_steps: int) -> bool:
+    """Place the ``pending`` samples (ascending) into ``room``'s packs in at most ``max_steps`` steps,
+    rearranging them as :func:`_repack` describes; True when every sample found a place."""
+    steps = 0
+    anchor = -1
+    free = room.free
+    while pending and steps < max_steps:
+        steps += 1
+        x, _ = pending[-1]
+        fit = min(((f, k) for k, f in enumerate(free) if f >= x), default=None)
+        if fit is not None:
+            _place_longest_pending(pending, room.packs, room.pack_of, free, fit[1])
+            anchor = -1
+            continue
+        by_free = sorted(range(len(free)), key=lambda k: (-free[k], k))
+        made = room.make_room(x, by_free) if anchor < 0 else None
+        if made is not None:
+            _, a, k, b, B = made
+            _swap(room.packs, room.pack_of, free, room.lengths, a, k, b, B)
+            _place_longest_pending(pending, room.packs, room.pack_of, free, k)
+            anchor = -1
+            continue
+        grown = room.grow_room(anchor, by_free)
+        if grown is not None:
+            _, b, B, a, A = grown
+            _swap(room.packs, room.pack_of, free, room.lengths, a, A, b, B)
+            anchor = A
+            continue
+        if not room.displace(pending, x, free[by_free[0]]):
+            break
+        anchor = -1
+    return not pending
+
+
 def _repack(
     bins: list[list[int]], lengths: Sequence[int], capacity: int, target: int, max_steps: int = 64
 ) -> list[list[int]]:
@@ -224,120 +369,16 @@ def _repack(
     failing that, the sample displaces a shorter sample of a pack with enough room, which is placed
     next. At most ``max_steps`` steps per emptied pack; if samples remain, the bins come back unchanged.
     """
-    n = len(lengths)
-    order = sorted((lengths[i], i) for i in range(n))
-    good = order[0][0]
     for _ in range(2):
         if len(bins) <= target:
             return bins
         loads = [sum(lengths[i] for i in b) for b in bins]
         victim = min(range(len(bins)), key=lambda k: (loads[k], k))
-        packs = [list(b) for k, b in enumerate(bins) if k != victim]
-        free = [capacity - loads[k] for k in range(len(bins)) if k != victim]
-        pack_of = [-1] * n
-        for k, b in enumerate(packs):
-            for i in b:
-                pack_of[i] = k
-
+        room = _Room.without(bins, victim, lengths, capacity)
         pending = sorted((lengths[i], i) for i in bins[victim])
-
-        steps = 0
-        anchor = -1
-        while pending and steps < max_steps:
-            steps += 1
-            x, i = pending[-1]
-            fit = min(((f, k) for k, f in enumerate(free) if f >= x), default=None)
-            if fit is not None:
-                _place_longest_pending(pending, packs, pack_of, free, fit[1])
-                anchor = -1
-                continue
-            by_free = sorted(range(len(free)), key=lambda k: (-free[k], k))
-            fmax = free[by_free[0]]
-            best = None  # (-progress or leftover key, a, A, b, B)
-            if anchor < 0:
-                for B in by_free[:16]:
-                    fB = free[B]
-                    if fB + fmax < x:
-                        break
-                    for b_len, b in [(0, -1)] + [(lengths[j], j) for j in packs[B]]:
-                        lo = bisect.bisect_left(order, (b_len + x - fmax, -1))
-                        hi = bisect.bisect_right(order, (b_len + fB, n))
-                        for a_len, a in order[lo:hi]:
-                            k = pack_of[a]
-                            if k < 0 or k == B:
-                                continue
-                            left = free[k] + a_len - b_len - x
-                            if left >= 0 and (best is None or left < best[0]):
-                                best = (left, a, k, b, B)
-                                if left < good:
-                                    break
-                        if best is not None and best[0] < good:
-                            break
-                    if best is not None and best[0] < good:
-                        break
-            if best is None:
-                # consolidate: grow the free room of one pack (the anchor) by a move/swap with another
-                cands = [anchor] if anchor >= 0 else by_free[:8]
-                for A in cands:
-                    for a in packs[A]:
-                        a_len = lengths[a]
-                        lo = bisect.bisect_left(order, (a_len - fmax, -1))
-                        hi = bisect.bisect_left(order, (a_len, -1))
-                        for b_len, b in [(0, -1), *order[lo:hi]]:
-                            B = pack_of[b] if b >= 0 else -1
-                            if b >= 0 and (B < 0 or B == A):
-                                continue
-                            if b < 0:
-                                # plain move of a into the best other pack
-                                continue
-                            d = a_len - b_len
-                            if d <= free[B]:
-                                gain = free[A] + d
-                                if best is None or gain > best[0]:
-                                    best = (gain, b, B, a, A)
-                        # plain moves of a
-                        for B in by_free[:4]:
-                            if B != A and free[B] >= a_len:
-                                gain = free[A] + a_len
-                                if best is None or gain > best[0]:
-                                    best = (gain, -1, B, a, A)
-                if best is None or best[0] <= free[best[4]]:
-                    best = None
-                else:
-                    _, b, B, a, A = best
-                    _swap(packs, pack_of, free, lengths, a, A, b, B)
-                    anchor = A
-                    continue
-            else:
-                _, a, k, b, B = best
-                _swap(packs, pack_of, free, lengths, a, k, b, B)
-                _place_longest_pending(pending, packs, pack_of, free, k)
-                anchor = -1
-                continue
-            # chain: swap i into A for a shorter sample a (a >= x - free[A]); a becomes pending
-            lo = bisect.bisect_left(order, (x - fmax, -1))
-            hi = bisect.bisect_left(order, (x, -1))
-            best = None
-            for a_len, a in order[lo:hi]:
-                k = pack_of[a]
-                if k < 0 or a_len + free[k] < x:
-                    continue
-                if best is None or a_len < lengths[best[0]]:
-                    best = (a, k)
-            if best is None:
-                break
-            a, k = best
-            pending.pop()
-            packs[k].remove(a)
-            packs[k].append(i)
-            pack_of[i] = k
-            pack_of[a] = -1
-            free[k] -= x - lengths[a]
-            bisect.insort(pending, (lengths[a], a))
-            anchor = -1
-        if pending:
+        if not _empty_pack(room, pending, max_steps):
             return bins
-        bins = packs
+        bins = room.packs
     return bins
 
 
@@ -473,57 +514,6 @@ def _rebalance(
 
 
 # --------------------------------------------------------------------------------------------- tensors
-@dataclass(frozen=True)
-class PackedSequence:
-    """One pack as a single sequence of length T (a multiple of the requested ``multiple``).
-
-    ``tokens[0, t]`` is fed at position ``position_ids[0, t]`` and ``targets[0, t]`` is the next token of
-    the same sample; ``loss_mask`` is 0 on each sample's last token and on the pad sample, so no target
-    crosses a sample boundary. ``cu_seqlens`` are the segment boundaries (the pad sample, if any, is the
-    last segment); ``sample_spans[j] = (start, end)`` locate sample ``sample_ids[j]`` in the pack.
-    """
-
-    tokens: torch.Tensor  # [1, T] int64
-    position_ids: torch.Tensor  # [1, T] int64
-    targets: torch.Tensor  # [1, T] int64
-    loss_mask: torch.Tensor  # [1, T] float32
-    cu_seqlens: torch.Tensor  # [segments + 1] int32
-    sample_ids: tuple[int, ...]
-    sample_spans: tuple[tuple[int, int], ...]
-
-    @property
-    def length(self) -> int:
-        return self.tokens.shape[1]
-
-    def attention_mask(self) -> torch.Tensor:
-        """sbhd form (CPU, local attention): block-diagonal causal mask [1, 1, T, T], True = masked out
-        (megatron's convention). T*T booleans: for small packs only."""
-        segment = torch.repeat_interleave(
-            torch.arange(len(self.cu_seqlens) - 1), self.cu_seqlens.diff().long()
-        )
-        same = segment[:, None] == segment[None, :]
-        causal = torch.ones(self.length, self.length, dtype=torch.bool).tril()
-        return ~(same & causal)[None, None]
-
-    def packed_seq_params(self):
-        """THD form (GPU, ``TEDotProductAttention``): megatron ``PackedSeqParams`` for this pack."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        longest = int(self.cu_seqlens.diff().max())
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens,
-            cu_seqlens_kv=self.cu_seqlens,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-        )
-
-    def unpack(self, per_token: torch.Tensor) -> list[torch.Tensor]:
-        """Split a per-token output ``[1, T, ...]`` (or ``[T, ...]``) back into one tensor per sample."""
-        rows = per_token[0] if per_token.dim() > 1 and per_token.shape[0] == 1 else per_token
-        return [rows[a:b] for a, b in self.sample_spans]
-
-
 def build_pack(
     seqs: Sequence[Sequence[int]],
     *,

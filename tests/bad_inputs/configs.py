@@ -49,7 +49,7 @@ def _override(ws: Workspace, text: str) -> Any:
 
 def _prepare(ws: Workspace, *overrides: Any, resume: str | None = None) -> Any:
     from mars_megatron.config import load_config
-    from mars_megatron.rl.trainer import prepare
+    from mars_megatron.pipeline.trainer import prepare
 
     base = [f"model.hf_dir={ws.fixtures.hf_dense}", f"data.train_file={ws.fixtures.eval_data}",
             f"logging.run_dir={ws.path('run')}"]  # fmt: skip

@@ -99,7 +99,7 @@ def _whole_file(ws: Workspace, data: bytes | None) -> Any:
 def _train_file(ws: Workspace, data: bytes | None) -> Any:
     """``mars train``'s checks before anything starts (``prepare``): the training file."""
     from mars_megatron.config import load_config
-    from mars_megatron.rl.trainer import prepare
+    from mars_megatron.pipeline.trainer import prepare
 
     path = ws.path("train.jsonl")
     if data is not None:

@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
+from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.trajectory import Position
-from mars_megatron.algorithm.sample import Sample
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 

@@ -173,6 +173,7 @@ class MarsRLTrainer:
     """Owns the engines, the trainer ranks and the loop of one run."""
 
     def __init__(self, cfg: MarsConfig, plan: Plan, *, log: Callable[[str], None] = print) -> None:
+        from mars_megatron.pipeline.facades import TrainerGroup
         from mars_megatron.pipeline.fleet import EngineFleet
         from mars_megatron.pipeline.placement import place, unplaced_gpus, unplaced_launch
         from mars_megatron.rollout.chat import ChatCodec
@@ -205,8 +206,8 @@ class MarsRLTrainer:
             **self._trainer_placement(),
         )
         info = self.group.call("rank_info")
-        self.writer_rank = next(i for i, rank in enumerate(info) if rank["writer"])
-        self.fleet = EngineFleet(
+        writer_rank = next(i for i, rank in enumerate(info) if rank["writer"])
+        fleet = EngineFleet(
             self.group,
             workers,
             self._start_engine,
@@ -216,10 +217,11 @@ class MarsRLTrainer:
             log=log,
             colocation=self._colocation(),
         )
+        self.fleet = fleet
+        self.trainers = TrainerGroup(self.group, fleet, self.names, writer_rank)
         self.stream: ProblemStream[Any] = ProblemStream(
             plan.problems, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
-        self.versions = dict.fromkeys(self.names, 0)
         codec = ChatCodec.from_pretrained(
             plan.engine_dir, max_input_tokens=cfg.rollout.max_input_tokens, truncate=True
         )
@@ -282,11 +284,10 @@ class MarsRLTrainer:
         """The run's schedule on Ray. ``sync`` is the same scheduler with every staleness bound 0: each
         update trains exactly the outputs of the problems admitted since the last one, decoded by the
         current weights, and no rollout runs while it trains."""
-        import ray
-
         from mars_megatron.agents.prompts import prompt_set
         from mars_megatron.pipeline.agents import prompt_builder
-        from mars_megatron.pipeline.driver import PipelineDriver, RewardActor
+        from mars_megatron.pipeline.driver import PipelineDriver
+        from mars_megatron.pipeline.facades import ProblemFeed, RewardPool
         from mars_megatron.pipeline.scheduler import Limits, Scheduler
         from mars_megatron.rollout.engine import SamplingParams
 
@@ -321,49 +322,18 @@ class MarsRLTrainer:
         return PipelineDriver(
             scheduler,
             fleet=self.fleet,
-            policy_of=lambda role: policy_of(role, self.names),
-            start_reward=lambda: ray.remote(RewardActor).options(num_cpus=1).remote(),
-            reward_workers=p.reward_workers,
-            decode=codec.decode,
+            trainers=self.trainers,
+            rewards=RewardPool(p.reward_workers),
+            problems=ProblemFeed(self.stream, cfg.data.problems_per_step),
+            codec=codec,
             sampling=sampling,
-            feed=lambda: self.stream.take(cfg.data.problems_per_step),
-            train=lambda batches: self.group.call_async("train", batches),
-            finish_train=self._finish_update,
-            samples_for=self._samples_for,
             max_batch=cfg.rollout.max_batch,
             colocated=p.placement == "colocated",
             shared_reward=cfg.algorithm.reward == "shared",
+            filter_zero_variance=cfg.algorithm.filter_zero_variance,
+            rollouts_dir=Path(cfg.logging.run_dir) / "rollouts" if cfg.logging.rollouts else None,
             log=self.log,
         )
-
-    def _samples_for(
-        self, batch: Any, training: Mapping[str, float] | None
-    ) -> tuple[dict[str, list], dict[str, float]]:
-        from mars_megatron.algorithm.advantages import assign_advantages
-        from mars_megatron.pipeline.agents import to_sample
-
-        raw = [to_sample(q, None if training is None else training[q.sample_id]) for q in batch.seqs]
-        samples, adv = assign_advantages(raw, filter_zero_variance=self.cfg.algorithm.filter_zero_variance)
-        batches: dict[str, list] = {name: [] for name in self.names}
-        for s in samples:
-            batches[policy_of(s.role, self.names)].append(s)
-        if self.cfg.logging.rollouts:
-            write_rollouts(Path(self.cfg.logging.run_dir) / "rollouts", self.step, batch, raw, samples)
-        stats = {
-            "tokens": float(sum(len(s.prompt_ids) + s.response_len for s in samples)),
-            "samples": float(len(raw)),
-            "samples/trained": float(len(samples)),
-            "groups/filtered": adv["filtered_groups"],
-        }
-        return batches, stats
-
-    def _finish_update(self, results: list[Any]) -> dict[str, float]:
-        metrics: dict[str, float] = dict(results[self.writer_rank])
-        metrics.update(self._sync({name: v + 1 for name, v in self.versions.items()}))
-        metrics["policy_version"] = float(max(self.versions.values()))
-        if len(self.names) > 1:
-            metrics.update({f"policy_version/{n}": float(v) for n, v in self.versions.items()})
-        return metrics
 
     def evaluate(self) -> dict[str, float]:
         """The held-out evaluation of the current policies (``eval/*`` metrics), each role answered by the
@@ -391,8 +361,7 @@ class MarsRLTrainer:
             self.held_out.close()
         self.group.shutdown()
         self.fleet.close()
-        for reward in self.driver.rewards:
-            ray.kill(reward)
+        self.driver.rewards.close()
         if self.placement is not None:
             self.placement.remove()
         if self._own_ray:
@@ -404,25 +373,13 @@ class MarsRLTrainer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _sync(self, versions: Mapping[str, int]) -> dict[str, float]:
-        """Push the trainer's weights into every engine as policy ``versions``."""
-        reports = self.fleet.push_weights(versions)
-        self.versions = {name: r.version for name, r in reports.items()}
-        return {
-            "time/sync": sum(r.seconds for r in reports.values()),
-            "sync/bytes": float(sum(r.bytes for r in reports.values())),
-            "sync/sender_peak_bytes": float(max(r.sender_peak_bytes for r in reports.values())),
-            "sync/receiver_peak_bytes": float(max(r.receiver_peak_bytes for r in reports.values())),
-            "sync/recovered_engines": float(sum(r.recovered for r in reports.values())),
-        }
-
     def start(self) -> None:
         """Fresh weights into the engines, or everything restored from ``plan.resume_from``."""
         from mars_megatron.checkpoint.rank_state import set_python_rng_state
         from mars_megatron.checkpoint.store import CheckpointStore
 
         if self.plan.resume_from is None:
-            self._sync(dict.fromkeys(self.names, 0))
+            self.trainers.push(dict.fromkeys(self.names, 0))
             return
         state = CheckpointStore.load_state(self.plan.resume_from)
         if state.get("state_version") != STATE_VERSION:
@@ -453,7 +410,7 @@ class MarsRLTrainer:
             self.driver.load_state_dict(pipeline_state)
         else:  # a checkpoint of the older synchronous loop: nothing in flight
             self.driver.s.version = max(state["policy_versions"].values())
-        self._sync(state["policy_versions"])
+        self.trainers.push(state["policy_versions"])
         self.log(f"resumed from {self.plan.resume_from} at step {self.step}")
 
     def save(self) -> Path:
@@ -475,7 +432,7 @@ class MarsRLTrainer:
             "state_version": STATE_VERSION,
             "step": self.step,
             "policies": self.names,
-            "policy_versions": self.versions,
+            "policy_versions": self.trainers.versions,
             "data": self.stream.state_dict(),
             "python_rng": python_rng_state(),
             # The agentic schedule carries partial rollouts across steps; they are saved, with the whole
@@ -489,42 +446,7 @@ class MarsRLTrainer:
         """One update: the schedule runs until its data is ready and trained (rollouts go on meanwhile
         in agentic mode)."""
         self.step += 1
-        return self.driver.run_update()
-
-
-def write_rollouts(folder: Path, step: int, batch: Any, raw: list[Any], trained: list[Any]) -> Path:
-    """One JSON line per output of ``step``'s update (``raw``: its samples with training rewards;
-    ``trained``: those kept, with advantages). Written whole, then renamed, so a resumed run that redoes
-    the step replaces the file."""
-    import json
-
-    advantage = {s.sample_id: s.advantage for s in trained}
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step_{step:06d}.jsonl"
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for seq, sample in zip(batch.seqs, raw, strict=True):
-            record = {
-                "step": step,
-                "policy_version": batch.version,
-                "sample_id": seq.sample_id,
-                "problem_id": seq.problem.problem_id,
-                "position": seq.position.value,
-                "group_id": seq.group_id,
-                "parent_id": seq.parent_id,
-                "prompt_ids": list(seq.prompt_ids),
-                "response_ids": list(seq.tokens),
-                "text": seq.text,
-                "finish_reason": seq.finish_reason,
-                "verdict": seq.verdict,
-                "agent_reward": seq.reward,
-                "reward": sample.reward,
-                "advantage": advantage.get(seq.sample_id),
-                "segments": [[g.start, g.end, g.version] for g in seq.segments],
-            }
-            f.write(json.dumps(record) + "\n")
-    tmp.replace(path)
-    return path
+        return self.driver.run_update(self.step)
 
 
 def in_flight(scheduler_state: Mapping[str, Any]) -> bool:

@@ -1,0 +1,231 @@
+"""One record from the engine's output to the loss: :class:`Sample`.
+
+The scheduler creates a sample when it starts an agent output (its prompt, ids and place in the
+trajectory tree) and appends each decoded segment to it (:meth:`Sample.add_segment`: the tokens, the
+log-probs the engine sampled them with, the policy version that decoded them, the routing). Input
+selection, the reward, the per-role metrics, GRPO (``advantage``), the packer and the loss all read
+and annotate this one record; nothing copies it into another type.
+
+The checks hold for partial records too (a sample still decoding has fewer tokens, and every per-token
+list has as many entries as ``response_ids``); they run on construction (and on
+:func:`dataclasses.replace`) and again when the record is complete (:meth:`Sample.finish`). Every
+error names the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mars_megatron.agents.roles import Role
+from mars_megatron.agents.trajectory import Position, group_id
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Response tokens ``[start, end)`` decoded by policy version ``version``."""
+
+    start: int
+    end: int
+    version: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.end <= self.start:
+            raise ValueError(f"Segment: need 0 <= start < end, got start={self.start}, end={self.end}")
+        if self.version < 0:
+            raise ValueError(f"Segment.version must be >= 0, got {self.version}")
+
+
+@dataclass
+class Sample:
+    """One agent output, from the engine to the loss.
+
+    Token lists are per response token unless they say otherwise: ``loss_mask[j]``,
+    ``behaviour_logprobs[j]`` belong to ``response_ids[j]``.
+    """
+
+    prompt_ids: list[int]
+    """The tokenised input (chat template applied); at least one token."""
+    response_ids: list[int]
+    """The tokens the policy wrote (so far, while it decodes)."""
+    position: Position
+    """Trajectory step that produced it; its role is ``position.role``."""
+    problem_id: str
+    group_id: str = ""
+    """Samples sharing it share role, position and input; GRPO normalises over them. Empty: derived from
+    the trajectory, position and parent (:func:`~mars_megatron.agents.trajectory.group_id`)."""
+    reward: float | None = None
+    """The agent-specific reward (:mod:`mars_megatron.rewards.agent_rewards`); None until scored."""
+    advantage: float | None = None
+    """Filled in by :func:`mars_megatron.algorithm.advantages.assign_advantages`."""
+    loss_mask: list[int] | None = None
+    """1 for response tokens that are trained on, 0 otherwise; None means all ones."""
+    behaviour_logprobs: list[float] | None = None
+    """Log-probs the rollout engine sampled each response token with (for TIS); None if not recorded."""
+    segment_versions: list[Segment] = field(default_factory=list)
+    """Policy version per response segment; contiguous spans covering the response, in order.
+    Empty means unknown (then :meth:`staleness` cannot be asked)."""
+    sample_id: str = ""
+    routed_experts: np.ndarray | None = None
+    """MoE: the experts the engine routed each position of :attr:`tokens` to, except the last
+    (``[len(tokens) - 1, moe_layers, top_k]``; ``GenerationOutput.routed_experts``), for R3 replay. The
+    latest segment's call routed every earlier position again, under the weights that decoded its tokens,
+    so it is the routing of the newest policy version for every position."""
+    trajectory_id: str = ""
+    """This admission of the problem (``<problem id>@<n>``): a problem met again in a later epoch is a
+    new trajectory tree with new sample ids. Empty: ``problem_id``."""
+    parent_id: str | None = None
+    """The output this one's input was built from (None for the Solver)."""
+    judged_id: str | None = None
+    """Verifier: the solution it judges. Corrector: the solution it revises. None for the Solver."""
+    text: str = ""
+    """The response decoded to text (once, when it finished: the reward and the next prompt read it)."""
+    finish_reason: str | None = None
+    """``stop`` (the engine ended it) or ``length`` (the token budget did); None while decoding."""
+    verdict: bool | None = None
+    """Verifier outputs only: the parsed verdict (None: unparseable, or not a Verifier)."""
+    judged_right: bool | None = None
+    """Verifier/Corrector: whether the solution it judged or revised was right; None for the Solver."""
+    training_reward: float | None = None
+    """The reward trained on where it differs in kind from :attr:`reward` (``algorithm.reward=shared``:
+    the trajectory's outcome); None: train on :attr:`reward`."""
+
+    def __post_init__(self) -> None:
+        if not self.trajectory_id:
+            self.trajectory_id = self.problem_id
+        if not self.group_id:
+            self.group_id = group_id(self.trajectory_id, self.position, self.parent_id)
+        self.check()
+
+    def check(self) -> None:
+        """The record's invariants (they hold while it decodes, too); raises naming the field."""
+        if not isinstance(self.position, Position):
+            raise ValueError(f"Sample.position must be a Position, got {self.position!r}")
+        if len(self.prompt_ids) == 0:
+            raise ValueError("Sample.prompt_ids must hold at least one token")
+        n = len(self.response_ids)
+        if self.loss_mask is None:
+            self.loss_mask = [1] * n
+        if len(self.loss_mask) != n:
+            raise ValueError(f"Sample.loss_mask has {len(self.loss_mask)} entries, response_ids has {n}")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("Sample.loss_mask entries must be 0 or 1")
+        if self.behaviour_logprobs is not None:
+            if len(self.behaviour_logprobs) != n:
+                raise ValueError(
+                    f"Sample.behaviour_logprobs has {len(self.behaviour_logprobs)} entries, "
+                    f"response_ids has {n}"
+                )
+            if any(not lp <= 0.0 for lp in self.behaviour_logprobs):
+                raise ValueError("Sample.behaviour_logprobs must all be <= 0 (and not NaN)")
+        for name in ("reward", "advantage", "training_reward"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"Sample.{name} must be finite, got {value}")
+        self._check_segments(n)
+        self._check_routing(self.routed_experts, n)
+
+    def _check_segments(self, n: int) -> None:
+        if not self.segment_versions:
+            return
+        expected_start = 0
+        for i, seg in enumerate(self.segment_versions):
+            if seg.start != expected_start:
+                raise ValueError(
+                    f"Sample.segment_versions[{i}] starts at {seg.start}, expected {expected_start} "
+                    "(segments must be contiguous and in order)"
+                )
+            expected_start = seg.end
+        if expected_start != n:
+            raise ValueError(f"Sample.segment_versions cover {expected_start} tokens, response_ids has {n}")
+
+    def _check_routing(self, routed: np.ndarray | None, n: int) -> None:
+        if routed is None:
+            return
+        positions = len(self.prompt_ids) + n - 1
+        if routed.ndim != 3 or routed.shape[0] != positions:
+            raise ValueError(
+                f"Sample {self.sample_id!r}: routed_experts has shape {routed.shape}, "
+                f"expected ({positions}, moe_layers, top_k): one row per token but the last"
+            )
+
+    # ------------------------------------------------------------------------------------- decoding
+    def add_segment(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        version: int,
+        routed_experts: np.ndarray | None = None,
+    ) -> None:
+        """Append one decoded segment: its tokens, the log-probs the engine sampled them with (clamped to
+        <= 0: an engine's rounding can put a certain token a hair above), the policy ``version`` that
+        decoded them, and the call's routing of every position it fed (it replaces the record's)."""
+        if len(token_ids) != len(logprobs):
+            raise ValueError(f"{self.sample_id}: {len(token_ids)} tokens but {len(logprobs)} log-probs")
+        if not token_ids:
+            return
+        self._check_routing(routed_experts, len(self.response_ids) + len(token_ids))
+        if routed_experts is not None:
+            self.routed_experts = routed_experts
+        if self.behaviour_logprobs is None:
+            self.behaviour_logprobs = []
+        assert self.loss_mask is not None
+        start = len(self.response_ids)
+        self.response_ids.extend(token_ids)
+        self.behaviour_logprobs.extend(min(lp, 0.0) for lp in logprobs)
+        self.loss_mask.extend([1] * len(token_ids))
+        self.segment_versions.append(Segment(start, len(self.response_ids), version))
+
+    def finish(self, finish_reason: str) -> None:
+        """Decoding is over: the model ended it (``stop``) or the token budget did (``length``). Checks
+        the complete record."""
+        if finish_reason not in ("stop", "length"):
+            raise ValueError(f"Sample.finish_reason must be 'stop' or 'length', got {finish_reason!r}")
+        self.finish_reason = finish_reason
+        self.check()
+
+    # ------------------------------------------------------------------------------------------- views
+    @property
+    def role(self) -> Role:
+        return self.position.role
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt followed by response: the sequence the trainer scores."""
+        return [*self.prompt_ids, *self.response_ids]
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def truncated(self) -> bool:
+        """The token budget, not the model, ended the response."""
+        return self.finish_reason == "length"
+
+    @property
+    def found_errors(self) -> bool:
+        """A Verifier output that judged its solution ``Wrong`` (an unparseable one found nothing)."""
+        return self.role is Role.VERIFIER and self.verdict is False
+
+    @property
+    def reward_trained_on(self) -> float | None:
+        """What GRPO normalises: :attr:`training_reward` where set, else the agent reward."""
+        return self.reward if self.training_reward is None else self.training_reward
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version that wrote any of the response (None when unknown)."""
+        return min((s.version for s in self.segment_versions), default=None)
+
+    def staleness(self, current_version: int) -> int:
+        """How many versions the oldest segment lags ``current_version`` (0: fully on-policy)."""
+        oldest = self.oldest_version
+        if oldest is None:
+            raise ValueError(f"Sample {self.sample_id!r}: staleness needs segment_versions, which is empty")
+        if current_version < oldest:
+            raise ValueError(f"staleness: current_version {current_version} is older than segment {oldest}")
+        return current_version - oldest

@@ -1,0 +1,139 @@
+"""What the pipeline driver talks to, besides the engines (:class:`~.fleet.EngineFleet`): the trainer
+group, the reward workers and the problem source, each a small class with typed methods.
+
+These are the Ray edge of the pipeline: the driver waits on the handles they return (``ray.wait``) and
+never builds an actor itself. The schedule without Ray (engines, answer checker and scoring in this
+process) is :func:`mars_megatron.pipeline.local.run_round`, which scores through the same
+:func:`~.agents.score_requests`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mars_megatron.agents.roles import Role
+from mars_megatron.agents.sample import Sample
+from mars_megatron.evaluation.data import Problem
+from mars_megatron.pipeline.agents import ScoreRequest, score_requests
+from mars_megatron.pipeline.fleet import EngineFleet
+from mars_megatron.rl.data import ProblemStream
+from mars_megatron.rl.policies import policy_of
+
+
+class TrainerGroup:
+    """The trainer ranks of every policy (:class:`~mars_megatron.rl.worker.PolicyWorker` actors) and the
+    weights they push into the engines.
+
+    An update is :meth:`submit` (the samples of each policy; returns the handles to wait on) and then
+    :meth:`finish` (the writer rank's metrics, and the new weights in every engine as the next policy
+    version)."""
+
+    def __init__(self, group: Any, fleet: EngineFleet, names: Sequence[str], writer_rank: int) -> None:
+        self.group = group
+        """The ranks (:class:`~mars_megatron.training.ray_group.RayWorkerGroup`)."""
+        self.fleet = fleet
+        self.names = list(names)
+        self.writer_rank = writer_rank
+        """The rank whose metrics are the update's (it holds every policy's reduced figures)."""
+        self.versions: dict[str, int] = dict.fromkeys(self.names, 0)
+        """The policy version each policy's engines hold."""
+
+    def policy_of(self, role: Role) -> str:
+        return policy_of(role, self.names)
+
+    def roles_of(self, name: str) -> set[Role]:
+        """The roles policy ``name`` serves."""
+        return {r for r in Role if self.policy_of(r) == name}
+
+    def split(self, samples: Sequence[Sample]) -> dict[str, list[Sample]]:
+        """``samples`` by the policy that trains on them (order kept)."""
+        batches: dict[str, list[Sample]] = {name: [] for name in self.names}
+        for s in samples:
+            batches[self.policy_of(s.role)].append(s)
+        return batches
+
+    def submit(self, batches: Mapping[str, list[Sample]]) -> list[Any]:
+        """Start one update on every rank; the handles to wait on, the writer rank's among them."""
+        return self.group.call_async("train", dict(batches))
+
+    def finish(self, results: Sequence[Any]) -> dict[str, float]:
+        """An update's per-rank ``results`` are in: its metrics, after the new weights (every version + 1)
+        are pushed into the engines."""
+        metrics: dict[str, float] = dict(results[self.writer_rank])
+        metrics.update(self.push({name: v + 1 for name, v in self.versions.items()}))
+        metrics["policy_version"] = float(max(self.versions.values()))
+        if len(self.names) > 1:
+            metrics.update({f"policy_version/{n}": float(v) for n, v in self.versions.items()})
+        return metrics
+
+    def push(self, versions: Mapping[str, int]) -> dict[str, float]:
+        """Push the trainer's weights into every engine as policy ``versions``; the sync metrics."""
+        reports = self.fleet.push_weights(versions)
+        self.versions = {name: r.version for name, r in reports.items()}
+        return {
+            "time/sync": sum(r.seconds for r in reports.values()),
+            "sync/bytes": float(sum(r.bytes for r in reports.values())),
+            "sync/sender_peak_bytes": float(max(r.sender_peak_bytes for r in reports.values())),
+            "sync/receiver_peak_bytes": float(max(r.receiver_peak_bytes for r in reports.values())),
+            "sync/recovered_engines": float(sum(r.recovered for r in reports.values())),
+        }
+
+
+class RewardActor:
+    """Body of a reward worker (wrap with ``ray.remote``): math-verify answers and parsed verdicts."""
+
+    def __init__(self) -> None:
+        from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
+
+        self.checker = AnswerChecker(CheckerConfig(num_workers=1))
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[tuple[str, float, bool | None]]:
+        return score_requests(requests, self.checker)
+
+    def ping(self) -> bool:
+        return True
+
+
+class RewardPool:
+    """The reward workers: one Ray actor of :class:`RewardActor` each, replaced when one dies."""
+
+    def __init__(self, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"RewardPool: need at least one worker, got {workers}")
+        self.actors = [self._start() for _ in range(workers)]
+
+    @staticmethod
+    def _start() -> Any:
+        import ray
+
+        return ray.remote(RewardActor).options(num_cpus=1).remote()
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def score(self, worker: int, requests: Sequence[ScoreRequest]) -> Any:
+        """Send ``requests`` to ``worker``; the handle of its ``(sample_id, reward, verdict)`` list."""
+        return self.actors[worker].score.remote(list(requests))
+
+    def restart(self, worker: int) -> None:
+        """``worker`` died: a new actor takes its place."""
+        self.actors[worker] = self._start()
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+class ProblemFeed:
+    """The problems the schedule admits: ``per_update`` at a time from the run's resumable
+    :class:`~mars_megatron.rl.data.ProblemStream`."""
+
+    def __init__(self, stream: ProblemStream[Problem], per_update: int) -> None:
+        self.stream = stream
+        self.per_update = per_update
+
+    def take(self) -> list[Problem]:
+        return self.stream.take(self.per_update)

@@ -1,0 +1,79 @@
+"""The driver's typed handles without Ray: which policy trains which record, the problem feed, and the
+one conversion of a record (what a reward worker receives), scored by the real answer checker."""
+
+from __future__ import annotations
+
+import pytest
+
+from mars_megatron.agents.roles import Role
+from mars_megatron.agents.sample import Sample
+from mars_megatron.agents.trajectory import Position, TrainingConfig
+from mars_megatron.evaluation.data import Problem
+from mars_megatron.pipeline.agents import ScoreRequest, score_requests
+from mars_megatron.pipeline.facades import ProblemFeed, TrainerGroup
+from mars_megatron.pipeline.scheduler import Limits, Scheduler
+from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
+from mars_megatron.rl.data import ProblemStream
+
+VERDICT = "**Final Verdict**: broken.\n\n**List of Findings**: step 2.\n\n**Correctness**: Wrong"
+
+
+def _record(position: Position, sid: str) -> Sample:
+    return Sample([1], [2], position, "p", sample_id=sid)
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        (["shared"], {"shared": ["s", "v", "c"]}),
+        (["solver", "verifier", "corrector"], {"solver": ["s"], "verifier": ["v"], "corrector": ["c"]}),
+    ],
+)
+def test_trainer_group_splits_records_by_policy(names: list[str], expected: dict[str, list[str]]) -> None:
+    group = TrainerGroup(None, None, names, writer_rank=0)  # type: ignore[arg-type]  # no ranks needed
+    records = [
+        _record(Position.SOLVER, "s"),
+        _record(Position.VERIFIER_1, "v"),
+        _record(Position.CORRECTOR_1, "c"),
+    ]
+    split = group.split(records)
+    assert {name: [s.sample_id for s in batch] for name, batch in split.items()} == expected
+    assert set().union(*(group.roles_of(n) for n in names)) == set(Role)
+    assert group.versions == dict.fromkeys(names, 0)
+
+
+def test_problem_feed_takes_one_update_of_problems_and_resumes() -> None:
+    problems = [Problem(f"p{i}", f"q{i}", "1", i + 1) for i in range(5)]
+    feed = ProblemFeed(ProblemStream(problems, seed=3), per_update=2)
+    first = feed.take() + feed.take()
+    again = ProblemFeed(ProblemStream(problems, seed=3), per_update=2)
+    again.take()
+    state = again.stream.state_dict()
+    resumed = ProblemFeed(ProblemStream(problems, seed=3), per_update=2)
+    resumed.stream.load_state_dict(state)
+    assert len(first) == 4 and resumed.take() == first[2:]
+
+
+def test_a_score_request_comes_from_the_record_and_its_score_goes_back() -> None:
+    """Solver (its answer against the reference) and Verifier (its verdict against whether the solution
+    it judged was right, carried on the record as ``judged_right``)."""
+    limits = Limits(8, 8, dict.fromkeys(Role, 0), 1, 1)
+    s = Scheduler(TrainingConfig(group_size=1, inputs_per_agent=1, max_steps=2), limits, lambda *a: [1])
+    s.add_problems([Problem("p0", "1 + 1?", "2", 1)])
+    (job,) = s.take_segments()
+    assert s.on_segment(job.sample_id, [5], [-0.5], stopped=True)
+    s.samples[job.sample_id].text = r"so \boxed{3}"
+    with AnswerChecker(CheckerConfig(num_workers=1)) as checker:
+        solver = ScoreRequest.of(s, job.sample_id)
+        assert (solver.role, solver.reference, solver.judged_right) == (Role.SOLVER, "2", True)
+        ((sid, reward, verdict),) = score_requests([solver], checker)
+        s.on_scored(sid, reward, verdict)
+        (job,) = s.take_segments()
+        verifier = s.samples[job.sample_id]
+        assert verifier.judged_right is False  # the solution it judges was wrong
+        assert s.on_segment(job.sample_id, [6], [-0.5], stopped=True)
+        verifier.text = VERDICT
+        ((sid, reward, verdict),) = score_requests([ScoreRequest.of(s, job.sample_id)], checker)
+    assert (sid, reward, verdict) == (verifier.sample_id, 1.0, False)  # it rightly found errors
+    s.on_scored(sid, reward, verdict)
+    assert verifier.reward == 1.0 and verifier.verdict is False and verifier.found_errors
