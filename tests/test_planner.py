@@ -39,7 +39,7 @@ from mars_megatron.launch.planner import (
     step_seconds,
 )
 from mars_megatron.launch.resources import engine_gpus, rollout_engines, trainer_world_size
-from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config, parse_hf_config
+from mars_megatron.models.hf_config import Qwen3Arch, load_hf_config, parse_hf_config
 
 A30 = PRESETS["qwen3-30b-a3b"]
 A235 = PRESETS["qwen3-235b-a22b"]

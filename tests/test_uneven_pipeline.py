@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mars_megatron.config import ConfigError, ParallelConfig
+from mars_megatron.models.hf_config import load_hf_config
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
-from mars_megatron.training.hf_config import load_hf_config
 from mars_megatron.training.model_provider import LayoutError, check_layout, stage_layers
 from tests.uneven_workers import convert_and_score
 

@@ -1,6 +1,6 @@
 """``mars plan``: which Megatron layouts fit a model on a cluster, and roughly how fast each one is.
 
-Pure arithmetic on a :class:`~mars_megatron.training.hf_config.Qwen3Arch` — no torch, no GPU — so a layout
+Pure arithmetic on a :class:`~mars_megatron.models.hf_config.Qwen3Arch` — no torch, no GPU — so a layout
 can be sized before any node is booked. Memory is counted in bytes per GPU for the *worst* pipeline stage;
 every term below is what a rank of our trainer (Megatron-Core DDP + distributed optimizer, bf16, Transformer
 Engine's flash attention) and a colocated vLLM engine hold. Symbols: ``h`` hidden, ``a``/``g`` query/KV
@@ -79,7 +79,7 @@ region, ``a_r = a/tp``, ``g_r = g/tp``:
     and output-layer inputs and the logits (the output layer is Megatron's bf16 ColumnParallelLinear).
 
   With fp8 the tokens of a micro-batch and rank, s/(cp·tp), must be a multiple of 16 (the FP8 GEMM
-  alignment the trainer checks, ``training/fp8.ALIGNMENT``).
+  alignment the trainer checks, ``config.FP8_ALIGNMENT``).
 
 Rollout (colocated engines, one per ``rollout.tp`` GPUs): vLLM weights 2 B · params / rollout_tp, and the
 KV cache 2 (K, V) · layers · max(1, g / rollout_tp) · d · 2 B per token, times ``max_seqs · seq_len`` tokens
@@ -117,10 +117,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal, get_args
 
-from mars_megatron.config import ConfigError
-from mars_megatron.training.fp8 import ALIGNMENT as FP8_ALIGNMENT
+from mars_megatron.config import FP8_ALIGNMENT, ConfigError
+from mars_megatron.models.hf_config import Qwen3Arch, load_hf_config, parse_hf_config
 from mars_megatron.training.fp8 import Fp8Mode
-from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config, parse_hf_config
 
 GIB = 2**30
 Recompute = Literal["none", "selective", "full"]

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from mars_megatron.config import ParallelConfig
 from mars_megatron.dtypes import torch_dtype
+from mars_megatron.models.hf_config import Qwen3Arch
 from mars_megatron.training import cpu_compat
-from mars_megatron.training.hf_config import Qwen3Arch
 
 
 class LayoutError(ValueError):
