@@ -15,32 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mars_megatron.agents.roles import Role
 from mars_megatron.algorithm import losses as L
 from mars_megatron.algorithm.mismatch import SUM_KEYS, MismatchTally, mismatch_metrics
-from mars_megatron.algorithm.objective import LossConfig, make_loss_fn, packed_loss_inputs
+from mars_megatron.algorithm.objective import make_loss_fn, packed_loss_inputs
 from mars_megatron.algorithm.sample import Sample
 from mars_megatron.config import MarsConfig
 from mars_megatron.training import parallel as par
 from mars_megatron.training.batches import MicroBatch
 from mars_megatron.training.weight_sync import SendsWeights, WeightSender
-
-
-def loss_config(cfg: MarsConfig) -> LossConfig:
-    a = cfg.algorithm
-    return LossConfig(
-        clip_low=a.clip_low,
-        clip_high=a.clip_high,
-        kl_coef=a.kl_coef,
-        kl_kind=a.kl_kind,
-        kl_clamp=a.kl_clamp,
-        importance=a.importance,
-        tis_cap=a.tis_cap,
-        dmmpt=a.dmmpt,
-        dmmpt_prob_threshold=a.dmmpt_prob_threshold,
-        dmmpt_entropy_target=a.dmmpt_entropy_target,
-        role_weights={Role(k): v for k, v in a.role_weights.items()},
-    )
 
 
 def split_groups(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
@@ -95,7 +77,7 @@ class PolicyWorker(SendsWeights):
         par.init_model_parallel(cfg.parallel, cfg.train.seed)
         self.cfg = cfg
         self.model_dir = model_dir
-        self.loss = loss_config(cfg)
+        self.loss = cfg.algorithm
         self.policies: dict[str, _Policy] = {}
         for name in names:
             engine = load_engine(
