@@ -22,7 +22,6 @@ from mars_megatron.agents.roles import Message, Role
 from mars_megatron.agents.trajectory import (
     Position,
     RolloutRecord,
-    TrainingConfig,
     eligible_inputs,
     group_id,
     select_inputs,
@@ -39,7 +38,6 @@ __all__ = [
     "Role",
     "RolloutRecord",
     "SystemConfig",
-    "TrainingConfig",
     "bug_report",
     "choose_fallback",
     "corrector_messages",

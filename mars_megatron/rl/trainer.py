@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import TrainingConfig
 from mars_megatron.config import ConfigError, MarsConfig, dump_config
 from mars_megatron.rl.data import ProblemStream
 from mars_megatron.rl.policies import policy_names, policy_of
@@ -291,26 +290,9 @@ class MarsRLTrainer:
         from mars_megatron.rollout.engine import SamplingParams
 
         cfg, p, a = self.cfg, self.cfg.pipeline, self.cfg.agents
-        if p.mode == "sync":
-            bounds = dict.fromkeys(Role, 0)
-        else:
-            bounds = {r: p.staleness_per_role.get(r.value, p.max_staleness) for r in Role}
-        limits = Limits(
-            max_response_tokens=cfg.rollout.max_response_tokens,
-            segment_tokens=p.segment_tokens or cfg.rollout.max_response_tokens,
-            max_staleness=bounds,
-            problems_per_update=cfg.data.problems_per_step,
-            batch_groups=p.batch_groups or cfg.data.problems_per_step,
-            whole_trajectories=cfg.algorithm.reward == "shared",
-        )
-        agents = TrainingConfig(
-            group_size=a.group_size,
-            inputs_per_agent=a.inputs_per_agent,
-            max_steps=a.max_steps,
-            strategy=a.strategy,
-        )
+        limits = Limits.from_config(cfg)
         scheduler = Scheduler(
-            agents, limits, prompt_builder(prompt_set(a.prompts), codec.encode), seed=cfg.train.seed
+            a, limits, prompt_builder(prompt_set(a.prompts), codec.encode), seed=cfg.train.seed
         )
         sampling = SamplingParams(
             max_tokens=cfg.rollout.max_response_tokens,
