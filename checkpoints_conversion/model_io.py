@@ -84,7 +84,7 @@ def _stage_layers(model: torch.nn.Module, arch: Qwen3Arch) -> list[int]:
     """Layers per pipeline stage of ``model``'s layout (even, or megatron's first/last-stage counts)."""
     from megatron.core import parallel_state as ps
 
-    from mars_megatron.training.model_provider import stage_layers
+    from mars_megatron.models.layout import stage_layers
 
     config = getattr(model, "module", model).config
     return stage_layers(

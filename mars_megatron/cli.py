@@ -37,7 +37,7 @@ def _check_model(model_dir: str, layout: ParallelConfig, hf_only: bool = False) 
     model's files (an HF folder's config.json and safetensors, a mars checkpoint's metadata) and that the
     layout divides it."""
     from mars_megatron import jobs
-    from mars_megatron.training.model_provider import LayoutError, check_layout
+    from mars_megatron.models.layout import LayoutError, check_parallel
 
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"{model_dir}: no such model directory")
@@ -50,7 +50,7 @@ def _check_model(model_dir: str, layout: ParallelConfig, hf_only: bool = False) 
             )
     arch = jobs.check_model_files(model_dir)
     try:
-        check_layout(arch, layout, 128)
+        check_parallel(arch, layout, 128)
     except LayoutError as e:
         raise ValueError(f"{model_dir}: {e}") from None
 

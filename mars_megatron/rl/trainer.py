@@ -54,7 +54,7 @@ def prepare(
     from mars_megatron.checkpoint.store import CheckpointStore
     from mars_megatron.evaluation.data import load_problems
     from mars_megatron.jobs import model_arch, tokenizer_dir
-    from mars_megatron.training.model_provider import LayoutError, check_layout
+    from mars_megatron.models.layout import LayoutError, check_parallel
     from mars_megatron.training.parallel import min_world_size
 
     model_dir = cfg.model.mcore_dir or cfg.model.hf_dir
@@ -66,9 +66,9 @@ def prepare(
         )
     arch = model_arch(model_dir)
     try:
-        check_layout(arch, cfg.parallel, cfg.model.vocab_pad_multiple)
+        check_parallel(arch, cfg.parallel, cfg.model.vocab_pad_multiple)
     except LayoutError as e:
-        raise ConfigError(str(e), "parallel") from None
+        raise ConfigError(e.message, f"parallel.{e.field}") from None
     if cfg.model.fp8 is not None and arch.is_moe and cfg.parallel.moe_token_dispatcher != "alltoall":
         raise ConfigError(
             "model.fp8 with a MoE model pads each expert's tokens for FP8 GEMMs, which Megatron only "
