@@ -39,7 +39,7 @@ from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
 from mars_megatron.config import ParallelConfig
 from mars_megatron.dtypes import torch_dtype
 from mars_megatron.json_file import read_json
-from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config
+from mars_megatron.models.hf_config import Qwen3Arch, load_hf_config
 from mars_megatron.training.model_provider import build_model
 
 FORMAT = "mars-mcore-v1"

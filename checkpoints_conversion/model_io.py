@@ -26,9 +26,9 @@ from checkpoints_conversion.qwen3_mapping import (
     shard_shape,
     unshard,
 )
+from mars_megatron.comm import collectives
 from mars_megatron.dtypes import SAFETENSORS_TAGS, torch_dtype
-from mars_megatron.training import collectives
-from mars_megatron.training.hf_config import Qwen3Arch
+from mars_megatron.models.hf_config import Qwen3Arch
 
 
 class TensorSource(Protocol):
@@ -84,7 +84,7 @@ def _stage_layers(model: torch.nn.Module, arch: Qwen3Arch) -> list[int]:
     """Layers per pipeline stage of ``model``'s layout (even, or megatron's first/last-stage counts)."""
     from megatron.core import parallel_state as ps
 
-    from mars_megatron.training.model_provider import stage_layers
+    from mars_megatron.models.layout import stage_layers
 
     config = getattr(model, "module", model).config
     return stage_layers(
@@ -273,7 +273,7 @@ def export_weights(
     but must iterate too (they take part in the gathers and sends). ``steps`` from :func:`plan_export`
     may be reused across calls on the same model.
 
-    The tensors are on the device of the collectives (:mod:`~mars_megatron.training.collectives`: the
+    The tensors are on the device of the collectives (:mod:`~mars_megatron.comm.collectives`: the
     GPU under NCCL, the host under gloo); consumers that need host memory copy them there."""
     steps = plan_export(model, arch) if steps is None else steps
     me = dist.get_rank()

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from mars_megatron.training.hf_config import Qwen3Arch
+from mars_megatron.models.hf_config import Qwen3Arch
 
 Split = Literal["none", "row", "col", "qkv", "gated", "vocab"]
 Group = Literal["tp", "etp", "none"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from mars_megatron.config import ConfigError, ParallelConfig, describe_config, load_config
@@ -37,7 +38,7 @@ def _check_model(model_dir: str, layout: ParallelConfig, hf_only: bool = False) 
     model's files (an HF folder's config.json and safetensors, a mars checkpoint's metadata) and that the
     layout divides it."""
     from mars_megatron import jobs
-    from mars_megatron.training.model_provider import LayoutError, check_layout
+    from mars_megatron.models.layout import LayoutError, check_parallel
 
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"{model_dir}: no such model directory")
@@ -50,7 +51,7 @@ def _check_model(model_dir: str, layout: ParallelConfig, hf_only: bool = False) 
             )
     arch = jobs.check_model_files(model_dir)
     try:
-        check_layout(arch, layout, 128)
+        check_parallel(arch, layout, 128)
     except LayoutError as e:
         raise ValueError(f"{model_dir}: {e}") from None
 
@@ -151,118 +152,140 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+def _init_model(args: argparse.Namespace) -> None:
+    from mars_megatron.models.presets import init_model
+
+    out = init_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {args.preset} to {out}")
+
+
+def _convert(args: argparse.Namespace) -> None:
+    from checkpoints_conversion.convert import check_output_dir, preflight
     from mars_megatron import jobs
 
+    check_output_dir(args.dst)
+    layout = _layout(args)
+    if args.direction == "hf-to-mcore":
+        _check_model(args.src, layout, hf_only=True)
+        jobs.run(
+            jobs.hf_to_mcore_job, layout, args.src, args.dst, layout, args.dtype, args.impl, nproc=args.nproc
+        )
+    else:
+        if not (math.isfinite(args.max_shard_gb) and 0 < args.max_shard_gb <= 2**20):
+            raise ValueError(f"--max-shard-gb must be in (0, 1048576], got {args.max_shard_gb}")
+        if not Path(args.src).is_dir():
+            raise FileNotFoundError(f"{args.src}: no such checkpoint directory")
+        preflight(args.src)  # a cut, altered or crafted checkpoint is refused before ranks start
+        _check_model(args.src, layout)
+        max_bytes = int(args.max_shard_gb * 2**30)
+        jobs.run(
+            jobs.mcore_to_hf_job, layout, args.src, args.dst, layout, max_bytes, args.impl, nproc=args.nproc
+        )
+    print(f"wrote {args.dst}")
+
+
+def _score(args: argparse.Namespace) -> None:
+    from mars_megatron import jobs
+
+    arch = jobs.model_arch(args.model_dir)
+    seqs = jobs.read_token_lines(args.input, arch.vocab_size)
+    routing = jobs.read_routing(args.routing, seqs, arch) if args.routing else None
+    if not Path(args.output).parent.exists():
+        raise FileNotFoundError(f"{Path(args.output).parent}: output directory does not exist")
+    layout = _layout(args)
+    jobs.run(
+        jobs.score_job,
+        layout,
+        args.model_dir,
+        seqs,
+        args.output,
+        layout,
+        args.micro_batch,
+        args.impl,
+        routing,
+        nproc=args.nproc,
+    )
+    routed = f" under the routing of {args.routing}" if args.routing else ""
+    print(f"scored {len(seqs)} sequences{routed} -> {args.output}")
+
+
+def _sft(args: argparse.Namespace) -> None:
+    from checkpoints_conversion.convert import check_output_dir
+    from mars_megatron import jobs
+    from mars_megatron.tasks.sft import SFTConfig, sft_job
+
+    sft = load_config(args.config, [*args.overrides, f"out_dir={args.out}"], root=SFTConfig)
+    check_output_dir(args.out)
+    if not Path(args.model_dir).is_dir():
+        raise FileNotFoundError(f"{args.model_dir}: no such model directory")
+    layout = _layout(args)
+    jobs.run(sft_job, layout, args.model_dir, layout, sft, None, args.impl, nproc=args.nproc)
+    print(f"wrote {args.out}")
+
+
+def _train(args: argparse.Namespace) -> None:
+    from mars_megatron.pipeline.trainer import train
+
+    train(load_config(args.config, args.overrides), nproc=args.nproc, resume=args.resume)
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from mars_megatron.metrics import plot_runs
+
+    labels = args.labels or [Path(d).name for d in args.run_dirs]
+    print(f"wrote {plot_runs(args.run_dirs, labels, args.out)}")
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from mars_megatron.evaluation.command import run_eval
+
+    run_eval(args)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from mars_megatron.launch.nemo import run as launch
+
+    return launch(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from mars_megatron.launch.plan_command import run as run_plan
+
+    return run_plan(args)
+
+
+def _config(args: argparse.Namespace) -> None:
+    if args.describe:
+        print(describe_config())
+        return
+    import yaml
+
+    from mars_megatron.config import config_to_dict
+
+    print(yaml.safe_dump(config_to_dict(load_config(args.config, args.overrides)), sort_keys=False))
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
+    "init-model": _init_model,
+    "convert": _convert,
+    "score": _score,
+    "sft": _sft,
+    "train": _train,
+    "plot": _plot,
+    "eval": _eval,
+    "launch": _launch,
+    "plan": _plan,
+    "config": _config,
+}
+"""What each subcommand runs; ``None`` from one means success (exit status 0)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand and turn its errors into one line on stderr and an exit status: 2 for bad input
+    (config, values, files), 1 for a failed run (a rank's traceback follows its last line)."""
+    args = _parse(argv)
     try:
-        if args.command == "init-model":
-            from mars_megatron.models.presets import init_model
-
-            out = init_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
-            print(f"wrote {args.preset} to {out}")
-        elif args.command == "convert":
-            from checkpoints_conversion.convert import check_output_dir
-
-            check_output_dir(args.dst)
-            layout = _layout(args)
-            if args.direction == "hf-to-mcore":
-                _check_model(args.src, layout, hf_only=True)
-                jobs.run(
-                    jobs.hf_to_mcore_job,
-                    layout,
-                    args.src,
-                    args.dst,
-                    layout,
-                    args.dtype,
-                    args.impl,
-                    nproc=args.nproc,
-                )
-            else:
-                from checkpoints_conversion.convert import preflight
-
-                if not (math.isfinite(args.max_shard_gb) and 0 < args.max_shard_gb <= 2**20):
-                    raise ValueError(f"--max-shard-gb must be in (0, 1048576], got {args.max_shard_gb}")
-                if not Path(args.src).is_dir():
-                    raise FileNotFoundError(f"{args.src}: no such checkpoint directory")
-                preflight(args.src)  # a cut, altered or crafted checkpoint is refused before ranks start
-                _check_model(args.src, layout)
-                max_bytes = int(args.max_shard_gb * 2**30)
-                jobs.run(
-                    jobs.mcore_to_hf_job,
-                    layout,
-                    args.src,
-                    args.dst,
-                    layout,
-                    max_bytes,
-                    args.impl,
-                    nproc=args.nproc,
-                )
-            print(f"wrote {args.dst}")
-        elif args.command == "score":
-            arch = jobs.model_arch(args.model_dir)
-            seqs = jobs.read_token_lines(args.input, arch.vocab_size)
-            routing = jobs.read_routing(args.routing, seqs, arch) if args.routing else None
-            if not Path(args.output).parent.exists():
-                raise FileNotFoundError(f"{Path(args.output).parent}: output directory does not exist")
-            layout = _layout(args)
-            jobs.run(
-                jobs.score_job,
-                layout,
-                args.model_dir,
-                seqs,
-                args.output,
-                layout,
-                args.micro_batch,
-                args.impl,
-                routing,
-                nproc=args.nproc,
-            )
-            routed = f" under the routing of {args.routing}" if args.routing else ""
-            print(f"scored {len(seqs)} sequences{routed} -> {args.output}")
-        elif args.command == "sft":
-            from checkpoints_conversion.convert import check_output_dir
-            from mars_megatron.tasks.sft import SFTConfig, sft_job
-
-            sft = load_config(args.config, [*args.overrides, f"out_dir={args.out}"], root=SFTConfig)
-            check_output_dir(args.out)
-            if not Path(args.model_dir).is_dir():
-                raise FileNotFoundError(f"{args.model_dir}: no such model directory")
-            layout = _layout(args)
-            jobs.run(sft_job, layout, args.model_dir, layout, sft, None, args.impl, nproc=args.nproc)
-            print(f"wrote {args.out}")
-        elif args.command == "train":
-            from mars_megatron.pipeline.trainer import train
-
-            train(load_config(args.config, args.overrides), nproc=args.nproc, resume=args.resume)
-        elif args.command == "plot":
-            from mars_megatron.metrics import plot_runs
-
-            labels = args.labels or [Path(d).name for d in args.run_dirs]
-            print(f"wrote {plot_runs(args.run_dirs, labels, args.out)}")
-        elif args.command == "eval":
-            from mars_megatron.evaluation.command import run_eval
-
-            run_eval(args)
-        elif args.command == "launch":
-            from mars_megatron.launch.nemo import run as launch
-
-            return launch(args)
-        elif args.command == "plan":
-            from mars_megatron.launch.plan_command import run as run_plan
-
-            return run_plan(args)
-        elif args.command == "config":
-            if args.describe:
-                print(describe_config())
-            else:
-                import yaml
-
-                from mars_megatron.config import config_to_dict
-
-                print(
-                    yaml.safe_dump(config_to_dict(load_config(args.config, args.overrides)), sort_keys=False)
-                )
+        status = COMMANDS[args.command](args)
     except (ConfigError, ValueError, FileExistsError, FileNotFoundError) as e:
         print(f"mars {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -276,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         print(f"mars {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    return 0
+    return 0 if status is None else status
 
 
 if __name__ == "__main__":

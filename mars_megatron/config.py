@@ -64,6 +64,12 @@ tensors, Ray resources), and no count of a run comes near it."""
 SEED_MAX = 2**32 - 1
 """Largest seed: a vLLM engine seeds numpy's global RNG with it (``np.random.seed`` takes [0, 2**32));
 torch takes 64 bits and Python's ``random`` any int, so numpy's range is what every consumer accepts."""
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""The dtypes a model may be stored in (config.json's ``torch_dtype``) and trained or served in
+(``model.dtype``, ``rollout.dtype``); :mod:`mars_megatron.dtypes` maps them to torch."""
+FP8_ALIGNMENT = 16
+"""Tokens of a micro-batch and rank (per tensor-parallel rank with sequence parallelism) must be a multiple
+of this for FP8 GEMMs (``model.fp8``)."""
 MAX_TOKENS = 2**24
 """Cap of token budgets (16.8M): above every model's context window (the longest, 10M tokens), and
 far from int32 overflow of the cumulative sequence lengths a pack is described by."""
@@ -640,14 +646,12 @@ class MarsConfig(Section):
                 "train.pack_length",
             )
         if self.model.fp8 is not None:
-            from mars_megatron.training.fp8 import ALIGNMENT
-
             sp = self.parallel.effective_sequence_parallel
             shard = pack // self.parallel.cp // (tp if sp else 1)
-            if shard % ALIGNMENT:
+            if shard % FP8_ALIGNMENT:
                 raise ConfigError(
                     f"{pack} gives {shard} tokens per micro-batch and rank; model.fp8 needs a multiple of "
-                    f"{ALIGNMENT} (FP8 GEMM alignment)",
+                    f"{FP8_ALIGNMENT} (FP8 GEMM alignment)",
                     "train.pack_length",
                 )
         if pack < self.rollout.max_response_tokens:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mars_megatron.training.hf_config import DTYPE_NAMES
+from mars_megatron.config import DTYPE_NAMES
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

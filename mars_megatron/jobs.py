@@ -63,8 +63,8 @@ def load_engine(
     from checkpoints_conversion.convert import is_mcore_checkpoint, load_mcore, read_meta
     from checkpoints_conversion.hf_io import HFReader
     from checkpoints_conversion.model_io import load_weights, validate_hf_checkpoint
+    from mars_megatron.models.hf_config import load_hf_config
     from mars_megatron.training.engine import MegatronEngine
-    from mars_megatron.training.hf_config import load_hf_config
 
     if is_mcore_checkpoint(model_dir):
         arch, meta = read_meta(model_dir)
@@ -128,7 +128,7 @@ def mcore_to_hf_job(
 def model_arch(model_dir: str) -> Any:
     """Architecture of an HF directory or a mars Megatron checkpoint, read from its metadata only."""
     from checkpoints_conversion.convert import is_mcore_checkpoint, preflight
-    from mars_megatron.training.hf_config import load_hf_config
+    from mars_megatron.models.hf_config import load_hf_config
 
     if is_mcore_checkpoint(model_dir):
         return preflight(model_dir)[0]  # refuses a cut, altered or crafted checkpoint before ranks start

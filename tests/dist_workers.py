@@ -85,10 +85,10 @@ def run_expecting_errors(ops: list[Op], seed: int = 1234) -> list[tuple[str, str
 
 
 def collective_round() -> dict[str, object]:
-    """Every wrapper of :mod:`mars_megatron.training.collectives` once, on a world of 2 (gloo)."""
+    """Every wrapper of :mod:`mars_megatron.comm.collectives` once, on a world of 2 (gloo)."""
     import torch
 
-    from mars_megatron.training import collectives
+    from mars_megatron.comm import collectives
 
     rank = dist.get_rank()
     device = collectives.comm_device()

@@ -7,8 +7,8 @@ import torch
 
 from checkpoints_conversion.model_io import SeededInit, load_weights
 from mars_megatron.config import ParallelConfig
+from mars_megatron.models.hf_config import parse_hf_config
 from mars_megatron.training import parallel
-from mars_megatron.training.hf_config import parse_hf_config
 from mars_megatron.training.model_provider import build_model
 from mars_megatron.training.packing import build_pack
 

@@ -8,7 +8,8 @@ from mars_megatron.agents.loop import InferenceLoop, LoopResult, SystemConfig, c
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.selection import select_inputs
-from mars_megatron.agents.trajectory import Position, TrainingConfig, group_id
+from mars_megatron.agents.trajectory import Position, group_id, next_position, positions
+from mars_megatron.config import AgentsConfig, ConfigError
 
 CORRECT = "**Final Verdict**: fine.\n\n**List of Findings**: None\n\n**Correctness**: Correct"
 WRONG = (
@@ -240,16 +241,21 @@ def test_select_inputs_rejects_bad_calls() -> None:
 
 
 def test_training_positions_and_config() -> None:
-    config = TrainingConfig()
-    assert (config.group_size, config.inputs_per_agent, config.strategy) == (8, 2, "adaptive")
-    assert [p.role for p in config.positions] == [S, V, C, V, C]
-    assert config.next_position(Position.VERIFIER_1) is Position.CORRECTOR_1
-    assert config.next_position(Position.CORRECTOR_2) is None
-    short = TrainingConfig(max_steps=3)
-    assert short.positions[-1] is Position.CORRECTOR_1 and short.next_position(Position.CORRECTOR_1) is None
+    config = AgentsConfig()
+    assert (config.group_size, config.inputs_per_agent, config.max_steps, config.strategy) == (
+        8,
+        2,
+        5,
+        "adaptive",
+    )
+    assert [p.role for p in positions(config.max_steps)] == [S, V, C, V, C]
+    assert next_position(Position.VERIFIER_1, config.max_steps) is Position.CORRECTOR_1
+    assert next_position(Position.CORRECTOR_2, config.max_steps) is None
+    assert positions(3)[-1] is Position.CORRECTOR_1 and next_position(Position.CORRECTOR_1, 3) is None
     for bad in ({"max_steps": 6}, {"max_steps": 0}, {"group_size": 0}, {"strategy": "greedy"}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            TrainingConfig(**bad)
+        with pytest.raises(ConfigError) as error:
+            AgentsConfig(**bad)
+        assert error.value.path == next(iter(bad))
 
 
 def test_sample_groups_by_input() -> None:

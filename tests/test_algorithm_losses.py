@@ -9,7 +9,6 @@ from mars_megatron.agents.roles import Role
 from mars_megatron.agents.trajectory import Position
 from mars_megatron.algorithm import (
     KL_CLAMP,
-    LossConfig,
     LossInputs,
     Sample,
     compute_loss,
@@ -26,6 +25,7 @@ from mars_megatron.algorithm import (
     role_weights,
     tis_weights,
 )
+from mars_megatron.config import AlgorithmConfig, ConfigError
 from mars_megatron.training.batches import make_micro_batches
 
 LN = math.log
@@ -135,7 +135,7 @@ def test_kl_clamp_is_a_setting():
     inputs = LossInputs(advantages=t([1.0]), mask=t([[1, 1]]), ref_logprobs=t([[20.0, 0.5]]))
     for clamp in (KL_CLAMP, 4.0):
         logprobs.grad = None
-        loss, count, stats = compute_loss(logprobs, inputs, LossConfig(kl_coef=0.1, kl_clamp=clamp))
+        loss, count, stats = compute_loss(logprobs, inputs, AlgorithmConfig(kl_coef=0.1, kl_clamp=clamp))
         assert count.item() == 2
         k3 = math.exp(0.5) - 1.5
         assert loss.item() == pytest.approx(-2.0 + 0.1 * (clamp + k3))  # POIS: −A per token, + β·KL
@@ -185,7 +185,7 @@ def test_dmmpt_masks_mastered_positive_tokens_below_target_only():
 def test_dmmpt_decision_given_overrides_the_micro_batch_entropy():
     """The update's decision (from the whole batch's entropy) is what the loss applies, whatever this
     pack's or rank's own entropy says: packs and context-parallel ranks of one update cannot disagree."""
-    config = LossConfig(dmmpt=True, dmmpt_prob_threshold=0.99, dmmpt_entropy_target=0.3)
+    config = AlgorithmConfig(dmmpt=True, dmmpt_prob_threshold=0.99, dmmpt_entropy_target=0.3)
     # this pack's estimate mean(−ln p) = (−ln .995 − ln .2)/2 ≈ .807 ≥ .3: on its own, DMMPT is off
     logprobs = t([[LN(0.995), LN(0.2)]])
     high = {"advantages": t([1.0]), "mask": t([[1, 1]])}
@@ -260,7 +260,7 @@ def test_compute_loss_tis_kl_role_weights_by_hand():
         ref_logprobs=t([[LN(0.25), half], [0.0, half]]),  # k3 = [[ln2 − .5, 0], [1 − ln 2, 0]]
         token_weights=t([[1.0, 1.0], [0.5, 0.5]]),  # solver, verifier at 0.5
     )
-    config = LossConfig(importance="tis", tis_cap=1.5, kl_coef=0.1, kl_kind="k3")
+    config = AlgorithmConfig(importance="tis", tis_cap=1.5, kl_coef=0.1, kl_kind="k3")
     loss, count, stats = compute_loss(logprobs, inputs, config)
     # surrogate −A·w: [[−1.5, −1], [.5, 1]]; + .1·k3: [[−1.5 + .1(ln2 − .5), −1], [.5 + .1(1 − ln2), 1]]
     # role weights: row 1 × .5; mask drops (1, 1)
@@ -274,7 +274,7 @@ def test_compute_loss_tis_kl_role_weights_by_hand():
 def test_compute_loss_dmmpt_changes_token_count():
     logprobs = t([[LN(0.995), LN(0.5)]])
     inputs = LossInputs(advantages=t([1.0]), mask=t([[1, 1]]), entropy=0.1)
-    config = LossConfig(dmmpt=True, dmmpt_prob_threshold=0.99, dmmpt_entropy_target=0.3)
+    config = AlgorithmConfig(dmmpt=True, dmmpt_prob_threshold=0.99, dmmpt_entropy_target=0.3)
     loss, count, stats = compute_loss(logprobs, inputs, config)
     assert count.item() == 1 and loss.item() == pytest.approx(-1.0)  # POIS: −A on the one kept token
     assert stats["dmmpt_masked_fraction"].item() == pytest.approx(0.5)
@@ -286,15 +286,15 @@ def test_compute_loss_dmmpt_changes_token_count():
 def test_compute_loss_requires_fields():
     inputs = LossInputs(advantages=t([1.0]), mask=t([[1.0]]))
     with pytest.raises(ValueError, match="old_logprobs"):
-        compute_loss(t([[-0.1]]), inputs, LossConfig(importance="none"))
+        compute_loss(t([[-0.1]]), inputs, AlgorithmConfig(importance="none"))
     with pytest.raises(ValueError, match="behaviour_logprobs"):
         compute_loss(
             t([[-0.1]]),
             LossInputs(t([1.0]), t([[1.0]]), old_logprobs=t([[-0.1]])),
-            LossConfig(importance="tis"),
+            AlgorithmConfig(importance="tis"),
         )
     with pytest.raises(ValueError, match="ref_logprobs"):
-        compute_loss(t([[-0.1]]), inputs, LossConfig(kl_coef=0.1))
+        compute_loss(t([[-0.1]]), inputs, AlgorithmConfig(kl_coef=0.1))
 
 
 def test_loss_inputs_align_with_micro_batches_and_make_loss_fn():
@@ -303,7 +303,7 @@ def test_loss_inputs_align_with_micro_batches_and_make_loss_fn():
     b = make_sample(
         Position.VERIFIER_1, prompt=(1, 2), response=(6, 7, 8), advantage=-2.0, behaviour_logprobs=[-1.0] * 3
     )
-    config = LossConfig(role_weights={Role.VERIFIER: 0.5}, importance="tis")
+    config = AlgorithmConfig(role_weights={"verifier": 0.5}, importance="tis")
     (mb,) = make_micro_batches([a.tokens, b.tokens], micro_batch=2)
     inputs = loss_inputs([a, b], mb.tokens.shape[1], config, old_logprobs=[[-0.5, -0.1], [-1.0, -1.0, -1.0]])
     assert mb.targets[0, 2:4].tolist() == [4, 5] and mb.targets[1, 1:4].tolist() == [6, 7, 8]
@@ -312,13 +312,13 @@ def test_loss_inputs_align_with_micro_batches_and_make_loss_fn():
     torch.testing.assert_close(inputs.token_weights[:, 0], torch.tensor([1.0, 0.5]))
 
     sink: list = []
-    loss_fn = make_loss_fn(LossConfig(role_weights={Role.VERIFIER: 0.5}), lambda _: inputs, sink)
+    loss_fn = make_loss_fn(AlgorithmConfig(role_weights={"verifier": 0.5}), lambda _: inputs, sink)
     logprobs = torch.full(mb.tokens.shape, -1.0)
     loss, count = loss_fn(logprobs, mb)
     # POIS: −A per masked token × role weight: a → −1 (one token), b → 3 tokens × (2 × .5) = 3
     assert loss.item() == pytest.approx(2.0) and count.item() == 4 and len(sink) == 1
     with pytest.raises(ValueError, match="behaviour_logprobs"):
-        loss_inputs([make_sample(Position.SOLVER)], 5, LossConfig(importance="tis"))
+        loss_inputs([make_sample(Position.SOLVER)], 5, AlgorithmConfig(importance="tis"))
     with pytest.raises(ValueError, match="advantage"):
         loss_inputs([make_sample(Position.SOLVER, advantage=None)], 5, config)
 
@@ -335,10 +335,12 @@ def test_loss_inputs_align_with_micro_batches_and_make_loss_fn():
         ({"tis_cap": 0.0}, "tis_cap"),
         ({"dmmpt_prob_threshold": 1.0}, "dmmpt_prob_threshold"),
         ({"dmmpt_entropy_target": -1.0}, "dmmpt_entropy_target"),
-        ({"role_weights": {Role.SOLVER: -1.0}}, "role_weights"),
-        ({"role_weights": {"solver": 1.0}}, "role_weights"),
+        ({"role_weights": {"solver": -1.0}}, "role_weights.solver"),
+        ({"role_weights": {"judge": 1.0}}, "role_weights.judge"),
     ],
 )
-def test_loss_config_validation_names_field(kwargs, field):
-    with pytest.raises(ValueError, match=rf"LossConfig\.{field}"):
-        LossConfig(**kwargs)
+def test_loss_settings_are_validated_by_the_config(kwargs, field):
+    """The loss reads the ``algorithm`` section, whose checks name the field (no second set of checks)."""
+    with pytest.raises(ConfigError) as error:
+        AlgorithmConfig(**kwargs)
+    assert error.value.path == field

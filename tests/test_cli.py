@@ -253,7 +253,7 @@ def test_train_rejects_a_layout_that_does_not_divide_the_model(tmp_path: Path, w
     run_dir = tmp_path / "run"
     args = [f"model.hf_dir={moe}", "model.mcore_dir=null", "parallel.ep=3", f"logging.run_dir={run_dir}"]
     result = mars("train", EXAMPLE, *args, cwd=work)
-    assert_failed(result, 2, "parallel: parallel.ep=3 must divide num_experts (4)")
+    assert_failed(result, 2, "mars train: error: parallel.ep: 3 must divide num_experts (4)")
     assert not run_dir.exists()
 
 

@@ -1,4 +1,4 @@
-"""The device rule of every tensor collective (training/collectives.py): NCCL groups take GPU tensors,
+"""The device rule of every tensor collective (comm/collectives.py): NCCL groups take GPU tensors,
 gloo groups host tensors, decided from the group's backend in one place; the wrappers on a real gloo
 world; and no code elsewhere in the package calling torch.distributed's tensor collectives directly, so
 a host copy handed to NCCL (the first GPU weight export failed that way) cannot be written again."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mars_megatron.comm.collectives import device_for_backend
 from mars_megatron.training import parallel
-from mars_megatron.training.collectives import device_for_backend
 from tests.dist_workers import collective_round
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def _direct_calls(path: Path) -> list[str]:
 def test_no_tensor_collective_bypasses_the_device_rule() -> None:
     files = [p for d in ("mars_megatron", "checkpoints_conversion") for p in (REPO / d).rglob("*.py")]
     assert len(files) > 50
-    rule = REPO / "mars_megatron" / "training" / "collectives.py"
+    rule = REPO / "mars_megatron" / "comm" / "collectives.py"
     direct = [call for f in files if f != rule for call in _direct_calls(f)]
-    assert direct == [], "call mars_megatron.training.collectives instead:\n" + "\n".join(direct)
+    assert direct == [], "call mars_megatron.comm.collectives instead:\n" + "\n".join(direct)
     assert _direct_calls(rule)  # the scan does see calls where they are

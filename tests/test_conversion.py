@@ -606,6 +606,6 @@ def test_error_on_every_rank_reaches_caller_and_cleans_up(tmp_path: Path) -> Non
     message = str(info.value)
     assert message.startswith(("rank 0 of 2 failed:\nTraceback", "rank 1 of 2 failed:\nTraceback"))
     assert "in hf_to_mcore" in message
-    assert "LayoutError: parallel.tp=2 must divide num_key_value_heads (1)" in message
+    assert "LayoutError: parallel.tp: 2 must divide num_key_value_heads (1)" in message
     assert_nothing_written(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv1"]

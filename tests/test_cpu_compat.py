@@ -187,7 +187,7 @@ MODEL_CODE = """
 import os, tempfile
 from mars_megatron.config import ParallelConfig
 from mars_megatron.training import parallel
-from mars_megatron.training.hf_config import parse_hf_config
+from mars_megatron.models.hf_config import parse_hf_config
 from mars_megatron.training.model_provider import build_model
 from checkpoints_conversion.model_io import SeededInit, load_weights
 from checkpoints_conversion.qwen3_mapping import init_tensor

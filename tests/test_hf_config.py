@@ -1,4 +1,4 @@
-"""mars_megatron.training.hf_config: HF Qwen3 / Qwen3-MoE config.json -> Qwen3Arch, and its refusals."""
+"""mars_megatron.models.hf_config: HF Qwen3 / Qwen3-MoE config.json -> Qwen3Arch, and its refusals."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mars_megatron.training.hf_config import HFConfigError, Qwen3Arch, load_hf_config, parse_hf_config
+from mars_megatron.models.hf_config import HFConfigError, Qwen3Arch, load_hf_config, parse_hf_config
 
 HF_CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "hf_configs"
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from mars_megatron.training.hf_config import HFConfigError, Qwen3Arch, load_hf_config
+from mars_megatron.models.hf_config import HFConfigError, Qwen3Arch, load_hf_config
 from tests.test_hf_config import DENSE as BASE_DENSE
 from tests.test_hf_config import MOE as BASE_MOE
 from tests.test_hf_config import cfg

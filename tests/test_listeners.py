@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mars_megatron.training.tcp_store import listening_store
+from mars_megatron.comm.tcp_store import listening_store
 from mars_megatron.transfer.group import GroupSpec, TransferGroup, host_store
 
 pytestmark = pytest.mark.multiproc

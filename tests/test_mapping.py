@@ -18,7 +18,7 @@ from checkpoints_conversion.qwen3_mapping import (
     shard,
     unshard,
 )
-from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config
+from mars_megatron.models.hf_config import Qwen3Arch, load_hf_config
 
 
 def make_arch(**changes: object) -> Qwen3Arch:

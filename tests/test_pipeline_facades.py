@@ -7,7 +7,8 @@ import pytest
 
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import Position, TrainingConfig
+from mars_megatron.agents.trajectory import Position
+from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import ScoreRequest, score_requests
 from mars_megatron.pipeline.facades import ProblemFeed, TrainerGroup
@@ -58,7 +59,7 @@ def test_a_score_request_comes_from_the_record_and_its_score_goes_back() -> None
     """Solver (its answer against the reference) and Verifier (its verdict against whether the solution
     it judged was right, carried on the record as ``judged_right``)."""
     limits = Limits(8, 8, dict.fromkeys(Role, 0), 1, 1)
-    s = Scheduler(TrainingConfig(group_size=1, inputs_per_agent=1, max_steps=2), limits, lambda *a: [1])
+    s = Scheduler(AgentsConfig(group_size=1, inputs_per_agent=1, max_steps=2), limits, lambda *a: [1])
     s.add_problems([Problem("p0", "1 + 1?", "2", 1)])
     (job,) = s.take_segments()
     assert s.on_segment(job.sample_id, [5], [-0.5], stopped=True)

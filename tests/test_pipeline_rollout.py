@@ -15,7 +15,8 @@ import pytest
 from mars_megatron.agents.prompts import prompt_set
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import Position, TrainingConfig, group_id
+from mars_megatron.agents.trajectory import Position, group_id
+from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.models.presets import init_model
 from mars_megatron.pipeline.local import Round, run_round
@@ -75,7 +76,7 @@ def _round(codec: ChatCodec, checker, *, reward="agent", strategy="adaptive", ma
         codec=codec,
         checker=checker,
         prompts=prompt_set("compact"),
-        agents=TrainingConfig(group_size=4, inputs_per_agent=2, max_steps=max_steps, strategy=strategy),
+        agents=AgentsConfig(group_size=4, inputs_per_agent=2, max_steps=max_steps, strategy=strategy),
         sampling=SamplingParams(max_tokens=16, temperature=1.0),
         seed=seed,
         reward=reward,
@@ -180,7 +181,7 @@ def test_shared_reward_is_the_trajectory_outcome(codec: ChatCodec, checker) -> N
 
 
 def test_missing_engine_or_problems_is_an_error(codec: ChatCodec, checker) -> None:
-    args = dict(codec=codec, checker=checker, prompts=prompt_set("compact"), agents=TrainingConfig(),
+    args = dict(codec=codec, checker=checker, prompts=prompt_set("compact"), agents=AgentsConfig(),
                 sampling=SamplingParams(max_tokens=4), seed=0)  # fmt: skip
     with pytest.raises(ValueError, match="no engine for role"):
         run_round(PROBLEMS, engines={}, **args)

@@ -10,7 +10,8 @@ from collections.abc import Callable
 import pytest
 
 from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import Position, TrainingConfig
+from mars_megatron.agents.trajectory import Position
+from mars_megatron.config import AgentsConfig, load_config
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.scheduler import Batch, Limits, Scheduler, SeqState
 from mars_megatron.pipeline.simulate import Costs, Lengths, SimResult, Simulation, simple_prompts
@@ -27,7 +28,7 @@ def problems(n: int, start: int = 0) -> list[Problem]:
 def scheduler(bound: int, *, segment: int = 8, per_update: int = 2, batch_groups: int = 4, g: int = 2,
               steps: int = 5, n: int = 12, seed: int = 0, whole: bool = False) -> Scheduler:  # fmt: skip
     limits = Limits(64, segment, dict.fromkeys(Role, bound), per_update, batch_groups, whole)
-    s = Scheduler(TrainingConfig(group_size=g, inputs_per_agent=2, max_steps=steps), limits,
+    s = Scheduler(AgentsConfig(group_size=g, inputs_per_agent=2, max_steps=steps), limits,
                   simple_prompts(LENGTHS), seed=seed)  # fmt: skip
     s.add_problems(problems(n))
     return s
@@ -203,10 +204,6 @@ def test_lost_segments_and_scores_are_requeued_nothing_lost_or_twice() -> None:
 
 # ------------------------------------------------------------------------------------------ bad input
 def test_bad_calls_name_the_sample_or_field() -> None:
-    with pytest.raises(ValueError, match="segment_tokens must be >= 1"):
-        Limits(64, 0, dict.fromkeys(Role, 1), 1, 1)
-    with pytest.raises(ValueError, match=r"a bound >= 0 for every role \(missing \['corrector'\]\)"):
-        Limits(64, 8, {Role.SOLVER: 1, Role.VERIFIER: 1}, 1, 1)
     s = scheduler(1)
     job = s.take_segments(1)[0]
     with pytest.raises(ValueError, match=f"{job.sample_id}: 2 tokens but 1 log-probs"):
@@ -278,3 +275,26 @@ def test_routing_of_each_segments_call_replaces_the_sequences_and_is_saved() -> 
     restored = Scheduler(s.agents, s.limits, s.prompt_fn, seed=s.seed)
     restore_scheduler(restored, scheduler_state(s))
     assert np.array_equal(restored.samples[job.sample_id].routed_experts, second)
+
+
+def test_limits_from_the_config() -> None:
+    """The one place a run's schedule is derived from its config (which validated every setting)."""
+    sync = Limits.from_config(
+        load_config(None, ["rollout.max_response_tokens=64", "data.problems_per_step=3"])
+    )
+    assert sync == Limits(64, 64, dict.fromkeys(Role, 0), 3, 3, whole_trajectories=False)
+    agentic = Limits.from_config(
+        load_config(
+            None,
+            [
+                "pipeline.mode=agentic",
+                "pipeline.max_staleness=2",
+                "pipeline.staleness_per_role={verifier: 0}",
+                "pipeline.segment_tokens=16",
+                "pipeline.batch_groups=5",
+                "algorithm.reward=shared",
+            ],
+        )
+    )
+    assert dict(agentic.max_staleness) == {Role.SOLVER: 2, Role.VERIFIER: 0, Role.CORRECTOR: 2}
+    assert (agentic.segment_tokens, agentic.batch_groups, agentic.whole_trajectories) == (16, 5, True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mars_megatron.config import ConfigError, load_config
+from mars_megatron.config import ConfigError, ParallelConfig, load_config
 from mars_megatron.launch import plan_command
 from mars_megatron.launch.config_fit import check_config
 from mars_megatron.launch.planner import (
@@ -39,7 +39,8 @@ from mars_megatron.launch.planner import (
     step_seconds,
 )
 from mars_megatron.launch.resources import engine_gpus, rollout_engines, trainer_world_size
-from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config, parse_hf_config
+from mars_megatron.models.hf_config import Qwen3Arch, load_hf_config, parse_hf_config
+from mars_megatron.models.layout import LayoutError, balanced_ends, check_parallel
 
 A30 = PRESETS["qwen3-30b-a3b"]
 A235 = PRESETS["qwen3-235b-a22b"]
@@ -320,13 +321,29 @@ def test_rollout_kv_cache_and_colocated_peak() -> None:
     assert (apart.rollout_weights, apart.kv_cache, apart.total) == (0, 0, apart.overhead + apart.train)
 
 
+def _ends(layers: int, pp: int) -> dict[str, int | None]:
+    first, last = balanced_ends(layers, pp)
+    return {"first_stage_layers": first, "last_stage_layers": last}
+
+
 def test_pipeline_stages_split_like_megatron() -> None:
-    assert stage_layers(A235, Layout(pp=8, tp=4, ep=8, etp=1, dp=4)) == (11, *(12,) * 6, 11)
-    assert stage_layers(A235, Layout(pp=16)) == (5, *(6,) * 14, 5)  # as account_for_embedding/loss would
+    assert balanced_ends(94, 8) == (11, 11)
+    assert stage_layers(A235, Layout(pp=8, tp=4, ep=8, etp=1, dp=4, **_ends(94, 8))) == (11, *(12,) * 6, 11)
+    assert stage_layers(A235, Layout(pp=16, **_ends(94, 16))) == (
+        5,
+        *(6,) * 14,
+        5,
+    )  # as account_for_embedding
+    assert balanced_ends(48, 2) == (None, None)
     assert stage_layers(A30, Layout(pp=2)) == (24, 24)
-    assert stage_layers(A235, Layout(pp=7)) == (12, *(14,) * 5, 12)
+    assert stage_layers(A235, Layout(pp=7, **_ends(94, 7))) == (12, *(14,) * 5, 12)
     assert stage_layers(A235, Layout(pp=4, first_stage_layers=22)) == (22, 24, 24, 24)
-    assert sum(stage_layers(A235, Layout(pp=32))) == 94
+    assert sum(stage_layers(A235, Layout(pp=32, **_ends(94, 32)))) == 94
+    # Megatron needs explicit first/last stage sizes when the layers do not divide: so does the planner,
+    # and the layouts it enumerates carry them
+    assert _plan_error(lambda: check_layout(A235, Layout(pp=8, dp=1), 8, 4096)).path == "pp"
+    uneven = [lay for lay in enumerate_layouts(A235, 64, 4096) if 94 % lay.pp]
+    assert uneven and all(lay.first_stage_layers is not None for lay in uneven)
 
 
 # ------------------------------------------------------------------------------- published layouts
@@ -341,18 +358,27 @@ PUBLISHED = [
     ("bridge-30b-pretrain-16gpu", A30, 16, Layout(tp=1, ep=16, etp=1, dp=16), 4096, "none", 73.3),
     # qwen3_30b_a3b_sft_8gpu_h100_bf16_config: TP4 PP2 EP4 ETP1, seq 2048, no recompute
     ("bridge-30b-sft-8gpu", A30, 8, Layout(tp=4, pp=2, ep=4, etp=1, dp=1), 2048, "none", 71.4),
-    # qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config: TP4 PP16 CP2 EP8 ETP1, seq 4096, no recompute
+    # qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config: TP4 PP16 CP2 EP8 ETP1, seq 4096, no recompute;
+    # its 94 layers split 5 + 14*6 + 5 (Bridge's account_for_embedding/loss; here explicit stage sizes)
     (
         "bridge-235b-pretrain-256gpu",
         A235,
         256,
-        Layout(tp=4, pp=16, cp=2, ep=8, etp=1, dp=2),
+        Layout(tp=4, pp=16, cp=2, ep=8, etp=1, dp=2, first_stage_layers=5, last_stage_layers=5),
         4096,
         "none",
         37.6,
     ),
     # qwen3_235b_a22b_sft_64gpu_h100_bf16_config: TP4 PP16 EP4 ETP1, seq 2048, no recompute
-    ("bridge-235b-sft-64gpu", A235, 64, Layout(tp=4, pp=16, ep=4, etp=1, dp=1), 2048, "none", 79.1),
+    (
+        "bridge-235b-sft-64gpu",
+        A235,
+        64,
+        Layout(tp=4, pp=16, ep=4, etp=1, dp=1, first_stage_layers=5, last_stage_layers=5),
+        2048,
+        "none",
+        79.1,
+    ),
     # NeMo-RL examples/configs/recipes/llm/performance/grpo-qwen3-30ba3b-4n8g.yaml (commit 0b88cccc):
     # 4 nodes x 8, TP1 PP1 EP8 (ETP 1: grpo_math_1B.yaml), max_total_sequence_length 4096, vLLM TP2
     ("nemo-rl-grpo-30b-4n8g", A30, 32, Layout(tp=1, ep=8, etp=1, dp=32), 4096, "none", 72.8),
@@ -675,7 +701,7 @@ NO_CP = ["parallel.pp=1", "parallel.cp=1"]  # a recipe layout that fits any trai
             64,
             ["parallel.tp=8", *NO_CP],
             "parallel.tp",
-            "8 must divide the attention heads (32) and the KV heads (4)",
+            "8 must divide num_key_value_heads (4): Megatron splits the KV groups",
         ),
         (
             64,
@@ -760,3 +786,44 @@ def test_cli_checks_a_config(in_repo: None, capsys: pytest.CaptureFixture[str]) 
         plan_command.run(_parser().parse_args(["--model", "qwen3-30b-a3b", "--gpus", "8", "train.steps=2"]))
     with pytest.raises(PlanError, match=r"give --model PRESET\|DIR, or --config FILE"):
         plan_command.run(_parser().parse_args(["--gpus", "8"]))
+
+
+@pytest.mark.parametrize("arch", [A30, A235], ids=["30b", "235b"])
+def test_planner_and_trainer_accept_the_same_layouts(arch: Qwen3Arch) -> None:
+    """One layout check (models/layout.py) behind the planner, the launcher's config fit and the model
+    provider: over a grid of layouts (uneven stages, bad stage sizes, tp/ep/etp that do not divide), the
+    planner accepts exactly what the trainer's check accepts, where the planner's own extra rules (world
+    size, ranks per stage for ep*etp, sequence length) are met."""
+    seen = {True: 0, False: 0}
+    for tp in (1, 2, 3, 4, 8):
+        for pp in (1, 2, 3, 4, 8, 16, 94, 95):
+            for ends in ((None, None), balanced_ends(arch.num_layers, pp), (1, None), (None, 50), (10, 9)):
+                for ep, etp in ((1, tp), (2, 1), (3, 1), (8, tp), (8, 1), (16, 1)):
+                    first, last = ends
+                    if pp == 1 and ends != (None, None):
+                        continue  # ParallelConfig refuses stage sizes without pipeline parallelism
+                    layout = Layout(
+                        tp=tp,
+                        pp=pp,
+                        ep=ep,
+                        etp=etp,
+                        dp=ep * 16,
+                        first_stage_layers=first,
+                        last_stage_layers=last,
+                    )
+                    parallel = ParallelConfig(
+                        tp=tp, pp=pp, ep=ep, etp=etp, first_stage_layers=first, last_stage_layers=last
+                    )
+                    try:
+                        check_parallel(arch, parallel, 128)
+                        trainer = True
+                    except LayoutError:
+                        trainer = False
+                    try:
+                        check_layout(arch, layout, layout.world, 4096 * tp)
+                        planner = True
+                    except PlanError:
+                        planner = False
+                    assert planner == trainer, (layout, planner, trainer)
+                    seen[trainer] += 1
+    assert seen[True] > 20 and seen[False] > 20

@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mars_megatron.config import ConfigError, ParallelConfig
+from mars_megatron.models.hf_config import load_hf_config
+from mars_megatron.models.layout import LayoutError, check_parallel, stage_layers
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
-from mars_megatron.training.hf_config import load_hf_config
-from mars_megatron.training.model_provider import LayoutError, check_layout, stage_layers
 from tests.uneven_workers import convert_and_score
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -53,6 +53,8 @@ def test_impossible_splits_name_the_field(
 def test_stage_counts_need_pipeline_parallelism() -> None:
     with pytest.raises(ConfigError, match="first_stage_layers: needs pp > 1"):
         ParallelConfig(first_stage_layers=2)
+    with pytest.raises(LayoutError, match=r"^parallel\.last_stage_layers: needs pp > 1"):
+        stage_layers(4, 1, None, 2)  # Megatron: no middle stage left for the other layers
 
 
 def test_qwen3_235b_example_layout_splits_its_94_layers() -> None:
@@ -60,7 +62,7 @@ def test_qwen3_235b_example_layout_splits_its_94_layers() -> None:
 
     cfg = load_config(EXAMPLES / "qwen3_235b_a22b.yaml")
     arch = load_hf_config(EXAMPLES / "hf_configs" / "qwen3-235b-a22b.json")
-    check_layout(arch, cfg.parallel, cfg.model.vocab_pad_multiple)  # raises if it cannot be built
+    check_parallel(arch, cfg.parallel, cfg.model.vocab_pad_multiple)  # raises if it cannot be built
     p = cfg.parallel
     assert sum(stage_layers(arch.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers)) == 94
 

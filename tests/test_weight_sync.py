@@ -20,12 +20,12 @@ import torch
 ray = pytest.importorskip("ray")
 
 from checkpoints_conversion.qwen3_mapping import expected_hf_tensors  # noqa: E402
+from mars_megatron.models.hf_config import load_hf_config  # noqa: E402
 from mars_megatron.models.presets import init_model  # noqa: E402
 from mars_megatron.pipeline.fleet import EngineFleet, TransferError  # noqa: E402
 from mars_megatron.rollout.engine import GenerationRequest, SamplingParams  # noqa: E402
 from mars_megatron.rollout.hf_engine import HFEngine  # noqa: E402
 from mars_megatron.rollout.ray_engine import TornWeightsError  # noqa: E402
-from mars_megatron.training.hf_config import load_hf_config  # noqa: E402
 from mars_megatron.training.ray_group import RayWorkerGroup  # noqa: E402
 from tests.ray_workers import DyingHFEngine, TrainerRank, start_fleet  # noqa: E402
 

@@ -21,7 +21,7 @@ from mars_megatron.agents.prompts import (
 from mars_megatron.agents.roles import Message, Role
 from mars_megatron.agents.sample import Sample, Segment
 from mars_megatron.agents.selection import eligible_inputs, select_inputs
-from mars_megatron.agents.trajectory import Position, TrainingConfig, group_id
+from mars_megatron.agents.trajectory import Position, group_id
 from mars_megatron.agents.verdict import bug_report, parse_verdict
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "Sample",
     "Segment",
     "SystemConfig",
-    "TrainingConfig",
     "bug_report",
     "choose_fallback",
     "corrector_messages",

@@ -6,7 +6,6 @@ of the position before it and samples a group of G per selected input. A Correct
 Verifier outputs that found errors, so a trajectory stops where a Verifier says ``Correct``.
 """
 
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
@@ -34,36 +33,15 @@ class Position(StrEnum):
 _ORDER = tuple(Position)
 
 
-@dataclass(frozen=True)
-class TrainingConfig:
-    """Shape of the grouped agentic rollout; defaults are MarsRL's."""
+def positions(max_steps: int) -> tuple[Position, ...]:
+    """The positions of a trajectory of ``agents.max_steps`` steps, in order from the Solver."""
+    return _ORDER[:max_steps]
 
-    group_size: int = 8
-    """G: samples drawn per input (per problem for the Solver)."""
-    inputs_per_agent: int = 2
-    """Outputs of the previous position each later position selects as inputs."""
-    max_steps: int = 5
-    """Positions per trajectory, 1..5, taken in order from Solver."""
-    strategy: Strategy = "adaptive"
-    """How inputs are selected; see :func:`select_inputs`."""
 
-    def __post_init__(self) -> None:
-        for name in ("group_size", "inputs_per_agent"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainingConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not 1 <= self.max_steps <= len(_ORDER):
-            raise ValueError(f"TrainingConfig.max_steps must be in 1..{len(_ORDER)}, got {self.max_steps}")
-        if self.strategy not in _STRATEGIES:
-            raise ValueError(f"TrainingConfig.strategy must be one of {_STRATEGIES}, got {self.strategy!r}")
-
-    @property
-    def positions(self) -> tuple[Position, ...]:
-        return _ORDER[: self.max_steps]
-
-    def next_position(self, position: Position) -> Position | None:
-        """The position fed by ``position``'s outputs, or None at the end of the trajectory."""
-        index = _ORDER.index(position) + 1
-        return _ORDER[index] if index < self.max_steps else None
+def next_position(position: Position, max_steps: int) -> Position | None:
+    """The position fed by ``position``'s outputs, or None at the end of a ``max_steps`` trajectory."""
+    index = _ORDER.index(position) + 1
+    return _ORDER[index] if index < max_steps else None
 
 
 def group_id(problem_id: str, position: Position, parent_id: str | None) -> str:

@@ -19,7 +19,6 @@ from mars_megatron.algorithm.losses import (
     tis_weights,
 )
 from mars_megatron.algorithm.objective import (
-    LossConfig,
     LossInputs,
     compute_loss,
     loss_inputs,
@@ -30,7 +29,6 @@ from mars_megatron.algorithm.objective import (
 
 __all__ = [
     "KL_CLAMP",
-    "LossConfig",
     "LossInputs",
     "Sample",
     "Segment",

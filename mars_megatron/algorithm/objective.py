@@ -1,4 +1,5 @@
-"""MarsRL's policy objective: the pieces of :mod:`losses` composed under one validated config.
+"""MarsRL's policy objective: the pieces of :mod:`losses` composed under the ``algorithm`` config section
+(:class:`~mars_megatron.config.AlgorithmConfig`, which declares, defaults and validates every setting).
 
 Order of :func:`compute_loss` (each step named in the stats it reports):
 
@@ -17,80 +18,15 @@ leave the denominator too; role weights do not change it). Megatron divides by t
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from mars_megatron.agents.roles import Role
 from mars_megatron.agents.sample import Sample
 from mars_megatron.algorithm import losses as L
 from mars_megatron.algorithm.tensors import MicroBatch, PackedSequence
-
-Importance = Literal["none", "tis", "pois"]
-_IMPORTANCE = ("none", "tis", "pois")
-_KL_KINDS = ("k1", "k2", "k3")
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Policy-loss settings; defaults are MarsRL's where the paper gives them."""
-
-    clip_low: float = 0.2
-    """Ratios below 1 − clip_low stop pushing a negative-advantage token down; in [0, 1)."""
-    clip_high: float = 0.28
-    """Ratios above 1 + clip_high stop pushing a positive-advantage token up (DAPO clip-higher); >= 0."""
-    kl_coef: float = 0.0
-    """β of the KL penalty to the reference policy; the paper gives none, so 0 (no reference needed)."""
-    kl_kind: L.KLKind = "k3"
-    """Schulman estimator: k1, k2 or k3."""
-    kl_clamp: float = L.KL_CLAMP
-    """Bound of each token's KL value, ``[−kl_clamp, kl_clamp]`` (verl, NeMo-RL: 10); > 0."""
-    importance: Importance = "pois"
-    """``none``: ratios against the trainer's old log-probs; ``tis``: the same times truncated IS
-    weights against the rollout engine's log-probs; ``pois``: old = latest model (MarsRL/UloRL)."""
-    tis_cap: float = 2.0
-    """Upper bound of the TIS weight; > 0."""
-    dmmpt: bool = False
-    """Mask well-mastered tokens of positive responses while entropy is low (UloRL)."""
-    dmmpt_prob_threshold: float = 0.99
-    """A token counts as mastered when its probability exceeds this; in (0, 1). Unpublished."""
-    dmmpt_entropy_target: float = 0.3
-    """DMMPT acts only while the batch entropy (nats/token) is below this; >= 0. Unpublished."""
-    role_weights: Mapping[Role, float] = field(default_factory=dict)
-    """Loss weight per role (MARS-style balancing); roles not listed weigh 1.0; each >= 0."""
-
-    def __post_init__(self) -> None:
-        def bad(name: str, need: str) -> ValueError:
-            return ValueError(f"LossConfig.{name} must be {need}, got {getattr(self, name)!r}")
-
-        if not 0.0 <= self.clip_low < 1.0:
-            raise bad("clip_low", "in [0, 1)")
-        if not self.clip_high >= 0.0:
-            raise bad("clip_high", ">= 0")
-        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
-            raise bad("kl_coef", "finite and >= 0")
-        if not self.kl_clamp > 0.0:
-            raise bad("kl_clamp", "> 0")
-        if self.kl_kind not in _KL_KINDS:
-            raise bad("kl_kind", f"one of {_KL_KINDS}")
-        if self.importance not in _IMPORTANCE:
-            raise bad("importance", f"one of {_IMPORTANCE}")
-        if not self.tis_cap > 0.0:
-            raise bad("tis_cap", "> 0")
-        if not 0.0 < self.dmmpt_prob_threshold < 1.0:
-            raise bad("dmmpt_prob_threshold", "in (0, 1)")
-        if not self.dmmpt_entropy_target >= 0.0:
-            raise bad("dmmpt_entropy_target", ">= 0")
-        for role, weight in self.role_weights.items():
-            if not isinstance(role, Role):
-                raise ValueError(f"LossConfig.role_weights: key {role!r} is not a Role")
-            if not (weight >= 0.0 and math.isfinite(weight)):
-                raise ValueError(
-                    f"LossConfig.role_weights[{role.value}] must be finite and >= 0, got {weight}"
-                )
+from mars_megatron.config import AlgorithmConfig
 
 
 @dataclass(frozen=True)
@@ -147,7 +83,7 @@ def _on_device(inputs: LossInputs, device: torch.device) -> LossInputs:
 
 
 def compute_loss(
-    logprobs: torch.Tensor, inputs: LossInputs, config: LossConfig
+    logprobs: torch.Tensor, inputs: LossInputs, config: AlgorithmConfig
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(loss sum, token count, stats) for one micro-batch, in the order of the module docstring."""
     inputs = _on_device(inputs, logprobs.device)
@@ -220,7 +156,7 @@ def response_tensor(
 def loss_inputs(
     samples: Sequence[Sample],
     seq_len: int,
-    config: LossConfig,
+    config: AlgorithmConfig,
     *,
     old_logprobs: Sequence[Sequence[float]] | None = None,
     ref_logprobs: Sequence[Sequence[float]] | None = None,
@@ -261,7 +197,7 @@ def response_span(sample: Sample, start: int, end: int) -> tuple[int, int]:
 def packed_loss_inputs(
     samples: Sequence[Sample],
     pack: PackedSequence,
-    config: LossConfig,
+    config: AlgorithmConfig,
     *,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
@@ -312,7 +248,7 @@ def packed_loss_inputs(
 
 
 def make_loss_fn(
-    config: LossConfig,
+    config: AlgorithmConfig,
     inputs_for: Callable[[MicroBatch], LossInputs],
     stats_sink: list[dict[str, torch.Tensor]] | None = None,
 ) -> Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, torch.Tensor]]:

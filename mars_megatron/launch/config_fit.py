@@ -44,8 +44,8 @@ from mars_megatron.launch.planner import (
 )
 from mars_megatron.launch.resources import rollout_engines, trainer_world_size
 from mars_megatron.launch.sync_estimate import Links, SyncEstimate, estimate_sync, format_estimate
+from mars_megatron.models.hf_config import Qwen3Arch
 from mars_megatron.training.fp8 import vllm_quantization
-from mars_megatron.training.hf_config import Qwen3Arch
 
 # planner field -> config field, for layout errors
 _CONFIG_FIELDS = {"seq_len": "train.pack_length", "gpus": "parallel"}

@@ -1,6 +1,6 @@
 """``mars plan``: which Megatron layouts fit a model on a cluster, and roughly how fast each one is.
 
-Pure arithmetic on a :class:`~mars_megatron.training.hf_config.Qwen3Arch` — no torch, no GPU — so a layout
+Pure arithmetic on a :class:`~mars_megatron.models.hf_config.Qwen3Arch` — no torch, no GPU — so a layout
 can be sized before any node is booked. Memory is counted in bytes per GPU for the *worst* pipeline stage;
 every term below is what a rank of our trainer (Megatron-Core DDP + distributed optimizer, bf16, Transformer
 Engine's flash attention) and a colocated vLLM engine hold. Symbols: ``h`` hidden, ``a``/``g`` query/KV
@@ -79,7 +79,7 @@ region, ``a_r = a/tp``, ``g_r = g/tp``:
     and output-layer inputs and the logits (the output layer is Megatron's bf16 ColumnParallelLinear).
 
   With fp8 the tokens of a micro-batch and rank, s/(cp·tp), must be a multiple of 16 (the FP8 GEMM
-  alignment the trainer checks, ``training/fp8.ALIGNMENT``).
+  alignment the trainer checks, ``config.FP8_ALIGNMENT``).
 
 Rollout (colocated engines, one per ``rollout.tp`` GPUs): vLLM weights 2 B · params / rollout_tp, and the
 KV cache 2 (K, V) · layers · max(1, g / rollout_tp) · d · 2 B per token, times ``max_seqs · seq_len`` tokens
@@ -117,10 +117,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal, get_args
 
-from mars_megatron.config import ConfigError
-from mars_megatron.training.fp8 import ALIGNMENT as FP8_ALIGNMENT
+from mars_megatron.config import FP8_ALIGNMENT, ConfigError
+from mars_megatron.models import layout as layout_rules
+from mars_megatron.models.hf_config import Qwen3Arch, load_hf_config, parse_hf_config
 from mars_megatron.training.fp8 import Fp8Mode
-from mars_megatron.training.hf_config import Qwen3Arch, load_hf_config, parse_hf_config
 
 GIB = 2**30
 Recompute = Literal["none", "selective", "full"]
@@ -340,30 +340,22 @@ def check_layout(arch: Qwen3Arch, layout: Layout, gpus: int, seq_len: int, *, fp
     tp, pp, cp, ep, etp = layout.tp, layout.pp, layout.cp, layout.ep, layout.expert_tp
     if layout.world != gpus:
         raise PlanError(f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{layout.dp} = {layout.world} != {gpus} GPUs", "gpus")
-    heads, kv = arch.num_attention_heads, arch.num_key_value_heads
-    if heads % tp or kv % tp:
-        raise PlanError(
-            f"{tp} must divide the attention heads ({heads}) and the KV heads ({kv}): Megatron splits both",
-            "tp",
+    try:  # the rules the trainer's model provider applies (one module: the planner cannot disagree)
+        layout_rules.check_layout(
+            arch,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            etp=etp,
+            vocab_pad_multiple=VOCAB_PAD_MULTIPLE,
+            first_stage_layers=layout.first_stage_layers,
+            last_stage_layers=layout.last_stage_layers,
         )
-    if any(not moe for moe in _moe_layers(arch)) and arch.ffn_hidden_size % tp:
-        raise PlanError(f"{tp} does not divide ffn_hidden_size ({arch.ffn_hidden_size})", "tp")
-    if arch.padded_vocab_size(VOCAB_PAD_MULTIPLE) % tp:
-        raise PlanError(f"{tp} does not divide the padded vocabulary", "tp")
-    if pp > arch.num_layers:
-        raise PlanError(f"{pp} stages for {arch.num_layers} layers", "pp")
-    if not arch.is_moe:
-        if ep != 1:
-            raise PlanError(f"{ep} > 1 but the model has no experts", "ep")
-    else:
-        if arch.num_experts % ep:
-            raise PlanError(f"{ep} does not divide num_experts ({arch.num_experts})", "ep")
+    except layout_rules.LayoutError as e:
+        raise PlanError(e.message, e.field.split("/")[0]) from None
+    if arch.is_moe:
         if ep == 1 and etp != tp:
             raise PlanError(f"must equal tp ({tp}) when ep = 1 (Megatron treats experts as dense)", "etp")
-        if arch.moe_ffn_hidden_size % etp:
-            raise PlanError(
-                f"{etp} does not divide moe_intermediate_size ({arch.moe_ffn_hidden_size})", "etp"
-            )
         if (tp * cp * layout.dp) % (ep * etp):
             raise PlanError(
                 f"tp*cp*dp = {tp * cp * layout.dp} ranks per stage not divisible by ep*etp = {ep * etp}", "ep"
@@ -378,7 +370,6 @@ def check_layout(arch: Qwen3Arch, layout: Layout, gpus: int, seq_len: int, *, fp
             f"needs a multiple of {FP8_ALIGNMENT}",
             "seq_len",
         )
-    stage_layers(arch, layout)  # raises for first/last stage layers that do not add up
 
 
 def _moe_layers(arch: Qwen3Arch) -> tuple[bool, ...]:
@@ -386,40 +377,11 @@ def _moe_layers(arch: Qwen3Arch) -> tuple[bool, ...]:
 
 
 def stage_layers(arch: Qwen3Arch, layout: Layout) -> tuple[int, ...]:
-    """Layers per pipeline stage. Megatron needs L % pp == 0 or explicit first/last stage sizes with equal
-    middle stages; when unset we pick the smallest first/last that keep the middle stages equal, so the
-    first stage (most micro-batches in flight, plus the embedding) gets the smaller share."""
-    n, pp = arch.num_layers, layout.pp
-    first, last = layout.first_stage_layers, layout.last_stage_layers
-    if first is None and last is None:
-        if n % pp == 0:
-            return (n // pp,) * pp
-        middle = -(-n // pp)
-        rest = n - (pp - 2) * middle
-        if rest < 2:
-            middle = n // pp
-            rest = n - (pp - 2) * middle
-        first, last = rest // 2, rest - rest // 2
-    if pp == 1:
-        raise PlanError("needs pp > 1", "first_stage_layers" if first is not None else "last_stage_layers")
-    for name, value in (("first_stage_layers", first), ("last_stage_layers", last)):
-        if value is not None and value >= n:
-            raise PlanError(f"{value} leaves no layers for the other stages ({n} layers)", name)
-    if pp == 2:
-        first = n - last if first is None else first
-        last = n - first if last is None else last
-        if first + last != n:
-            raise PlanError(f"{first} + last_stage_layers {last} != {n} layers", "first_stage_layers")
-        return (first, last)
-    fixed = (first or 0) + (last or 0)
-    free = pp - 2 + (first is None) + (last is None)
-    if fixed >= n or (n - fixed) % free:
-        raise PlanError(
-            f"leaves {n - fixed} layers, which do not split evenly over the other {free} stages",
-            "first_stage_layers" if first is not None else "last_stage_layers",
-        )
-    middle = (n - fixed) // free
-    return (first or middle, *(middle,) * (pp - 2), last or middle)
+    """Layers per pipeline stage of a valid layout (:func:`mars_megatron.models.layout.stage_layers`)."""
+    split = layout_rules.stage_layers(
+        arch.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers
+    )
+    return tuple(split)
 
 
 # --------------------------------------------------------------------------------------------- memory
@@ -715,7 +677,17 @@ def enumerate_layouts(
                 eps = _divisors(arch.num_experts) if arch.is_moe else [1]
                 for ep in eps:
                     for etp in sorted({1, tp}) if ep > 1 else [tp]:
-                        layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp)
+                        first, last = layout_rules.balanced_ends(arch.num_layers, pp)
+                        layout = Layout(
+                            tp=tp,
+                            pp=pp,
+                            cp=cp,
+                            ep=ep,
+                            etp=etp,
+                            dp=dp,
+                            first_stage_layers=first,
+                            last_stage_layers=last,
+                        )
                         try:
                             check_layout(arch, layout, gpus, seq_len, fp8=fp8)
                         except PlanError:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mars_megatron.launch.planner import Layout, param_counts
-from mars_megatron.training.hf_config import Qwen3Arch
+from mars_megatron.models.hf_config import Qwen3Arch
 
 ANCHORS: tuple[tuple[str, str], ...] = (
     ("NeMo-RL NCCL refit, Qwen3-30B, H100", "0.74-1.0 s"),

@@ -108,7 +108,7 @@ class PipelineDriver:
 
     # ------------------------------------------------------------------------------------------ dispatch
     def _dispatch(self, rollouts: bool = True) -> None:
-        if self.s.waiting() < self.s.limits.problems_per_update:
+        if self.s.waiting() < self.s.limits.problems_per_step:
             self.s.add_problems(self.problems.take())
         for w, (name, engine) in enumerate(self.fleet.engines if rollouts else []):
             if w in self.busy_rollout or w in self.fleet.stale:

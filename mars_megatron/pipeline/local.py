@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from mars_megatron.agents.prompts import PromptSet
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import TrainingConfig
+from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import (
     ScoreRequest,
@@ -51,7 +51,7 @@ def run_round(
     codec: ChatCodec,
     checker: Checker,
     prompts: PromptSet,
-    agents: TrainingConfig,
+    agents: AgentsConfig,
     sampling: SamplingParams,
     seed: int,
     reward: RewardMode = "agent",
@@ -70,7 +70,7 @@ def run_round(
         max_response_tokens=sampling.max_tokens,
         segment_tokens=segment_tokens or sampling.max_tokens,
         max_staleness=dict.fromkeys(Role, 0),
-        problems_per_update=len(problems),
+        problems_per_step=len(problems),
         batch_groups=len(problems),
         whole_trajectories=reward == "shared",
     )

@@ -17,7 +17,7 @@ Staleness. A segment decoded by version ``v`` and trained by the update of versi
 makes ``u + 1``) is ``u - v`` versions stale; ``max_staleness[role]`` bounds it. The scheduler keeps the
 bound by construction, so nothing is ever dropped or restarted for it:
 
-* *admission*: at most ``problems_per_update`` new problems start per policy version, so rollout never
+* *admission*: at most ``problems_per_step`` new problems start per policy version, so rollout never
   runs further ahead of training than the data one update consumes;
 * *issue*: no segment of a role with bound 0 is issued while an update runs (only a later update could
   train it);
@@ -27,7 +27,7 @@ bound by construction, so nothing is ever dropped or restarted for it:
   ``batch_groups`` groups are complete (or nothing else is coming) and takes the oldest ``batch_groups``
   groups plus every complete group that would be too stale for the update after it.
 
-With bound 0 for every role this is exactly the synchronous schedule — admit ``problems_per_update``
+With bound 0 for every role this is exactly the synchronous schedule — admit ``problems_per_step``
 problems, finish all their trajectories, train on everything — whatever the timing (tested), and it is
 what ``pipeline.mode=sync`` runs: the two modes differ only in their bounds. An update's groups are put
 in one canonical order (admission, position, group id), so the same data packs the same way whatever
@@ -57,7 +57,8 @@ import numpy as np
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.sample import Sample, Segment
 from mars_megatron.agents.selection import select_inputs
-from mars_megatron.agents.trajectory import Position, TrainingConfig, group_id
+from mars_megatron.agents.trajectory import Position, group_id, next_position, positions
+from mars_megatron.config import AgentsConfig, MarsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.rl.rollout import derive_seed
 
@@ -105,26 +106,40 @@ class SegmentJob:
 
 @dataclass(frozen=True)
 class Limits:
-    """The schedule's knobs (``pipeline.*`` in the config; see :class:`Scheduler`)."""
+    """The schedule's knobs as the scheduler reads them, resolved from the config (see :meth:`from_config`
+    and :class:`Scheduler`). Not validated here: :mod:`mars_megatron.config` checks every setting once."""
 
     max_response_tokens: int
     segment_tokens: int
     """Tokens per segment; >= max_response_tokens decodes every output in one segment."""
     max_staleness: Mapping[Role, int]
-    problems_per_update: int
+    """A bound for every role."""
+    problems_per_step: int
+    """New problems admitted per policy version (``data.problems_per_step``)."""
     batch_groups: int
     """Complete groups an update waits for (ignored where a bound of 0 makes it drain)."""
     whole_trajectories: bool = False
     """A complete group joins the training queue only once every sequence of its problem's trajectory
     tree is scored (``algorithm.reward=shared`` rewards every output with its trajectory's outcome)."""
 
-    def __post_init__(self) -> None:
-        for name in ("max_response_tokens", "segment_tokens", "problems_per_update", "batch_groups"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
-        missing = [r.value for r in Role if r not in self.max_staleness]
-        if missing or any(v < 0 for v in self.max_staleness.values()):
-            raise ValueError(f"Limits.max_staleness needs a bound >= 0 for every role (missing {missing})")
+    @classmethod
+    def from_config(cls, cfg: MarsConfig) -> Limits:
+        """A run's schedule: sync mode is agentic with every bound 0; a role's bound is its
+        ``pipeline.staleness_per_role`` entry or ``pipeline.max_staleness``; ``segment_tokens`` 0 means the
+        whole response and ``batch_groups`` 0 means ``data.problems_per_step``."""
+        p, max_tokens, per_step = cfg.pipeline, cfg.rollout.max_response_tokens, cfg.data.problems_per_step
+        if p.mode == "sync":
+            bounds = dict.fromkeys(Role, 0)
+        else:
+            bounds = {r: p.staleness_per_role.get(r.value, p.max_staleness) for r in Role}
+        return cls(
+            max_response_tokens=max_tokens,
+            segment_tokens=p.segment_tokens or max_tokens,
+            max_staleness=bounds,
+            problems_per_step=per_step,
+            batch_groups=p.batch_groups or per_step,
+            whole_trajectories=cfg.algorithm.reward == "shared",
+        )
 
 
 PromptFn = Callable[[Position, Problem, "Sample | None", "Sample | None"], list[int]]
@@ -147,7 +162,7 @@ class Batch:
 class Scheduler:
     """The agentic schedule of one run; see the module docstring for the rules."""
 
-    def __init__(self, agents: TrainingConfig, limits: Limits, prompt_fn: PromptFn, *, seed: int = 0) -> None:
+    def __init__(self, agents: AgentsConfig, limits: Limits, prompt_fn: PromptFn, *, seed: int = 0) -> None:
         self.agents = agents
         self.limits = limits
         self.prompt_fn = prompt_fn
@@ -175,7 +190,7 @@ class Scheduler:
         self._group_first: dict[str, int] = {}
         self._held: dict[str, list[str]] = {}  # whole_trajectories: complete groups by problem key
         self._ready: dict[str, tuple[int, str]] = {}  # READY sample ids -> their order among new work
-        self._depth = {p: i for i, p in enumerate(agents.positions)}
+        self._depth = {p: i for i, p in enumerate(positions(agents.max_steps))}
         self.counters = {"requeued": 0, "problems": 0, "spawned": 0}
 
     # ------------------------------------------------------------------------------------------ problems
@@ -187,7 +202,7 @@ class Scheduler:
         return len(self._waiting)
 
     def _admit(self) -> None:
-        budget = self.limits.problems_per_update - self._admitted_at.get(self.version, 0)
+        budget = self.limits.problems_per_step - self._admitted_at.get(self.version, 0)
         while budget > 0 and self._waiting:
             problem = self._waiting.popleft()
             key = f"{problem.problem_id}@{self.counters['problems']}"
@@ -357,7 +372,7 @@ class Scheduler:
         del self._problems[pid]
 
     def _next_position(self, key: str, position: Position) -> None:
-        nxt = self.agents.next_position(position)
+        nxt = next_position(position, self.agents.max_steps)
         if nxt is None:
             return
         candidates = [self.samples[sid] for sid in self._by_problem[key]]
@@ -426,7 +441,7 @@ class Scheduler:
         self._retire(pid)
 
     def _admission_open(self) -> bool:
-        return self._admitted_at.get(self.version, 0) < self.limits.problems_per_update
+        return self._admitted_at.get(self.version, 0) < self.limits.problems_per_step
 
     def on_trained(self) -> None:
         """The running update finished: the engines now hold ``version + 1``."""

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import TrainingConfig
 from mars_megatron.config import ConfigError, MarsConfig, dump_config
 from mars_megatron.rl.data import ProblemStream
 from mars_megatron.rl.policies import policy_names, policy_of
@@ -55,7 +54,7 @@ def prepare(
     from mars_megatron.checkpoint.store import CheckpointStore
     from mars_megatron.evaluation.data import load_problems
     from mars_megatron.jobs import model_arch, tokenizer_dir
-    from mars_megatron.training.model_provider import LayoutError, check_layout
+    from mars_megatron.models.layout import LayoutError, check_parallel
     from mars_megatron.training.parallel import min_world_size
 
     model_dir = cfg.model.mcore_dir or cfg.model.hf_dir
@@ -67,9 +66,9 @@ def prepare(
         )
     arch = model_arch(model_dir)
     try:
-        check_layout(arch, cfg.parallel, cfg.model.vocab_pad_multiple)
+        check_parallel(arch, cfg.parallel, cfg.model.vocab_pad_multiple)
     except LayoutError as e:
-        raise ConfigError(str(e), "parallel") from None
+        raise ConfigError(e.message, f"parallel.{e.field}") from None
     if cfg.model.fp8 is not None and arch.is_moe and cfg.parallel.moe_token_dispatcher != "alltoall":
         raise ConfigError(
             "model.fp8 with a MoE model pads each expert's tokens for FP8 GEMMs, which Megatron only "
@@ -292,26 +291,9 @@ class MarsRLTrainer:
         from mars_megatron.rollout.engine import SamplingParams
 
         cfg, p, a = self.cfg, self.cfg.pipeline, self.cfg.agents
-        if p.mode == "sync":
-            bounds = dict.fromkeys(Role, 0)
-        else:
-            bounds = {r: p.staleness_per_role.get(r.value, p.max_staleness) for r in Role}
-        limits = Limits(
-            max_response_tokens=cfg.rollout.max_response_tokens,
-            segment_tokens=p.segment_tokens or cfg.rollout.max_response_tokens,
-            max_staleness=bounds,
-            problems_per_update=cfg.data.problems_per_step,
-            batch_groups=p.batch_groups or cfg.data.problems_per_step,
-            whole_trajectories=cfg.algorithm.reward == "shared",
-        )
-        agents = TrainingConfig(
-            group_size=a.group_size,
-            inputs_per_agent=a.inputs_per_agent,
-            max_steps=a.max_steps,
-            strategy=a.strategy,
-        )
+        limits = Limits.from_config(cfg)
         scheduler = Scheduler(
-            agents, limits, prompt_builder(prompt_set(a.prompts), codec.encode), seed=cfg.train.seed
+            a, limits, prompt_builder(prompt_set(a.prompts), codec.encode), seed=cfg.train.seed
         )
         sampling = SamplingParams(
             max_tokens=cfg.rollout.max_response_tokens,

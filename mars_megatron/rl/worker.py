@@ -15,32 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mars_megatron.agents.roles import Role
 from mars_megatron.agents.sample import Sample
 from mars_megatron.algorithm import losses as L
 from mars_megatron.algorithm.mismatch import SUM_KEYS, MismatchTally, mismatch_metrics
-from mars_megatron.algorithm.objective import LossConfig, make_loss_fn, packed_loss_inputs
+from mars_megatron.algorithm.objective import make_loss_fn, packed_loss_inputs
 from mars_megatron.config import MarsConfig
 from mars_megatron.training import parallel as par
 from mars_megatron.training.batches import MicroBatch
 from mars_megatron.training.weight_sync import SendsWeights, WeightSender
-
-
-def loss_config(cfg: MarsConfig) -> LossConfig:
-    a = cfg.algorithm
-    return LossConfig(
-        clip_low=a.clip_low,
-        clip_high=a.clip_high,
-        kl_coef=a.kl_coef,
-        kl_kind=a.kl_kind,
-        kl_clamp=a.kl_clamp,
-        importance=a.importance,
-        tis_cap=a.tis_cap,
-        dmmpt=a.dmmpt,
-        dmmpt_prob_threshold=a.dmmpt_prob_threshold,
-        dmmpt_entropy_target=a.dmmpt_entropy_target,
-        role_weights={Role(k): v for k, v in a.role_weights.items()},
-    )
 
 
 def split_groups(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
@@ -79,6 +61,35 @@ def check_sample_routing(samples: Sequence[Sample], arch: Any) -> None:
         )
 
 
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Which forwards a batch's update takes besides the updates themselves."""
+
+    watch: bool
+    """Measure the trainer-vs-engine mismatch (needs the engine's log-probs)."""
+    need_old: bool
+    """Score every mini-batch under the pre-update weights first."""
+    in_update: bool
+    """The single update's own forward measures the mismatch (and R3's routing changes) on the way."""
+
+
+def forward_plan(cfg: MarsConfig, samples: Sequence[Sample], updates: int) -> ForwardPlan:
+    """The "old" policy is the one before this batch's first update: score every mini-batch now when the
+    loss needs it (importance other than POIS; R2, which records its routing there for the reference and
+    every update to replay), or when the mismatch is watched and the update cannot measure it: MIS must
+    know the outliers before the loss, and of several updates per batch only the first runs on the old
+    weights. Otherwise the single update's own forward measures the mismatch (and, under R3, the routing
+    the trainer would have changed) on the way, for free. DMMPT scores the batch too: its on/off decision
+    is taken once, from the whole batch's entropy under the old weights, before any loss sees a pack (one
+    pack's or rank's entropy would let the packs and ranks of one update disagree)."""
+    a, replay = cfg.algorithm, cfg.moe.routing_replay
+    # mismatch needs the engine's log-probs (samples built without an engine have none)
+    watch = (a.mismatch_metrics or a.mis) and any(s.behaviour_logprobs is not None for s in samples)
+    loss_needs_old = a.importance != "pois" or replay == "R2" or a.dmmpt
+    in_update = not loss_needs_old and updates == 1 and not a.mis
+    return ForwardPlan(watch=watch, need_old=loss_needs_old or (watch and not in_update), in_update=in_update)
+
+
 @dataclass
 class _Policy:
     engine: Any  # MegatronEngine
@@ -95,7 +106,7 @@ class PolicyWorker(SendsWeights):
         par.init_model_parallel(cfg.parallel, cfg.train.seed)
         self.cfg = cfg
         self.model_dir = model_dir
-        self.loss = loss_config(cfg)
+        self.loss = cfg.algorithm
         self.policies: dict[str, _Policy] = {}
         for name in names:
             engine = load_engine(
@@ -143,39 +154,20 @@ class PolicyWorker(SendsWeights):
         return out
 
     def _train_policy(self, policy: _Policy, samples: Sequence[Sample]) -> dict[str, float]:
-        engine = policy.engine
-        pack_length = self.cfg.train.pack_length
-        replay = self.cfg.moe.routing_replay
+        """One rollout batch of one policy: pack it, take the forwards the loss and the metrics need under
+        the pre-update weights (:func:`forward_plan`), run the updates, and report."""
+        engine, replay, a = policy.engine, self.cfg.moe.routing_replay, self.cfg.algorithm
         if replay == "R3":
             check_sample_routing(samples, engine.arch)
-        minis = split_groups(samples, self.cfg.train.updates_per_batch)
-        packed = []
-        for mini in minis:
-            plan = engine.plan([len(s.tokens) for s in mini], pack_length)
-            routing = [s.routed_experts for s in mini] if replay == "R3" else None
-            packed.append((mini, plan, engine.rank_packs([s.tokens for s in mini], plan, routing=routing)))
-        # The "old" policy is the one before this batch's first update: score every mini-batch now when
-        # the loss needs it (importance other than POIS; R2, which records its routing there for the
-        # reference and every update to replay), or when the mismatch is watched and the update cannot
-        # measure it: MIS must know the outliers before the loss, and of several updates per batch only
-        # the first runs on the old weights. Otherwise the single update's own forward measures the
-        # mismatch (and, under R3, the routing the trainer would have changed) on the way, for free.
-        # DMMPT scores the batch too: its on/off decision is taken once, from the whole batch's entropy
-        # under the old weights, before any loss sees a pack (one pack's or rank's entropy would let the
-        # packs and ranks of one update disagree).
-        a = self.cfg.algorithm
+        packed = self._pack(engine, samples)
+        plan = forward_plan(self.cfg, samples, len(packed))
         stores: list[dict | None] = [{} if replay == "R2" else None for _ in packed]
-        # mismatch needs the engine's log-probs (samples built without an engine have none)
-        watch = (a.mismatch_metrics or a.mis) and any(s.behaviour_logprobs is not None for s in samples)
-        loss_needs_old = self.loss.importance != "pois" or replay == "R2" or self.loss.dmmpt
-        in_update = not loss_needs_old and len(packed) == 1 and not a.mis
-        need_old = loss_needs_old or (watch and not in_update)
-        tally = MismatchTally(a.mismatch_threshold) if watch else None
+        tally = MismatchTally(a.mismatch_threshold) if plan.watch else None
         if tally is not None:
             for mini, _, mbs in packed:
                 tally.add_batch(mini, mbs)
         old = [
-            engine.forward_logprobs(mbs, record_routing=store) if need_old else None
+            engine.forward_logprobs(mbs, record_routing=store) if plan.need_old else None
             for (_, _, mbs), store in zip(packed, stores, strict=True)
         ]
         ref = [
@@ -188,37 +180,106 @@ class PolicyWorker(SendsWeights):
         sums: dict[str, list[float]] = {}
         outliers: list[set[int]] = [set() for _ in packed]
         routing_changed = None
-        if need_old and measure:
-            if tally is not None:
-                for (_, _, mbs), old_lp in zip(packed, old, strict=True):
-                    if old_lp is None:
-                        continue  # not the last pipeline stage
-                    for mb, lp in zip(mbs, old_lp, strict=True):
-                        tally.add(lp, mb)
-            # the old log-probs are whole packs on every CP rank: count them once
-            sums, found, routing_changed = self._first_forward_sums(
-                engine, tally, replay == "R3", whole_packs=True
-            )
+        if plan.need_old and measure:
+            sums, found, routing_changed = self._measure_old(engine, tally, packed, old)
             outliers = found if tally is not None else outliers
         entropy: float | None = None
         dmmpt_on: bool | None = None
         if self.loss.dmmpt:
             entropy = self._batch_entropy(engine, packed, old)
             dmmpt_on = L.dmmpt_active(entropy, self.loss.dmmpt_entropy_target)
-        metrics: dict[str, float] = {}
         stats: list[dict[str, torch.Tensor]] = []
-        truncated = 0
+        metrics = self._update(
+            engine,
+            packed,
+            old,
+            ref,
+            stores,
+            [out if a.mis else set() for out in outliers],
+            stats,
+            tally if plan.in_update else None,
+            in_update=plan.in_update,
+            entropy=entropy,
+            dmmpt_on=dmmpt_on,
+        )
+        if plan.in_update and measure:
+            # each rank scored its own columns of the packs in the update
+            sums, _, routing_changed = self._first_forward_sums(
+                engine, tally, replay == "R3", whole_packs=False
+            )
+        for key in stats[0] if stats else ():
+            metrics[key] = float(torch.stack([s[key].detach().float() for s in stats]).mean())
+        if policy.reference is not None:
+            policy.reference.routing_changes()  # its scoring forwards replay too: not what is reported
+        if routing_changed is not None:
+            metrics["routing_changed"] = routing_changed
+        if entropy is not None and dmmpt_on is not None:  # the same on every rank
+            metrics["dmmpt_active"] = float(dmmpt_on)
+            metrics["dmmpt_batch_entropy"] = entropy
+        metrics["packs"] = float(sum(len(mbs) for _, _, mbs in packed))
+        metrics["truncated_samples"] = float(sum(len(plan_.truncated) for _, plan_, _ in packed))
+        metrics.update(mismatch_metrics(sums))
+        if a.mis and sums:
+            metrics["mis_masked_samples"] = sums["all"][SUM_KEYS.index("seqs_over")]
+        return metrics
+
+    def _measure_old(
+        self,
+        engine: Any,
+        tally: MismatchTally | None,
+        packed: Sequence[tuple[Sequence[Sample], Any, Sequence[MicroBatch]]],
+        old: Sequence[Sequence[torch.Tensor] | None],
+    ) -> tuple[dict[str, list[float]], list[set[int]], float | None]:
+        """:meth:`_first_forward_sums` of the scoring forward under the pre-update weights."""
+        if tally is not None:
+            for (_, _, mbs), old_lp in zip(packed, old, strict=True):
+                if old_lp is None:
+                    continue  # not the last pipeline stage
+                for mb, lp in zip(mbs, old_lp, strict=True):
+                    tally.add(lp, mb)
+        # the old log-probs are whole packs on every CP rank: count them once
+        return self._first_forward_sums(engine, tally, self.cfg.moe.routing_replay == "R3", whole_packs=True)
+
+    def _pack(self, engine: Any, samples: Sequence[Sample]) -> list[tuple[Sequence[Sample], Any, Any]]:
+        """(mini-batch, pack plan, this rank's micro-batches) per update of the batch."""
+        replay = self.cfg.moe.routing_replay
+        packed = []
+        for mini in split_groups(samples, self.cfg.train.updates_per_batch):
+            plan = engine.plan([len(s.tokens) for s in mini], self.cfg.train.pack_length)
+            routing = [s.routed_experts for s in mini] if replay == "R3" else None
+            packed.append((mini, plan, engine.rank_packs([s.tokens for s in mini], plan, routing=routing)))
+        return packed
+
+    def _update(
+        self,
+        engine: Any,
+        packed: Sequence[tuple[Sequence[Sample], Any, Sequence[MicroBatch]]],
+        old: Sequence[Sequence[torch.Tensor] | None],
+        ref: Sequence[Sequence[torch.Tensor] | None],
+        stores: Sequence[dict | None],
+        excluded: Sequence[set[int]],
+        stats: list[dict[str, torch.Tensor]],
+        watching: MismatchTally | None,
+        *,
+        in_update: bool,
+        entropy: float | None,
+        dmmpt_on: bool | None,
+    ) -> dict[str, float]:
+        """One optimizer step per mini-batch; the last step's metrics. ``excluded``: per mini-batch, the
+        sequences MIS leaves out; ``watching``: a tally the update's own forward fills (the mismatch
+        measured on the way, when no scoring forward was taken); ``in_update``: the update's forward is the
+        batch's first under the pre-update weights (R3 then measures its routing changes there)."""
+        replay = self.cfg.moe.routing_replay
         pass_old = self.loss.importance != "pois"
-        for (mini, plan, mbs), old_lp, ref_lp, store, out in zip(
-            packed, old, ref, stores, outliers, strict=True
+        metrics: dict[str, float] = {}
+        for (mini, _, mbs), old_lp, ref_lp, store, out in zip(
+            packed, old, ref, stores, excluded, strict=True
         ):
-            excluded = out if a.mis else set()
-            truncated += len(plan.truncated)
             # keyed by pack: a context-parallel rank's share of a micro-batch is a new MicroBatch
             index = {id(mb.pack): k for k, mb in enumerate(mbs)}
 
             def inputs_for(
-                mb: MicroBatch, mini=mini, index=index, old_lp=old_lp, ref_lp=ref_lp, excluded=excluded
+                mb: MicroBatch, mini=mini, index=index, old_lp=old_lp, ref_lp=ref_lp, excluded=out
             ):
                 k = index[id(mb.pack)]
                 assert mb.pack is not None
@@ -234,30 +295,11 @@ class PolicyWorker(SendsWeights):
                 )
 
             loss_fn = make_loss_fn(self.loss, inputs_for, stats)
-            if tally is not None and in_update:
-                loss_fn = tally.watching(loss_fn)
+            if watching is not None:
+                loss_fn = watching.watching(loss_fn)
             metrics = engine.step(
                 mbs, loss_fn, replay_routing=store, measure_routing=replay == "R3" and in_update
             )
-        if in_update and measure:
-            # each rank scored its own columns of the packs in the update
-            sums, _, routing_changed = self._first_forward_sums(
-                engine, tally, replay == "R3", whole_packs=False
-            )
-        for key in stats[0] if stats else ():
-            metrics[key] = float(torch.stack([s[key].detach().float() for s in stats]).mean())
-        if policy.reference is not None:
-            policy.reference.routing_changes()  # its scoring forwards replay too: not what is reported
-        if routing_changed is not None:
-            metrics["routing_changed"] = routing_changed
-        if entropy is not None and dmmpt_on is not None:  # the same on every rank
-            metrics["dmmpt_active"] = float(dmmpt_on)
-            metrics["dmmpt_batch_entropy"] = entropy
-        metrics["packs"] = float(sum(len(mbs) for _, _, mbs in packed))
-        metrics["truncated_samples"] = float(truncated)
-        metrics.update(mismatch_metrics(sums))
-        if a.mis and sums:
-            metrics["mis_masked_samples"] = sums["all"][SUM_KEYS.index("seqs_over")]
         return metrics
 
     def _batch_entropy(

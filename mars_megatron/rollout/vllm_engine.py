@@ -57,10 +57,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from mars_megatron.models.hf_config import load_hf_config
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, routing_dtype
 from mars_megatron.rollout.hf_engine import has_weights
 from mars_megatron.rollout.vllm_transfer import QUALNAME as TRANSFER_EXTENSION
-from mars_megatron.training.hf_config import load_hf_config
 from mars_megatron.transfer.channel import TransferStats
 from mars_megatron.transfer.group import GroupSpec
 from mars_megatron.transfer.plan import TransferPlan

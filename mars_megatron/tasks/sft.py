@@ -23,7 +23,15 @@ from typing import Any, Literal
 from mars_megatron.agents.prompts import prompt_set
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.trajectory import Strategy
-from mars_megatron.config import MAX_TOKENS, SEED_MAX, ConfigError, ParallelConfig, Section, _field
+from mars_megatron.config import (
+    MAX_TOKENS,
+    SEED_MAX,
+    AgentsConfig,
+    ConfigError,
+    ParallelConfig,
+    Section,
+    _field,
+)
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.rewards import AnswerChecker, CheckerConfig
 from mars_megatron.tasks.arith import arith_problems, load_arith_file, operand_pairs
@@ -259,7 +267,6 @@ def role_accuracy(
     ``verifier/unparsed``, …. ``engine`` may be a rollout engine already holding the weights (default:
     an ``HFEngine`` on ``model_dir`` decoding ``max_batch`` requests at once).
     """
-    from mars_megatron.agents.trajectory import TrainingConfig
     from mars_megatron.pipeline.local import run_round
     from mars_megatron.rollout.chat import ChatCodec
     from mars_megatron.rollout.engine import SamplingParams
@@ -276,7 +283,12 @@ def role_accuracy(
             codec=codec,
             checker=checker,
             prompts=prompt_set(prompts),
-            agents=TrainingConfig(group_size, inputs_per_agent, max_steps, strategy),
+            agents=AgentsConfig(
+                group_size=group_size,
+                inputs_per_agent=inputs_per_agent,
+                max_steps=max_steps,
+                strategy=strategy,
+            ),
             sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature),
             seed=seed,
             max_batch=max_batch,

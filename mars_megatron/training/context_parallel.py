@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mars_megatron.training import collectives
+from mars_megatron.comm import collectives
 
 
 def zigzag_index(length: int, cp: int, rank: int) -> torch.Tensor:

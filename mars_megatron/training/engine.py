@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from mars_megatron.comm import collectives
 from mars_megatron.config import OptimizerConfig, ParallelConfig
-from mars_megatron.training import collectives
+from mars_megatron.models.hf_config import Qwen3Arch
 from mars_megatron.training.batches import MicroBatch, make_micro_batches
-from mars_megatron.training.hf_config import Qwen3Arch
 from mars_megatron.training.logprobs import vocab_parallel_logprobs
 from mars_megatron.training.model_provider import build_model, resolve_impl
 from mars_megatron.training.packing import PackPlan, build_plan_pack, plan_packs

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from mars_megatron.config import ConfigError
+
 Fp8Mode = Literal["hybrid", "e4m3", "blockwise"]
 
 MIN_TE_VERSION: dict[str, tuple[int, int]] = {"hybrid": (1, 11), "e4m3": (2, 2), "blockwise": (2, 3)}
@@ -37,10 +39,6 @@ scaling kernels are Hopper's."""
 
 MIN_CUDA: dict[str, tuple[int, int]] = {"blockwise": (12, 9)}
 """CUDA (of torch's build, which TE is built against) per mode: block scaling needs cuBLASLt 12.9."""
-
-ALIGNMENT = 16
-"""Tokens of a micro-batch (per tensor-parallel rank with sequence parallelism) must be a multiple of
-this for FP8 GEMMs."""
 
 
 def megatron_fp8_kwargs(mode: Fp8Mode, *, moe: bool) -> dict[str, Any]:
@@ -126,8 +124,6 @@ def check_fp8(mode: Fp8Mode | None) -> None:
     here."""
     if mode is None:
         return
-    from mars_megatron.config import ConfigError
-
     problem = fp8_problem(mode, **machine())
     if problem is not None:
         raise ConfigError(problem + "; set model.fp8=null to train in bf16", "model.fp8")

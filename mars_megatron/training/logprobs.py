@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mars_megatron.training import collectives
+from mars_megatron.comm import collectives
 
 CHUNK_TOKENS = 1024
 """Tokens whose fp32 logits are materialised at once: bounds the temporaries to a few

@@ -16,12 +16,9 @@ import torch.nn.functional as F
 
 from mars_megatron.config import ParallelConfig
 from mars_megatron.dtypes import torch_dtype
+from mars_megatron.models.hf_config import Qwen3Arch
+from mars_megatron.models.layout import check_parallel
 from mars_megatron.training import cpu_compat
-from mars_megatron.training.hf_config import Qwen3Arch
-
-
-class LayoutError(ValueError):
-    """The model cannot be split the way the parallel config asks; the message names the field."""
 
 
 class RMSNorm(torch.nn.Module):
@@ -85,79 +82,6 @@ def _has_transformer_engine() -> bool:
     except ImportError:
         return False
     return True
-
-
-def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
-    """Layers per pipeline stage: the configured first/last stage counts, the rest split evenly.
-
-    Megatron's rule (``num_layers_in_first/last_pipeline_stage``); raises :class:`LayoutError` naming the
-    field when the layers cannot be split that way.
-    """
-    if pp == 1:
-        return [num_layers]
-    middle_stages = pp - (first is not None) - (last is not None)
-    rest = num_layers - (first or 0) - (last or 0)
-    if (
-        rest < 0
-        or (middle_stages == 0 and rest != 0)
-        or (middle_stages > 0 and (rest % middle_stages or rest == 0))
-    ):
-        fields = (
-            "parallel.pp"
-            if first is None and last is None
-            else "parallel.first_stage_layers/last_stage_layers"
-        )
-        raise LayoutError(
-            f"{fields}: {num_layers} layers cannot be split over pp={pp} stages "
-            f"(first={first}, last={last}, the other stages must share the rest evenly)"
-        )
-    even = rest // middle_stages if middle_stages else 0
-    counts = [even] * pp
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    return counts
-
-
-def check_layout(arch: Qwen3Arch, parallel: ParallelConfig, vocab_pad_multiple: int) -> None:
-    """Reject layouts that cannot split this architecture, naming the field that does not divide."""
-    tp, pp, ep, etp = parallel.tp, parallel.pp, parallel.ep, parallel.effective_etp
-    checks = [
-        (
-            arch.num_attention_heads % tp == 0,
-            f"parallel.tp={tp} must divide num_attention_heads ({arch.num_attention_heads})",
-        ),
-        (
-            arch.num_key_value_heads % tp == 0,
-            f"parallel.tp={tp} must divide num_key_value_heads ({arch.num_key_value_heads})",
-        ),
-        (
-            arch.ffn_hidden_size % tp == 0,
-            f"parallel.tp={tp} must divide intermediate_size ({arch.ffn_hidden_size})",
-        ),
-        (
-            arch.padded_vocab_size(vocab_pad_multiple) % tp == 0,
-            f"parallel.tp={tp} must divide the padded vocabulary "
-            f"({arch.padded_vocab_size(vocab_pad_multiple)}; "
-            f"see model.vocab_pad_multiple)",
-        ),
-    ]
-    if arch.is_moe:
-        assert arch.num_experts is not None and arch.moe_ffn_hidden_size is not None
-        checks += [
-            (arch.num_experts % ep == 0, f"parallel.ep={ep} must divide num_experts ({arch.num_experts})"),
-            (
-                arch.moe_ffn_hidden_size % etp == 0,
-                f"parallel.etp={etp} must divide moe_intermediate_size ({arch.moe_ffn_hidden_size})",
-            ),
-        ]
-    elif ep > 1:
-        checks.append((False, f"parallel.ep={ep} needs a MoE model; {arch.architecture} has no experts"))
-    stage_layers(arch.num_layers, pp, parallel.first_stage_layers, parallel.last_stage_layers)
-    for ok, message in checks:
-        if not ok:
-            raise LayoutError(message)
 
 
 def transformer_config(
@@ -241,7 +165,7 @@ def transformer_config(
         raise ValueError(f"train.recompute: expected 'none', 'selective' or 'full', got {recompute!r}")
     if fp8 is not None:
         if impl != "transformer_engine":
-            raise LayoutError("model.fp8 needs model.transformer_impl=transformer_engine on a GPU")
+            raise ValueError("model.fp8 needs model.transformer_impl=transformer_engine on a GPU")
         from mars_megatron.training.fp8 import megatron_fp8_kwargs
 
         kwargs.update(megatron_fp8_kwargs(fp8, moe=arch.is_moe))
@@ -308,7 +232,7 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
 
     cpu_compat.install()
-    check_layout(arch, parallel, vocab_pad_multiple)
+    check_parallel(arch, parallel, vocab_pad_multiple)
     impl = resolve_impl(transformer_impl)
     config = transformer_config(
         arch, parallel, dtype=dtype or arch.dtype, impl=impl, fp8=fp8, recompute=recompute

@@ -9,7 +9,7 @@ methods are called on every rank at once (collectives) by name. The same class r
 Why the rendezvous is TCP on loopback when it can be: Ray starts the actors, so there is no torchrun
 environment to read, and a group that fits on one node needs no network address at all (CI here runs in a
 loopback-only namespace). Rank 0's actor hosts the store, listening on that address only (torch's own
-would listen on every interface: :mod:`mars_megatron.training.tcp_store`), and the others are told its port.
+would listen on every interface: :mod:`mars_megatron.comm.tcp_store`), and the others are told its port.
 
 Errors: a method that raises on any rank raises :class:`RankError` (a RuntimeError) in the caller, whose
 message starts with the remote exception's last line and names the rank and method, followed by the
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from mars_megatron.training.tcp_store import LOOPBACK, listening_store
+from mars_megatron.comm.tcp_store import LOOPBACK, listening_store
 
 if TYPE_CHECKING:
     from ray import ObjectRef

@@ -20,8 +20,8 @@ from typing import Any
 import torch.distributed as dist
 
 from checkpoints_conversion.model_io import ExportStep, export_at_senders, export_senders, plan_export
-from mars_megatron.training.collectives import comm_device
-from mars_megatron.training.hf_config import Qwen3Arch
+from mars_megatron.comm.collectives import comm_device
+from mars_megatron.models.hf_config import Qwen3Arch
 from mars_megatron.transfer.channel import TransferStats, send_buckets
 from mars_megatron.transfer.group import GroupSpec, TransferGroup
 from mars_megatron.transfer.ipc import ColocatedSpec, Publisher, colocated_send

@@ -4,6 +4,6 @@
 - :mod:`.group`: standalone NCCL/gloo groups of one sender and every engine worker of a policy;
 - :mod:`.channel`: the sending and the receiving loop, each holding at most two buckets.
 
-Imports only torch and :mod:`mars_megatron.training.collectives`' device rule: the trainer
+Imports only torch and :mod:`mars_megatron.comm.collectives`' device rule: the trainer
 (:mod:`mars_megatron.training.weight_sync`) and the engines (:mod:`mars_megatron.rollout`) both build on it.
 """

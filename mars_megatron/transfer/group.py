@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mars_megatron.training.collectives import device_for_backend
-from mars_megatron.training.tcp_store import listening_store
+from mars_megatron.comm.collectives import device_for_backend
+from mars_megatron.comm.tcp_store import listening_store
 
 STORE_PREFIX = "mars-weight-transfer"
 

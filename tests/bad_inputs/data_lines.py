@@ -163,7 +163,7 @@ def _routing(ws: Workspace, arrays: Any, n_seqs: int = 1) -> Any:
     import numpy as np
 
     from mars_megatron.jobs import read_routing
-    from mars_megatron.training.hf_config import load_hf_config
+    from mars_megatron.models.hf_config import load_hf_config
 
     path = ws.path("routing.npz")
     if isinstance(arrays, bytes):

@@ -44,7 +44,7 @@ from pathlib import Path
 from common import REPO, mars, warm_start
 
 from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import TrainingConfig
+from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.metrics import read_metrics
 from mars_megatron.metrics.summary import reward_rise
@@ -128,10 +128,10 @@ def paper_sim(
         65536 // block,
         segment // block,
         dict.fromkeys(Role, bound),
-        problems_per_update=128,
+        problems_per_step=128,
         batch_groups=128 * 4,
     )
-    s = Scheduler(TrainingConfig(group_size=8), limits, simple_prompts(lengths), seed=0)
+    s = Scheduler(AgentsConfig(group_size=8), limits, simple_prompts(lengths), seed=0)
     s.add_problems([Problem(f"p{i}", "", "1", i + 1) for i in range(128 * (updates + 2))])
     scaled = Costs(
         costs.decode_step_s * block,

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mars_megatron.config import DTYPE_NAMES
 from mars_megatron.json_file import read_json
 
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class HFConfigError(ValueError):
