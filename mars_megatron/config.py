@@ -566,11 +566,26 @@ class EvalConfig(Section):
         0.6, "Sampling temperature of every agent call (MarsRL's evaluation: 0.6); at most 10.", min=0, max=10
     )
     top_p: float = _field(0.95, "Nucleus sampling mass (MarsRL's evaluation: 0.95).", gt=0, max=1)
+    top_k: int = _field(-1, "Top-k sampling of every agent call; -1 = off.", min=-1)
+    max_tokens: int | None = _field(
+        None,
+        "Most output tokens per agent call; null = rollout.max_response_tokens (as long as training's).",
+        min=1,
+        max=MAX_TOKENS,
+    )
+    solver_retries: int = _field(
+        3, "V–C loop: extra Solver runs after a truncated output (at most 1 + this many runs).", min=0
+    )
     max_iterations: int = _field(
         10, "V–C loop: Verifier calls at most (each may be followed by a Corrector).", min=1
     )
     accept_after: int = _field(4, "V–C loop: accept after this many consecutive Correct verdicts.", min=1)
-    give_up_after: int = _field(10, "V–C loop: stop after this many consecutive errors.", min=1)
+    give_up_after: int = _field(
+        10,
+        "V–C loop: stop after this many consecutive errors (a Verifier verdict that is not Correct: Wrong, "
+        "unparseable or a truncated report; corrections do not reset the count, Correct does).",
+        min=1,
+    )
     seed: int = _field(
         0,
         "Base of every evaluation call's seed (the same problems get the same seeds); below 2**31, as "
@@ -580,6 +595,8 @@ class EvalConfig(Section):
     )
 
     def validate(self) -> None:
+        if self.top_k == 0:
+            raise ConfigError("must be -1 (off) or >= 1, got 0", "top_k")
         if self.interval and self.test_file is None:
             raise ConfigError(
                 f"is {self.interval} but test_file is null, so there is nothing to evaluate", "interval"

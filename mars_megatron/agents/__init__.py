@@ -9,7 +9,6 @@ from mars_megatron.agents.loop import (
     LoopResult,
     LoopStep,
     Request,
-    SystemConfig,
     choose_fallback,
 )
 from mars_megatron.agents.prompts import (
@@ -34,7 +33,6 @@ __all__ = [
     "Role",
     "Sample",
     "Segment",
-    "SystemConfig",
     "bug_report",
     "choose_fallback",
     "corrector_messages",

@@ -15,30 +15,9 @@ from typing import Literal
 from mars_megatron.agents.prompts import PROMPT_SETS, PromptSet, strip_thinking
 from mars_megatron.agents.roles import Message, Role
 from mars_megatron.agents.verdict import bug_report, parse_verdict
+from mars_megatron.config import EvalConfig
 
 StopReason = Literal["accepted", "gave_up", "max_iterations", "solver_truncated"]
-
-
-@dataclass(frozen=True)
-class SystemConfig:
-    """Budgets of the inference loop; defaults are MarsRL's published evaluation settings."""
-
-    solver_retries: int = 3
-    """Extra Solver runs after a truncated output (so at most ``1 + solver_retries`` runs)."""
-    max_iterations: int = 10
-    """Verifier calls at most; each may be followed by one Corrector call."""
-    accept_after: int = 4
-    """Accept the current solution after this many consecutive ``Correct`` verdicts (IMO pipeline: 5)."""
-    give_up_after: int = 10
-    """Stop after this many consecutive errors. An error is a Verifier verdict that is not ``Correct``:
-    ``Wrong``, unparseable, or a truncated report. Corrections do not reset the count; ``Correct`` does."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_iterations", "accept_after", "give_up_after"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SystemConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.solver_retries < 0:
-            raise ValueError(f"SystemConfig.solver_retries must be >= 0, got {self.solver_retries}")
 
 
 @dataclass(frozen=True)
@@ -92,12 +71,14 @@ class InferenceLoop:
     """Runs one problem through the V–C system; see the module docstring for the flow."""
 
     def __init__(
-        self, problem: str, config: SystemConfig | None = None, prompts: PromptSet | None = None
+        self, problem: str, config: EvalConfig | None = None, prompts: PromptSet | None = None
     ) -> None:
-        """``prompts``: the prompt set the roles were trained with (default ``"marsrl"``); a model trained
+        """``config``: the loop's budgets (``solver_retries``, ``max_iterations``, ``accept_after``,
+        ``give_up_after``) from the ``evaluation`` section; defaults are MarsRL's evaluation settings.
+        ``prompts``: the prompt set the roles were trained with (default ``"marsrl"``); a model trained
         on ``compact`` prompts must be evaluated with them, or it answers text it never saw."""
         self.problem = problem
-        self.config = config or SystemConfig()
+        self.config = config or EvalConfig()
         self.prompts = prompts or PROMPT_SETS["marsrl"]
         self._phase = _Phase.SOLVE
         self._history: list[LoopStep] = []

@@ -17,20 +17,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.loop import SystemConfig
 from mars_megatron.agents.prompts import PROMPT_SETS
 from mars_megatron.agents.roles import Role
-from mars_megatron.evaluation.sampling import SamplingConfig
+from mars_megatron.config import ConfigError, EvalConfig, RolloutConfig
+from mars_megatron.evaluation import sampling
 from mars_megatron.rollout.chat import MAX_INPUT_TOKENS
 
 ENGINES = ("transformers", "vllm", "openai")
-SYSTEM_OPTIONS = {f.name: f.name.replace("_", "-") for f in dataclasses.fields(SystemConfig)}
-SAMPLING_OPTIONS = {f.name: f.name.replace("_", "-") for f in dataclasses.fields(SamplingConfig)}
+OPTIONS = {name: name.replace("_", "-") for name in (*sampling.SAMPLING_FIELDS, *sampling.LOOP_FIELDS)}
+"""The ``evaluation`` fields ``mars eval`` takes as flags (``--top-p`` sets ``top_p``)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``mars eval``; unset numbers take the defaults of SamplingConfig / SystemConfig, or
-    of the training config given with ``--config``."""
+    """The options of ``mars eval``; unset sampling and loop numbers take the defaults of the config's
+    ``evaluation`` section (the response budget: the training config's given with ``--config``)."""
     p.add_argument("--data", required=True, help="JSONL of problems (problem|query|input, answer|ans_box)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument(
@@ -76,13 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (must be new or empty unless --resume)")
     p.add_argument("--resume", action="store_true", help="continue OUT, skipping finished (problem, sample)")
     p.add_argument("--limit", type=int, default=None, help="use the first N usable problems")
-    types = {"max_tokens": int, "top_k": int, "seed": int}
-    for name, flag in SAMPLING_OPTIONS.items():
-        default = getattr(SamplingConfig(), name)
-        p.add_argument(f"--{flag}", type=types.get(name, float), default=None, help=f"default {default}")
-    for name, flag in SYSTEM_OPTIONS.items():
-        default = getattr(SystemConfig(), name)
-        p.add_argument(f"--{flag}", type=int, default=None, help=f"V–C loop; default {default}")
+    defaults = EvalConfig(max_tokens=RolloutConfig().max_response_tokens)
+    for name, flag in OPTIONS.items():
+        default = getattr(defaults, name)
+        kind = "V–C loop; " if name in sampling.LOOP_FIELDS else ""
+        p.add_argument(f"--{flag}", type=type(default), default=None, help=f"{kind}default {default}")
     p.add_argument(
         "--max-input-tokens", type=int, default=None, help=f"agent input cap (default {MAX_INPUT_TOKENS})"
     )
@@ -104,8 +102,8 @@ class EvalSettings:
     resumed run can be checked against the first, and the summary says what produced it)."""
 
     prompts: str
-    sampling: SamplingConfig
-    system: SystemConfig
+    evaluation: EvalConfig
+    """Sampling and V–C loop budgets (``max_tokens`` resolved)."""
     max_input_tokens: int
     dtype: str
 
@@ -131,15 +129,13 @@ def settings(args: argparse.Namespace) -> EvalSettings:
         cfg = load_config(args.config)
         trained = {
             "prompts": cfg.agents.prompts,
-            "max_tokens": cfg.rollout.max_response_tokens,
+            "rollout": cfg.rollout,
             "max_input_tokens": cfg.rollout.max_input_tokens,
             "dtype": cfg.model.dtype,
         }
-    sampling = _chosen(args, SAMPLING_OPTIONS, SamplingConfig, {"max_tokens": trained.get("max_tokens")})
     return EvalSettings(
         prompts=args.prompts or trained.get("prompts", "marsrl"),
-        sampling=sampling,
-        system=_chosen(args, SYSTEM_OPTIONS, SystemConfig, {}),
+        evaluation=evaluation_section(args, trained.get("rollout")),
         max_input_tokens=args.max_input_tokens or trained.get("max_input_tokens", MAX_INPUT_TOKENS),
         dtype=args.dtype or trained.get("dtype", "float32"),
     )
@@ -152,17 +148,16 @@ def file_sha256(path: str | Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _chosen(args: argparse.Namespace, options: dict[str, str], cls: type, fallback: dict[str, Any]) -> Any:
-    values = {name: getattr(args, name) for name in options}
-    values = {k: v if v is not None else fallback.get(k) for k, v in values.items()}
+def evaluation_section(args: argparse.Namespace, rollout: RolloutConfig | None) -> EvalConfig:
+    """The ``evaluation`` section with the flags given as overrides, checked by the config (so a flag has
+    the field's bounds); an error names the flag typed. ``max_tokens`` unset is ``rollout``'s response
+    budget (the training config's, else the default)."""
+    flags = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
     try:
-        return cls(**{k: v for k, v in values.items() if v is not None})
-    except ValueError as e:  # SystemConfig names its fields (max_iterations): name the flags too
-        message = str(e)
-        for name, flag in options.items():
-            if name in message and f"--{flag}" not in message:
-                message = message.replace(f"{cls.__name__}.{name}", f"--{flag}").replace(name, f"--{flag}")
-        raise ValueError(message) from None
+        evaluation = EvalConfig(**flags)
+    except ConfigError as e:
+        raise ValueError(f"--{OPTIONS.get(e.path, e.path)}: {e.message}") from None
+    return sampling.with_response_budget(evaluation, rollout)
 
 
 def _sources(args: argparse.Namespace) -> dict[Role, Any]:
@@ -256,8 +251,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": chosen.prompts,
         "max_input_tokens": chosen.max_input_tokens,
         "truncate_long_prompts": args.truncate_long_prompts,
-        "sampling": dataclasses.asdict(chosen.sampling),
-        "system": dataclasses.asdict(chosen.system),
+        **sampling.record(chosen.evaluation),
     }
     dataset = load_problems(args.data, args.limit)
     if not dataset.problems and args.limit != 0:
@@ -279,7 +273,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
                 for path in set(hf.values())
             }
             codecs = {role: loaded[path] for role, path in hf.items()}
-            max_len = chosen.max_input_tokens + chosen.sampling.max_tokens
+            max_len = chosen.max_input_tokens + chosen.evaluation.max_tokens
             engines = _engines(args, hf, served or {r: "" for r in Role}, max_len, chosen.dtype)
             checker = AnswerChecker(CheckerConfig(num_workers=args.checker_workers))
             _run_jobs(
@@ -287,8 +281,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
                     engines,
                     codecs,
                     checker,
-                    sampling=chosen.sampling,
-                    system=chosen.system,
+                    config=chosen.evaluation,
                     prompts=prompt_set(chosen.prompts),
                     max_concurrent=args.max_concurrent,
                 ),

@@ -21,11 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from mars_megatron.agents.loop import InferenceLoop, LoopResult, SystemConfig
+from mars_megatron.agents.loop import InferenceLoop, LoopResult
 from mars_megatron.agents.prompts import PromptSet
 from mars_megatron.agents.roles import Message, Role
+from mars_megatron.config import EvalConfig
+from mars_megatron.evaluation import sampling
 from mars_megatron.evaluation.data import Problem
-from mars_megatron.evaluation.sampling import SamplingConfig
 from mars_megatron.rewards.answers import extract_boxed
 from mars_megatron.rewards.checker import CheckResult
 from mars_megatron.rollout.chat import PromptTooLongError
@@ -83,8 +84,7 @@ class EvalRunner:
         codec: Codec | PerRole,
         checker: Checker,
         *,
-        sampling: SamplingConfig | None = None,
-        system: SystemConfig | None = None,
+        config: EvalConfig | None = None,
         prompts: PromptSet | None = None,
         max_concurrent: int = 256,
         on_result: Callable[[dict[str, Any]], None] = lambda record: None,
@@ -94,8 +94,9 @@ class EvalRunner:
         self.engines: dict[Role, RolloutEngine] = per_role(engine)
         self.codecs: dict[Role, Codec] = per_role(codec)
         self.checker = checker
-        self.sampling = sampling or SamplingConfig()
-        self.system = system or SystemConfig()
+        # the evaluation section: sampling and the V–C loop's budgets; a null max_tokens is the default
+        # rollout's response budget (callers that have a run's rollout resolve it first)
+        self.config = sampling.with_response_budget(config or EvalConfig())
         self.prompts = prompts
         self.max_concurrent = max_concurrent
         self.on_result = on_result
@@ -109,7 +110,7 @@ class EvalRunner:
             while pending or active:
                 while pending and len(active) < self.max_concurrent:
                     problem, sample = pending.popleft()
-                    loop = InferenceLoop(problem.text, self.system, self.prompts)
+                    loop = InferenceLoop(problem.text, self.config, self.prompts)
                     active.append(_Slot(problem, sample, loop))
                 requests, waiting = self._requests(active)
                 if requests:
@@ -146,7 +147,7 @@ class EvalRunner:
         for slot in active:
             while (request := slot.loop.next_request()) is not None:
                 step = len(slot.calls)
-                seed = step_seed(self.sampling.seed, slot.problem.problem_id, slot.sample, step)
+                seed = step_seed(self.config.seed, slot.problem.problem_id, slot.sample, step)
                 try:
                     prompt_ids = self.codecs[request.role].encode(request.messages)
                 except PromptTooLongError as e:
@@ -162,7 +163,7 @@ class EvalRunner:
                     slot.loop.observe("", truncated=True)
                     continue
                 request_id = f"{slot.problem.problem_id}/{slot.sample}/{step}/{request.role.value}"
-                requests.append(GenerationRequest(request_id, prompt_ids, self.sampling.params(seed)))
+                requests.append(GenerationRequest(request_id, prompt_ids, sampling.params(self.config, seed)))
                 waiting.append((slot, request.role))
                 break
         return requests, waiting

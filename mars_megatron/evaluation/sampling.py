@@ -1,53 +1,44 @@
-"""Sampling settings of every agent call in an evaluation (kept apart from the runner so the CLI can
-build its options without importing torch)."""
+"""What an evaluation's settings (the config's ``evaluation`` section) mean for each agent call, and the
+record of them a run writes (kept apart from the runner so the CLI can use it without importing torch).
+
+The settings themselves are declared, defaulted and validated once, in :class:`~mars_megatron.config.
+EvalConfig`; ``mars eval``'s flags and held-out evaluation during training both build that section."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
+from mars_megatron.config import EvalConfig, RolloutConfig
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Per-agent sampling; defaults are MarsRL's evaluation settings (MARSRL.md §1)."""
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+"""Fields of the ``evaluation`` section that shape every agent call's sampling."""
+LOOP_FIELDS = ("solver_retries", "max_iterations", "accept_after", "give_up_after")
+"""Fields of the ``evaluation`` section that bound the V–C loop (read by the InferenceLoop)."""
 
-    max_tokens: int = 65536
-    """Most output tokens per agent call."""
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = -1
-    seed: int = 0
-    """Base of every agent call's seed (see :func:`step_seed`)."""
 
-    def __post_init__(self) -> None:
-        """Checked when built, so ``mars eval`` refuses a bad flag before it writes anything (messages
-        name the flag)."""
-        import math
+def with_response_budget(evaluation: EvalConfig, rollout: RolloutConfig | None = None) -> EvalConfig:
+    """``evaluation`` with ``max_tokens`` resolved: a null one takes the rollout's response budget
+    (``rollout.max_response_tokens``; the default rollout's when none is given)."""
+    if evaluation.max_tokens is not None:
+        return evaluation
+    budget = (rollout or RolloutConfig()).max_response_tokens
+    return dataclasses.replace(evaluation, max_tokens=budget)
 
-        from mars_megatron.config import INT_MAX, MAX_TOKENS
 
-        problems = []
-        if self.max_tokens < 1:
-            problems.append(f"--max-tokens must be >= 1, got {self.max_tokens}")
-        elif self.max_tokens > MAX_TOKENS:  # the bound of the config's token budgets
-            problems.append(f"--max-tokens must be <= {MAX_TOKENS}, got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            problems.append(f"--temperature must be a finite number >= 0, got {self.temperature}")
-        elif self.temperature > 10:  # as evaluation.temperature: above it, sampling is noise
-            problems.append(f"--temperature must be <= 10, got {self.temperature}")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            problems.append(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            problems.append(f"--top-k must be -1 (off) or >= 1, got {self.top_k}")
-        elif self.top_k > INT_MAX:  # engines hold top-k in int32 tensors
-            problems.append(f"--top-k must be <= {INT_MAX}, got {self.top_k}")
-        if not 0 <= self.seed < 2**31:
-            problems.append(f"--seed must be in [0, 2**31), got {self.seed}")
-        if problems:
-            raise ValueError("; ".join(problems))
+def record(evaluation: EvalConfig) -> dict[str, dict[str, Any]]:
+    """The settings a run writes beside its results (``sampling`` and ``system``), so a resumed run can be
+    checked against the first one."""
+    return {
+        "sampling": {name: getattr(evaluation, name) for name in SAMPLING_FIELDS},
+        "system": {name: getattr(evaluation, name) for name in LOOP_FIELDS},
+    }
 
-    def params(self, seed: int) -> Any:
-        """Engine sampling parameters for one call."""
-        from mars_megatron.rollout.engine import SamplingParams
 
-        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, seed=seed)
+def params(evaluation: EvalConfig, seed: int) -> Any:
+    """Engine sampling parameters for one call (``evaluation.max_tokens`` resolved, see
+    :func:`with_response_budget`)."""
+    from mars_megatron.rollout.engine import SamplingParams
+
+    ev = with_response_budget(evaluation)
+    return SamplingParams(ev.max_tokens, ev.temperature, ev.top_p, ev.top_k, seed=seed)

@@ -12,7 +12,6 @@ Each evaluation also writes its ``results.jsonl`` and ``summary.json`` (the ``ma
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -20,13 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.loop import SystemConfig
 from mars_megatron.agents.prompts import prompt_set
 from mars_megatron.agents.roles import Role
-from mars_megatron.config import MarsConfig
+from mars_megatron.config import EvalConfig, MarsConfig
+from mars_megatron.evaluation import sampling
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.evaluation.runner import generate_shares
-from mars_megatron.evaluation.sampling import SamplingConfig
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, RolloutEngine
 
 EVAL_DIR = "eval"
@@ -51,16 +49,10 @@ class EnginePool:
             return generate_shares(pool, shares, requests)
 
 
-def settings(cfg: MarsConfig) -> tuple[SamplingConfig, SystemConfig]:
-    """The sampling and loop budgets of a held-out evaluation: the responses are as long as training's."""
-    ev = cfg.evaluation
-    sampling = SamplingConfig(
-        max_tokens=cfg.rollout.max_response_tokens, temperature=ev.temperature, top_p=ev.top_p, seed=ev.seed
-    )
-    system = SystemConfig(
-        max_iterations=ev.max_iterations, accept_after=ev.accept_after, give_up_after=ev.give_up_after
-    )
-    return sampling, system
+def settings(cfg: MarsConfig) -> EvalConfig:
+    """The ``evaluation`` section a held-out evaluation runs with: a null ``max_tokens`` makes the
+    responses as long as training's (``rollout.max_response_tokens``)."""
+    return sampling.with_response_budget(cfg.evaluation, cfg.rollout)
 
 
 def eval_metrics(summary: Mapping[str, Any], seconds: float) -> dict[str, float]:
@@ -89,7 +81,7 @@ class HeldOutEval:
         from mars_megatron.rollout.chat import ChatCodec
 
         self.cfg, self.problems = cfg, list(problems)
-        self.sampling, self.system = settings(cfg)
+        self.settings = settings(cfg)
         self.codec = ChatCodec.from_pretrained(tokenizer_dir, max_input_tokens=cfg.rollout.max_input_tokens)
         self.checker = AnswerChecker(CheckerConfig(num_workers=1))
         self.root = Path(cfg.logging.run_dir) / EVAL_DIR
@@ -114,16 +106,14 @@ class HeldOutEval:
             "problems": len(self.problems),
             "samples": self.cfg.evaluation.samples,
             "prompts": self.cfg.agents.prompts,
-            "sampling": dataclasses.asdict(self.sampling),
-            "system": dataclasses.asdict(self.system),
+            **sampling.record(self.settings),
         }
         out = OutputDir(folder, config, resume=False)
         runner = EvalRunner(
             dict(engines),
             self.codec,
             self.checker,
-            sampling=self.sampling,
-            system=self.system,
+            config=self.settings,
             prompts=prompt_set(self.cfg.agents.prompts),
             on_result=out.append,
         )
