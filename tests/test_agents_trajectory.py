@@ -4,12 +4,12 @@ import random
 
 import pytest
 
-from mars_megatron.agents.loop import InferenceLoop, LoopResult, SystemConfig, choose_fallback
+from mars_megatron.agents.loop import InferenceLoop, LoopResult, choose_fallback
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.selection import select_inputs
 from mars_megatron.agents.trajectory import Position, group_id, next_position, positions
-from mars_megatron.config import AgentsConfig, ConfigError
+from mars_megatron.config import AgentsConfig, ConfigError, EvalConfig
 
 CORRECT = "**Final Verdict**: fine.\n\n**List of Findings**: None\n\n**Correctness**: Correct"
 WRONG = (
@@ -73,18 +73,18 @@ def test_verifier_after_correction_sees_new_solution() -> None:
 
 def test_solver_retried_when_truncated() -> None:
     script = [(S, "<think>cut", True)] * 3 + [(S, "ans")] + [(V, CORRECT)] * 4
-    result = run(InferenceLoop("p", SystemConfig(solver_retries=3)), script)
+    result = run(InferenceLoop("p", EvalConfig(solver_retries=3)), script)
     assert result.accepted and result.calls[S] == 4
 
 
 def test_solver_gives_up_after_retries() -> None:
-    result = run(InferenceLoop("p", SystemConfig(solver_retries=2)), [(S, "<think>cut", True)] * 3)
+    result = run(InferenceLoop("p", EvalConfig(solver_retries=2)), [(S, "<think>cut", True)] * 3)
     assert not result.accepted and result.stop_reason == "solver_truncated"
     assert result.solution == "" and result.calls == {S: 3, V: 0, C: 0}
 
 
 def test_gives_up_after_consecutive_errors() -> None:
-    config = SystemConfig(give_up_after=3, max_iterations=10)
+    config = EvalConfig(give_up_after=3, max_iterations=10)
     script = [(S, "a1"), (V, WRONG), (C, "a2"), (V, "no verdict here"), (C, "a3"), (V, WRONG)]
     result = run(InferenceLoop("p", config), script)
     assert result.stop_reason == "gave_up" and not result.accepted
@@ -93,27 +93,27 @@ def test_gives_up_after_consecutive_errors() -> None:
 
 
 def test_correct_resets_error_count() -> None:
-    config = SystemConfig(give_up_after=2, max_iterations=5, accept_after=3)
+    config = EvalConfig(give_up_after=2, max_iterations=5, accept_after=3)
     script = [(S, "a1"), (V, WRONG), (C, "a2"), (V, CORRECT), (V, WRONG), (C, "a3"), (V, WRONG)]
     result = run(InferenceLoop("p", config), script)
     assert result.stop_reason == "gave_up" and result.calls[V] == 4
 
 
 def test_truncated_verifier_counts_as_error() -> None:
-    config = SystemConfig(accept_after=1, max_iterations=2)
+    config = EvalConfig(accept_after=1, max_iterations=2)
     result = run(InferenceLoop("p", config), [(S, "a1"), (V, CORRECT, True), (C, "a2"), (V, CORRECT)])
     assert result.history[1].verdict is None
     assert result.accepted and result.solution == "a2"
 
 
 def test_truncated_correction_is_dropped() -> None:
-    config = SystemConfig(accept_after=1)
+    config = EvalConfig(accept_after=1)
     result = run(InferenceLoop("p", config), [(S, "a1"), (V, WRONG), (C, "<think>cut", True), (V, CORRECT)])
     assert result.accepted and result.solution == "a1"
 
 
 def test_max_iterations_falls_back_to_most_correct_votes() -> None:
-    config = SystemConfig(max_iterations=5, accept_after=4)
+    config = EvalConfig(max_iterations=5, accept_after=4)
     script = [(S, "a1"), (V, CORRECT), (V, CORRECT), (V, WRONG), (C, "a2"), (V, CORRECT), (V, WRONG)]
     result = run(InferenceLoop("p", config), script)
     assert result.stop_reason == "max_iterations" and not result.accepted
@@ -122,7 +122,7 @@ def test_max_iterations_falls_back_to_most_correct_votes() -> None:
 
 
 def test_fallback_tie_goes_to_latest() -> None:
-    config = SystemConfig(max_iterations=4)
+    config = EvalConfig(max_iterations=4)
     script = [(S, "a1"), (V, CORRECT), (V, WRONG), (C, "a2"), (V, CORRECT), (V, WRONG)]
     result = run(InferenceLoop("p", config), script)
     assert result.solution == "a2" and result.correct_votes == 1
@@ -136,7 +136,7 @@ def test_choose_fallback(votes: list[int], expected: int) -> None:
 
 
 def test_loop_misuse_raises() -> None:
-    loop = InferenceLoop("p", SystemConfig(solver_retries=0))
+    loop = InferenceLoop("p", EvalConfig(solver_retries=0))
     with pytest.raises(RuntimeError):
         loop.result()
     loop.observe("<think>cut", truncated=True)
@@ -146,11 +146,11 @@ def test_loop_misuse_raises() -> None:
 
 
 @pytest.mark.parametrize("field", ["max_iterations", "accept_after", "give_up_after"])
-def test_system_config_validation_names_field(field: str) -> None:
-    with pytest.raises(ValueError, match=field):
-        SystemConfig(**{field: 0})
-    with pytest.raises(ValueError, match="solver_retries"):
-        SystemConfig(solver_retries=-1)
+def test_loop_budgets_are_checked_by_the_config_naming_the_field(field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        EvalConfig(**{field: 0})
+    with pytest.raises(ConfigError, match="solver_retries"):
+        EvalConfig(solver_retries=-1)
 
 
 # --- training trajectories ---------------------------------------------------------------------

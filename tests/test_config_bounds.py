@@ -314,30 +314,43 @@ def test_sampling_params_take_numpy_numbers() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_tokens": 2**30}, f"--max-tokens must be <= {MAX_TOKENS}, got {2**30}"),
-        ({"temperature": 11.0}, "--temperature must be <= 10, got 11.0"),
-        ({"temperature": float("inf")}, "--temperature must be a finite number >= 0, got inf"),
-        ({"top_k": 2**40}, f"--top-k must be <= {INT_MAX}, got {2**40}"),
-        ({"seed": 2**31}, f"--seed must be in [0, 2**31), got {2**31}"),
+        ({"max_tokens": 2**30}, f"--max-tokens: expected int <= {MAX_TOKENS}, got {2**30}"),
+        ({"temperature": 11.0}, "--temperature: expected float <= 10, got 11.0"),
+        ({"temperature": float("inf")}, "--temperature: expected a finite float, got inf"),
+        ({"top_k": 2**40}, f"--top-k: expected int <= {INT_MAX} (2**31 - 1), got {2**40}"),
+        ({"top_k": 0}, "--top-k: must be -1 (off) or >= 1, got 0"),
+        ({"seed": 2**31}, f"--seed: expected int <= {INT_MAX}, got {2**31}"),
+        ({"solver_retries": -1}, "--solver-retries: expected int >= 0, got -1"),
     ],
 )
-def test_eval_sampling_config_bounds(kwargs: dict[str, Any], message: str) -> None:
-    from mars_megatron.evaluation.sampling import SamplingConfig
+def test_mars_eval_flags_are_checked_by_the_evaluation_section(kwargs: dict[str, Any], message: str) -> None:
+    """``mars eval``'s sampling and loop flags are overrides of the ``evaluation`` section: the config's
+    bounds refuse them, and the error names the flag typed."""
+    import argparse
 
+    from mars_megatron.evaluation.command import OPTIONS, evaluation_section
+
+    args = argparse.Namespace(**{name: kwargs.get(name) for name in OPTIONS})
     with pytest.raises(ValueError) as err:
-        SamplingConfig(**kwargs)
+        evaluation_section(args, None)
     assert str(err.value) == message
 
 
-def test_evaluation_section_fits_mars_eval_sampling() -> None:
-    """The largest evaluation.* values the config accepts build the SamplingConfig of held-out evaluation
-    (they failed there, mid-run, when the config was looser: evaluation.top_p=2, evaluation.seed=2**31)."""
-    from mars_megatron.evaluation.sampling import SamplingConfig
+def test_evaluation_section_fits_the_engines_sampling() -> None:
+    """The largest evaluation.* values the config accepts build the engine sampling parameters of held-out
+    evaluation (they failed there, mid-run, when the config was looser: evaluation.top_p=2,
+    evaluation.seed=2**31); a null max_tokens is the rollout's response budget."""
+    from mars_megatron.evaluation import sampling
+    from mars_megatron.rl.evaluate import settings
 
     cfg = load_config(
-        None, ["evaluation.top_p=1", "evaluation.temperature=10", f"evaluation.seed={2**31 - 1}"]
+        None,
+        [
+            "evaluation.top_p=1",
+            "evaluation.temperature=10",
+            f"evaluation.seed={2**31 - 1}",
+            "rollout.max_response_tokens=7",
+        ],
     )
-    ev = cfg.evaluation
-    SamplingConfig(
-        max_tokens=cfg.rollout.max_response_tokens, temperature=ev.temperature, top_p=ev.top_p, seed=ev.seed
-    )
+    params = sampling.params(settings(cfg), cfg.evaluation.seed)
+    assert (params.max_tokens, params.top_p, params.temperature, params.seed) == (7, 1.0, 10.0, 2**31 - 1)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from mars_megatron.agents.loop import SystemConfig
+from mars_megatron.config import EvalConfig
+from mars_megatron.evaluation import sampling
 from mars_megatron.evaluation.data import Problem, load_problems
 from mars_megatron.evaluation.metrics import k_values, pass_at_k
 from mars_megatron.evaluation.runner import EngineFailure, EvalRunner, step_seed
-from mars_megatron.evaluation.sampling import SamplingConfig
 from mars_megatron.rewards.answers import extract_boxed
 from mars_megatron.rewards.checker import CheckResult
 from mars_megatron.rollout.chat import PromptTooLongError
@@ -139,7 +139,7 @@ def run_scripted(engine, codec=None, **kwargs):
     records = []
     runner = EvalRunner(
         engine, codec or ScriptedCodec(), ExactChecker(), on_result=records.append,
-        system=SystemConfig(accept_after=2, give_up_after=2), sampling=SamplingConfig(max_tokens=8), **kwargs,
+        config=EvalConfig(accept_after=2, give_up_after=2, max_tokens=8), **kwargs,
     )  # fmt: skip
     jobs = [(p, s) for p in PROBLEMS for s in range(2)]
     return runner, records, jobs
@@ -407,9 +407,9 @@ def test_cli_refuses_bad_setups(model_dir, whole_run, tmp_path):
     assert not (tmp_path / "o4").exists()  # refused before anything was written
     # bad sampling flags are refused before OUT is written (a rerun is then still possible)
     for flags, message in (
-        (("--max-tokens", 0), "--max-tokens must be >= 1, got 0"),
-        (("--top-p", 2), "--top-p must be in (0, 1], got 2.0"),
-        (("--temperature", "nan"), "--temperature must be a finite number >= 0, got nan"),
+        (("--max-tokens", 0), "--max-tokens: expected a positive int, got 0"),
+        (("--top-p", 2), "--top-p: expected float <= 1, got 2.0"),
+        (("--temperature", "nan"), "--temperature: expected a finite float, got nan"),
         (("--max-concurrent", 0), "--max-concurrent must be in [1, 65536], got 0"),
     ):
         proc = mars(*base, "--model", model_dir, *flags)
@@ -546,7 +546,7 @@ def test_engine_pool_splits_requests_across_engines_and_keeps_their_order() -> N
             self.seen += [r.request_id for r in requests]
             return [GenerationOutput(r.request_id, [int(r.request_id)], [0.0], "stop") for r in requests]
 
-    params = SamplingConfig(max_tokens=4).params(0)
+    params = sampling.params(EvalConfig(max_tokens=4), 0)
     requests = [GenerationRequest(str(i), (1,), params) for i in range(7)]
     engines = [Echo(), Echo(), Echo()]
     outputs = EnginePool(engines).generate(requests)
