@@ -119,7 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved config, or describe every field")
     p.add_argument("config", nargs="?")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--describe", action="store_true")
+    p.add_argument("--describe", action="store_true", help="every field with type, bounds, default and help")
+    p.add_argument(
+        "--format", choices=["text", "markdown"], default="text", help="--describe as text or as markdown"
+    )
 
     from mars_megatron.evaluation.command import add_arguments as add_eval_arguments
 
@@ -255,6 +258,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> None:
+    if args.describe and args.format == "markdown":
+        from mars_megatron.config_reference import config_markdown
+
+        print(config_markdown(), end="")
+        return
     if args.describe:
         print(describe_config())
         return
