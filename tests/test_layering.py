@@ -26,6 +26,7 @@ LAYERS: tuple[str, ...] = (
     # settings (torch-free, so a login node can check a config and plan a layout), torch's names for them,
     # then what a model is (architecture from config.json, presets, layout, tokenizer)
     "config",
+    "config_reference",  # the config tree as markdown (docs/config.md)
     "dtypes",
     "models",
     # the multi-agent protocol, then pure maths on it, then rewards of it

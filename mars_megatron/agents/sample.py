@@ -17,11 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from mars_megatron.agents.roles import Role
 from mars_megatron.agents.trajectory import Position, group_id
+
+if TYPE_CHECKING:  # numpy only for the annotation: the launcher's environment (NeMo-Run) has no numpy
+    import numpy as np
 
 
 @dataclass(frozen=True)
