@@ -209,10 +209,10 @@ class PipelineDriver:
         }
         return batches, stats
 
-    def _finish_update(self, ref: Any, item: _InFlight) -> tuple[Batch, dict[str, float], float]:
+    def _finish_update(self, ref: Any, item: _InFlight) -> tuple[dict[str, float], float]:
         """Every rank's result is in: push the new weights (colocated engines wake their weights before
         the push and their KV cache after it, so the device never holds the cache before the weights)
-        and let the scheduler move on. Returns the batch, the trainer's metrics and the training time."""
+        and let the scheduler move on. Returns the update's metrics and the training time."""
         import ray
 
         rest = [h for h in self.train_handles or [] if h is not ref]
@@ -232,7 +232,7 @@ class PipelineDriver:
         self.train_handles = None
         metrics.update(batch_metrics(batch))
         metrics.update(stats)
-        return batch, metrics, train_s
+        return metrics, train_s
 
     def _pipeline_metrics(self, step_s: float, train_s: float) -> dict[str, float]:
         return {
@@ -282,7 +282,7 @@ class PipelineDriver:
             if item.kind == "train-rank":
                 continue
             if item.kind == "train":
-                _, metrics, train_s = self._finish_update(ref, item)
+                metrics, train_s = self._finish_update(ref, item)
                 metrics.update(self._pipeline_metrics(time.perf_counter() - t0, train_s))
                 return metrics
             self._on_result(ref, item)
