@@ -301,23 +301,35 @@ class DataConfig(Section):
 
 @dataclass
 class AgentsConfig(Section):
-    prompts: Literal["marsrl", "compact"] = _field(
+    """The agent system and how its training trajectories grow. The system itself (roles, prompts,
+    trajectory, inference loop, rewards, policy grouping) is a graph file: ``agents.graph``."""
+
+    graph: str = _field(
         "marsrl",
-        "Prompt set: 'marsrl' (the full role prompts) or 'compact' (the same structure in few tokens, for "
-        "tiny models on CPU).",
+        "The agent graph: a shipped one by name ('marsrl': Solver, Verifier, Corrector; 'imo_refine': "
+        "the IMO-2025 verification-and-refinement pipeline; 'tool_pair': a tool-using reasoner and a "
+        "distiller) or the path of a graph.yaml (docs/agent_graphs.md). Checked before anything starts.",
     )
-    group_size: int = _field(8, "G: samples per input (per problem for the Solver).", min=1)
+    prompts: str | None = _field(
+        None,
+        "Prompt set of the graph (e.g. 'marsrl', 'compact' for tiny models on CPU); null = the graph's "
+        "first.",
+    )
+    group_size: int = _field(8, "G: samples per input (per problem for the first position).", min=1)
     inputs_per_agent: int = _field(
-        2, "Outputs of the previous position each later position takes as inputs (MarsRL: 2).", min=1
-    )
-    max_steps: int = _field(
-        5,
-        "Positions per trajectory: Solver, Verifier1, Corrector1, Verifier2, Corrector2 (cut to this many).",
+        2,
+        "Outputs of its input position each later position takes (MarsRL: 2), where the graph's position "
+        "does not say.",
         min=1,
-        max=5,
     )
-    strategy: Literal["random", "balanced", "adaptive"] = _field(
-        "adaptive", "How each position picks its inputs (see agents/trajectory.py:select_inputs)."
+    max_steps: int | None = _field(
+        None,
+        "Positions per trajectory: the graph's trajectory cut to this many; null = all of them.",
+        min=1,
+    )
+    strategy: Literal["random", "balanced", "adaptive", "custom"] = _field(
+        "adaptive",
+        "How each position picks its inputs where the graph's position does not say (agents/selection.py).",
     )
 
 
@@ -391,8 +403,10 @@ class AlgorithmConfig(Section):
         "the outcome of the trajectories it is part of, i.e. whether their final solutions are right "
         "(in agentic mode its groups then wait for their whole trajectory tree).",
     )
-    policies: Literal["shared", "per_role"] = _field(
-        "shared", "'shared': one policy for all roles (MarsRL); 'per_role': a separate model per role."
+    policies: Literal["shared", "per_role", "graph"] = _field(
+        "shared",
+        "'shared': one policy for all roles (MarsRL); 'per_role': a separate model per role; 'graph': the "
+        "agent graph's grouping (its policies section).",
     )
     filter_zero_variance: bool = _field(
         False, "Drop groups whose rewards are all equal (no GRPO signal; DAPO dynamic sampling)."
@@ -434,7 +448,7 @@ class AlgorithmConfig(Section):
     )
     dmmpt_entropy_target: float = _field(0.3, "DMMPT acts while the policy entropy is below this.", min=0)
     role_weights: dict[str, float] = _field(  # noqa: RUF009 — _field gives mutable defaults a factory
-        {}, "Loss weight per role (solver, verifier, corrector); missing roles weigh 1.", min=0
+        {}, "Loss weight per role of the agent graph (e.g. {verifier: 2}); missing roles weigh 1.", min=0
     )
     mismatch_metrics: bool = _field(
         True,
@@ -454,13 +468,6 @@ class AlgorithmConfig(Section):
         "Masked importance sampling: leave outlier sequences (mismatch_threshold) out of the loss; beside "
         "importance 'tis', which caps token weights.",
     )
-
-    def validate(self) -> None:
-        for role in self.role_weights:
-            if role not in ("solver", "verifier", "corrector"):
-                raise ConfigError(
-                    "unknown role; expected solver, verifier or corrector", f"role_weights.{role}"
-                )
 
 
 @dataclass
@@ -516,10 +523,8 @@ class PipelineConfig(Section):
     )
 
     def validate(self) -> None:
-        roles = ("solver", "verifier", "corrector")
+        # Role names are the agent graph's: agents/graph.py:check_config checks them against it.
         for role, bound in self.staleness_per_role.items():
-            if role not in roles:
-                raise ConfigError(f"unknown role {role!r}; expected one of {roles}", "staleness_per_role")
             if not isinstance(bound, int) or bound < 0:
                 raise ConfigError(f"{role}: expected an int >= 0, got {bound!r}", "staleness_per_role")
 
@@ -549,8 +554,9 @@ class MoeConfig(Section):
 
 @dataclass
 class EvalConfig(Section):
-    """Held-out evaluation during training: the V–C system and its Solver alone on problems never trained
-    on, on the run's own engines and weights (``mars eval`` does the same on a saved checkpoint)."""
+    """Held-out evaluation during training: the agent graph's inference loop and its first solution alone
+    on problems never trained on, on the run's own engines and weights (``mars eval`` does the same on a
+    saved checkpoint)."""
 
     test_file: str | None = _field(
         None, "JSONL of held-out problems (mars eval --data format); null = no evaluation during training."
@@ -573,17 +579,28 @@ class EvalConfig(Section):
         min=1,
         max=MAX_TOKENS,
     )
-    solver_retries: int = _field(
-        3, "V–C loop: extra Solver runs after a truncated output (at most 1 + this many runs).", min=0
+    solver_retries: int | None = _field(
+        None,
+        "Inference loop: extra runs of the first step after a truncated solution (at most 1 + this many); "
+        "null = the graph's loop.start_retries (MarsRL: 3).",
+        min=0,
     )
-    max_iterations: int = _field(
-        10, "V–C loop: Verifier calls at most (each may be followed by a Corrector).", min=1
+    max_iterations: int | None = _field(
+        None,
+        "Inference loop: verdicts at most (each failed one may be followed by a correction); null = the "
+        "graph's (MarsRL: 10).",
+        min=1,
     )
-    accept_after: int = _field(4, "V–C loop: accept after this many consecutive Correct verdicts.", min=1)
-    give_up_after: int = _field(
-        10,
-        "V–C loop: stop after this many consecutive errors (a Verifier verdict that is not Correct: Wrong, "
-        "unparseable or a truncated report; corrections do not reset the count, Correct does).",
+    accept_after: int | None = _field(
+        None,
+        "Inference loop: accept after this many consecutive passing verdicts; null = the graph's "
+        "(MarsRL: 4).",
+        min=1,
+    )
+    give_up_after: int | None = _field(
+        None,
+        "Inference loop: stop after this many consecutive failed verdicts (Wrong, unparseable or a truncated "
+        "report; corrections do not reset the count, a pass does); null = the graph's (MarsRL: 10).",
         min=1,
     )
     seed: int = _field(
