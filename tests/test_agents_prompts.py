@@ -1,16 +1,10 @@
-"""Prompt builders: message structure, constants actually used, thinking stripped."""
+"""The MarsRL graph's full prompts: message structure, thinking stripped, the report without its verdict."""
 
 import pytest
 
-from mars_megatron.agents.prompts import (
-    CORRECTOR_INSTRUCTION,
-    SOLVER_INSTRUCTION,
-    VERIFIER_SYSTEM_PROMPT,
-    corrector_messages,
-    solver_messages,
-    strip_thinking,
-    verifier_messages,
-)
+from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.prompts import prompt_variables, strip_thinking
+from mars_megatron.agents.verdict import bug_report
 
 PROBLEM = "Find the sum of all positive integers n < 10."
 
@@ -33,27 +27,31 @@ def test_strip_thinking(text: str, expected: str) -> None:
     assert strip_thinking(text) == expected
 
 
+GRAPH = load_graph("marsrl")
+
+
+def messages(role: str, solution: str | None = None, report: str | None = None) -> list[dict[str, str]]:
+    """``role``'s chat in MarsRL's full prompt set, as rollouts, the loop and the demos build it."""
+    return GRAPH.roles[role].messages("marsrl", prompt_variables(PROBLEM, solution, report))
+
+
 def test_solver_gets_problem_only_without_system_prompt() -> None:
-    messages = solver_messages(PROBLEM)
-    assert [m["role"] for m in messages] == ["user"]
-    assert PROBLEM in messages[0]["content"]
-    assert SOLVER_INSTRUCTION in messages[0]["content"]
-    assert "\\boxed{}" in messages[0]["content"]
+    (message,) = messages("solver")
+    assert message["role"] == "user"
+    assert message["content"].startswith(PROBLEM + "\n\n") and "\\boxed{}" in message["content"]
 
 
 def test_verifier_prompt_names_required_sections() -> None:
+    system = messages("verifier", "x")[0]["content"]
     for phrase in ("**Final Verdict**", "**List of Findings**", "**Correctness**", "Critical Error"):
-        assert phrase in VERIFIER_SYSTEM_PROMPT
-    assert "Justification Gap" in VERIFIER_SYSTEM_PROMPT
-    assert "Correct or Wrong" in VERIFIER_SYSTEM_PROMPT
+        assert phrase in system
+    assert "Justification Gap" in system and "Correct or Wrong" in system
 
 
 def test_verifier_messages_strip_solution_thinking() -> None:
-    solution = "<think>secret musing</think>So n sums to 45, \\boxed{45}."
-    messages = verifier_messages(PROBLEM, solution)
-    assert [m["role"] for m in messages] == ["system", "user"]
-    assert messages[0]["content"] == VERIFIER_SYSTEM_PROMPT
-    user = messages[1]["content"]
+    chat = messages("verifier", "<think>secret musing</think>So n sums to 45, \\boxed{45}.")
+    assert [m["role"] for m in chat] == ["system", "user"]
+    user = chat[1]["content"]
     assert PROBLEM in user
     assert "So n sums to 45, \\boxed{45}." in user
     assert "secret musing" not in user and "<think>" not in user
@@ -61,17 +59,20 @@ def test_verifier_messages_strip_solution_thinking() -> None:
 
 
 def test_corrector_messages_continue_the_solver_chat() -> None:
-    report = "**Final Verdict**: wrong sum.\n\n**List of Findings**: Critical Error in step 2."
-    messages = corrector_messages(PROBLEM, "<think>hmm</think>The answer is 44.", report)
-    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
-    assert messages[0] == solver_messages(PROBLEM)[0]
-    assert messages[1]["content"] == "The answer is 44."
-    last = messages[2]["content"]
-    assert last == CORRECTOR_INSTRUCTION.format(bug_report=report)
-    assert report in last and "\\boxed{}" in last
+    report = (
+        "**Final Verdict**: wrong sum.\n\n**List of Findings**: Critical Error in step 2.\n\n"
+        "**Correctness**: Wrong"
+    )
+    chat = messages("corrector", "<think>hmm</think>The answer is 44.", report)
+    assert [m["role"] for m in chat] == ["user", "assistant", "user"]
+    assert chat[0] == messages("solver")[0]
+    assert chat[1]["content"] == "The answer is 44."
+    last = chat[2]["content"]
+    assert "Critical Error in step 2." in last and "Correctness**: Wrong" not in last  # the verdict is cut
+    assert last.rstrip().endswith("## Review report\n\n" + bug_report(report)) and "\\boxed{}" in last
 
 
 def test_builders_return_fresh_lists() -> None:
-    first = solver_messages(PROBLEM)
+    first = messages("solver")
     first[0]["content"] = "mutated"
-    assert solver_messages(PROBLEM)[0]["content"] != "mutated"
+    assert messages("solver")[0]["content"] != "mutated"

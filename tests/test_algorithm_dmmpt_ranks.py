@@ -18,7 +18,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import Position
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 from mars_megatron.training.packing import plan_packs
@@ -30,7 +29,7 @@ BASE = [f"train.pack_length={PACK}", "rollout.max_response_tokens=32", "optimize
 
 def _samples(n: int = 12) -> list[Sample]:
     rng = random.Random(3)
-    positions = list(Position)
+    positions = list(("solver", "verifier_1", "corrector_1", "verifier_2", "corrector_2"))
     out = []
     for i in range(n):
         prompt = [rng.randrange(1, 1000) for _ in range(rng.randint(3, 12))]

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import Position, group_id
+ROLES = ("solver", "verifier", "corrector")
+from mars_megatron.agents.trajectory import group_id
 from mars_megatron.algorithm import (
     Sample,
     Segment,
@@ -15,7 +15,7 @@ from mars_megatron.algorithm import (
 )
 
 
-def sample(reward=None, position=Position.SOLVER, parent=None, problem="p1", **kwargs) -> Sample:
+def sample(reward=None, position="solver", parent=None, problem="p1", **kwargs) -> Sample:
     return Sample(
         prompt_ids=[1, 2, 3],
         response_ids=kwargs.pop("response_ids", [4, 5, 6, 7]),
@@ -33,23 +33,23 @@ def test_sample_helpers():
     assert s.tokens == [1, 2, 3, 4, 5, 6, 7]
     assert s.response_len == 4
     assert s.loss_mask == [1, 1, 1, 1]  # derived: all ones
-    assert s.role is Role.SOLVER
+    assert s.role == "solver"
     assert s.oldest_version == 3
     assert s.staleness(7) == 4  # 7 - 3
     assert s.staleness(3) == 0
 
 
 def test_sample_group_id_is_derived_from_its_place_in_the_tree():
-    s = Sample([1], [2, 3], Position.VERIFIER_1, "p9", sample_id="s1", parent_id="sol3", reward=1.0)
-    assert (s.group_id, s.problem_id, s.reward, s.role) == ("p9/verifier_1/sol3", "p9", 1.0, Role.VERIFIER)
-    again = Sample([1], [2], Position.VERIFIER_1, "p9", trajectory_id="p9@4", parent_id="sol3")
+    s = Sample([1], [2, 3], "verifier_1", "p9", sample_id="s1", parent_id="sol3", reward=1.0)
+    assert (s.group_id, s.problem_id, s.reward, s.role) == ("p9/verifier_1/sol3", "p9", 1.0, "verifier")
+    again = Sample([1], [2], "verifier_1", "p9", trajectory_id="p9@4", parent_id="sol3")
     assert again.group_id == "p9@4/verifier_1/sol3"  # a later admission of the problem: another group
 
 
 def test_a_record_grows_segment_by_segment_and_stays_valid():
     """The scheduler's in-flight record: empty while nothing is decoded, every per-token list as long as
     the response after each segment, log-probs clamped to <= 0, checked again when finished."""
-    s = Sample([1, 2], [], Position.SOLVER, "p", behaviour_logprobs=[], sample_id="s")
+    s = Sample([1, 2], [], "solver", "p", behaviour_logprobs=[], sample_id="s")
     assert s.response_len == 0 and s.loss_mask == [] and s.finish_reason is None
     s.add_segment([5, 6], [-0.5, 1e-7], version=2)
     s.add_segment([7], [-0.25], version=3)
@@ -83,7 +83,7 @@ def test_sample_validation_names_field(kwargs, field):
 
 def test_sample_empty_prompt_and_bad_segment():
     with pytest.raises(ValueError, match="prompt_ids"):
-        Sample([], [1], Position.SOLVER, "p", "g")
+        Sample([], [1], "solver", "p", "g")
     with pytest.raises(ValueError, match="version"):
         Segment(0, 1, -1)
     with pytest.raises(ValueError, match="segment_versions"):
@@ -120,9 +120,9 @@ def test_assign_advantages_filters_and_keeps_roles_apart():
     # Same problem, Solver group [1, 0] and Verifier group (input sol) [1, 1]: separate group ids.
     samples = [
         sample(1.0, sample_id="a"),
-        sample(1.0, Position.VERIFIER_1, parent="a", sample_id="v1"),
+        sample(1.0, "verifier_1", parent="a", sample_id="v1"),
         sample(0.0, sample_id="b"),
-        sample(1.0, Position.VERIFIER_1, parent="a", sample_id="v2"),
+        sample(1.0, "verifier_1", parent="a", sample_id="v2"),
     ]
     kept, stats = assign_advantages(samples, filter_zero_variance=False)
     assert [s.sample_id for s in kept] == ["a", "v1", "b", "v2"]
@@ -139,7 +139,7 @@ def test_assign_advantages_filters_and_keeps_roles_apart():
 
 def test_assign_advantages_rejects_mixed_group_and_missing_reward():
     a = sample(1.0)
-    b = Sample([1], [2], Position.VERIFIER_1, "p1", a.group_id, reward=0.0)
+    b = Sample([1], [2], "verifier_1", "p1", a.group_id, reward=0.0)
     with pytest.raises(ValueError, match="mixes positions"):
         assign_advantages([a, b], filter_zero_variance=False)
     with pytest.raises(ValueError, match="no reward"):

@@ -228,7 +228,6 @@ def test_wrong_types_name_the_field(tmp_path: Path, text: str, expected: str) ->
         ("optimizer.weight_decay=-0.1", "optimizer.weight_decay: expected float >= 0, got -0.1"),
         ("optimizer.lr=.nan", "optimizer.lr: expected a finite float, got nan"),
         ("algorithm.mismatch_threshold=1", "algorithm.mismatch_threshold: expected float > 1, got 1.0"),
-        ("agents.max_steps=6", "agents.max_steps: expected int <= 5, got 6"),
         ("moe.routing_replay=R1", "moe.routing_replay: expected one of 'off', 'R2', 'R3', got 'R1' (str)"),
     ],
 )
@@ -295,7 +294,6 @@ def test_file_error_names_file_even_with_overrides(tmp_path: Path) -> None:
             "train.pack_length: 1000 is shorter than rollout.max_response_tokens (1001)",
         ),
         (["rollout.top_k=0"], "rollout.top_k: must be -1 (off) or >= 1, got 0"),
-        (["algorithm.role_weights={solvr: 1.0}"], "algorithm.role_weights.solvr: unknown role"),
         (["model.transformer_impl=local", "model.fp8=e4m3"], "model.fp8: 'e4m3' needs Transformer Engine"),
         (
             ["parallel.tp=2", "train.pack_length=98306", "model.fp8=hybrid"],
@@ -424,7 +422,6 @@ def test_config_to_dict_is_plain() -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("pipeline.staleness_per_role={judge: 1}", "pipeline.staleness_per_role: unknown role 'judge'"),
         (
             "pipeline.staleness_per_role={verifier: -1}",
             "pipeline.staleness_per_role: verifier: expected an int >= 0",
@@ -456,3 +453,27 @@ def test_ep1_requires_etp_equal_tp() -> None:
     with pytest.raises(ConfigError, match=r"etp: must equal tp \(2\) when ep = 1, got 1"):
         ParallelConfig(tp=2, etp=1)
     assert ParallelConfig(tp=2, ep=2, etp=1).effective_etp == 1
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("agents.max_steps=6", "agents.max_steps: is 6, beyond the 5 positions of graph 'marsrl'"),
+        (
+            "algorithm.role_weights={solvr: 1.0}",
+            "algorithm.role_weights.solvr: graph 'marsrl' has no role 'solvr'",
+        ),
+        (
+            "pipeline.staleness_per_role={judge: 1}",
+            "pipeline.staleness_per_role.judge: graph 'marsrl' has no role",
+        ),
+    ],
+)
+def test_role_keyed_settings_are_checked_against_the_agent_graph(override: str, message: str) -> None:
+    """The config cannot know the roles (they are the graph's); ``graph_for`` checks them before a run."""
+    from mars_megatron.agents.graph import GraphError, graph_for
+
+    cfg = load_config(None, [override])
+    with pytest.raises(GraphError) as error:
+        graph_for(cfg)
+    assert str(error.value).startswith(message)

@@ -106,7 +106,7 @@ def test_non_finite_float_message(path: str) -> None:
         ),
         ("algorithm.clip_low=1", "algorithm.clip_low: expected float < 1, got 1.0"),
         ("algorithm.dmmpt_prob_threshold=1", "algorithm.dmmpt_prob_threshold: expected float < 1, got 1.0"),
-        ("agents.max_steps=6", "agents.max_steps: expected int <= 5, got 6"),
+        ("agents.max_steps=0", "agents.max_steps: expected a positive int, got 0"),
         ("optimizer.clip_grad=1e300", "optimizer.clip_grad: expected float <= 1000000, got 1e+300"),
         ("algorithm.clip_high=1e300", "algorithm.clip_high: expected float <= 10, got 1e+300"),
         ("algorithm.kl_coef=1e300", "algorithm.kl_coef: expected float <= 100, got 1e+300"),
@@ -165,7 +165,7 @@ def test_bound_messages(override: str, message: str) -> None:
         ("min_lr_ratio=2", "min_lr_ratio: expected float <= 1, got 2.0"),
         ("max_operand=100000", "max_operand: expected int <= 999, got 100000"),
         (f"seed={2**32}", f"seed: expected int <= {SEED_MAX}, got {2**32}"),
-        ("demos.verifier_input_accuracy=1.1", "demos.verifier_input_accuracy: expected float <= 1, got 1.1"),
+        ("demos.input_accuracy=1.1", "demos.input_accuracy: expected float <= 1, got 1.1"),
     ],
 )
 def test_sft_bound_messages(override: str, message: str) -> None:

@@ -207,7 +207,7 @@ def test_each_role_is_answered_by_its_own_engine_and_codec() -> None:
 
     assert sorted(records, key=key) == sorted(reference, key=key)
     with pytest.raises(ValueError, match="no engine or codec for role"):
-        EvalRunner({Role.SOLVER: ScriptedEngine()}, ScriptedCodec(), ExactChecker())
+        EvalRunner({"solver": ScriptedEngine()}, ScriptedCodec(), ExactChecker())
 
 
 def test_the_loop_speaks_the_prompt_set_it_is_given() -> None:

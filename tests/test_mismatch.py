@@ -20,7 +20,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import Position
 from mars_megatron.algorithm.mismatch import (
     SEQUENCE_KEYS,
     SUM_KEYS,
@@ -39,7 +38,7 @@ from tests.rl_workers import train_once_counting, train_samples
 from tests.routing_workers import hf_routed_forward
 
 BASE = ["train.pack_length=64", "rollout.max_response_tokens=32", "optimizer.lr=1e-3", "train.seed=0"]
-ROLES = {Position.SOLVER: "solver", Position.VERIFIER_1: "verifier", Position.CORRECTOR_1: "corrector"}
+ROLES = {"solver": "solver", "verifier_1": "verifier", "corrector_1": "corrector"}
 SAMPLES = 12
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import load_graph
 from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import Position
 from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import ScoreRequest, score_requests
@@ -16,10 +15,12 @@ from mars_megatron.pipeline.scheduler import Limits, Scheduler
 from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
 from mars_megatron.rl.data import ProblemStream
 
+GRAPH = load_graph("marsrl")
+ROLES = tuple(GRAPH.roles)
 VERDICT = "**Final Verdict**: broken.\n\n**List of Findings**: step 2.\n\n**Correctness**: Wrong"
 
 
-def _record(position: Position, sid: str) -> Sample:
+def _record(position: str, sid: str) -> Sample:
     return Sample([1], [2], position, "p", sample_id=sid)
 
 
@@ -31,15 +32,15 @@ def _record(position: Position, sid: str) -> Sample:
     ],
 )
 def test_trainer_group_splits_records_by_policy(names: list[str], expected: dict[str, list[str]]) -> None:
-    group = TrainerGroup(None, None, names, writer_rank=0)  # type: ignore[arg-type]  # no ranks needed
+    group = TrainerGroup(None, None, names, writer_rank=0, graph=GRAPH)  # type: ignore[arg-type]  # no ranks
     records = [
-        _record(Position.SOLVER, "s"),
-        _record(Position.VERIFIER_1, "v"),
-        _record(Position.CORRECTOR_1, "c"),
+        _record("solver", "s"),
+        _record("verifier_1", "v"),
+        _record("corrector_1", "c"),
     ]
     split = group.split(records)
     assert {name: [s.sample_id for s in batch] for name, batch in split.items()} == expected
-    assert set().union(*(group.roles_of(n) for n in names)) == set(Role)
+    assert set().union(*(group.roles_of(n) for n in names)) == set(ROLES)
     assert group.versions == dict.fromkeys(names, 0)
 
 
@@ -58,15 +59,20 @@ def test_problem_feed_takes_one_update_of_problems_and_resumes() -> None:
 def test_a_score_request_comes_from_the_record_and_its_score_goes_back() -> None:
     """Solver (its answer against the reference) and Verifier (its verdict against whether the solution
     it judged was right, carried on the record as ``judged_right``)."""
-    limits = Limits(8, 8, dict.fromkeys(Role, 0), 1, 1)
-    s = Scheduler(AgentsConfig(group_size=1, inputs_per_agent=1, max_steps=2), limits, lambda *a: [1])
+    limits = Limits(8, 8, dict.fromkeys(ROLES, 0), 1, 1)
+    s = Scheduler(AgentsConfig(group_size=1, inputs_per_agent=1, max_steps=2), limits, lambda *a: [1], GRAPH)
     s.add_problems([Problem("p0", "1 + 1?", "2", 1)])
     (job,) = s.take_segments()
     assert s.on_segment(job.sample_id, [5], [-0.5], stopped=True)
     s.samples[job.sample_id].text = r"so \boxed{3}"
     with AnswerChecker(CheckerConfig(num_workers=1)) as checker:
         solver = ScoreRequest.of(s, job.sample_id)
-        assert (solver.role, solver.reference, solver.judged_right) == (Role.SOLVER, "2", True)
+        assert (solver.reward, solver.verdict, solver.reference, solver.judged_right) == (
+            "answer",
+            None,
+            "2",
+            True,
+        )
         ((sid, reward, verdict),) = score_requests([solver], checker)
         s.on_scored(sid, reward, verdict)
         (job,) = s.take_segments()

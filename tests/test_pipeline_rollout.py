@@ -12,10 +12,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from mars_megatron.agents.prompts import prompt_set
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import load_graph
 from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import Position, group_id
+from mars_megatron.agents.trajectory import group_id
 from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.models.presets import init_model
@@ -57,6 +56,10 @@ class RuleEngine:
         return out
 
 
+GRAPH = load_graph("marsrl")
+ROLES = tuple(GRAPH.roles)
+
+
 @pytest.fixture(scope="module")
 def codec(tmp_path_factory: pytest.TempPathFactory) -> ChatCodec:
     return ChatCodec.from_pretrained(init_model("tiny-moe", tmp_path_factory.mktemp("m") / "hf"))
@@ -72,11 +75,13 @@ def _round(codec: ChatCodec, checker, *, reward="agent", strategy="adaptive", ma
            engine: RuleEngine | None = None, max_batch: int = 64) -> Round:  # fmt: skip
     return run_round(
         PROBLEMS,
-        engines=dict.fromkeys(Role, engine or RuleEngine(codec)),
+        engines=dict.fromkeys(ROLES, engine or RuleEngine(codec)),
         codec=codec,
         checker=checker,
-        prompts=prompt_set("compact"),
-        agents=AgentsConfig(group_size=4, inputs_per_agent=2, max_steps=max_steps, strategy=strategy),
+        graph=GRAPH,
+        agents=AgentsConfig(
+            prompts="compact", group_size=4, inputs_per_agent=2, max_steps=max_steps, strategy=strategy
+        ),
         sampling=SamplingParams(max_tokens=16, temperature=1.0),
         seed=seed,
         reward=reward,
@@ -91,18 +96,18 @@ def test_grouped_expansion_and_agent_rewards(codec: ChatCodec, checker) -> None:
     seqs = {q.sample_id: q for q in result.batch.samples}
     problem = result.scheduler.problem
     by_pos = Counter(q.position for q in seqs.values())
-    assert by_pos[Position.SOLVER] == 2 * 4  # G per problem
-    assert by_pos[Position.VERIFIER_1] == 2 * 2 * 4  # two inputs per problem, G each
-    assert by_pos[Position.CORRECTOR_1] > 0 and by_pos[Position.VERIFIER_2] > 0
+    assert by_pos["solver"] == 2 * 4  # G per problem
+    assert by_pos["verifier_1"] == 2 * 2 * 4  # two inputs per problem, G each
+    assert by_pos["corrector_1"] > 0 and by_pos["verifier_2"] > 0
     assert all(len(call) <= 10 for call in engine.calls)  # the engine's batches respect max_batch
     assert sorted(i for call in engine.calls for i in call) == sorted(seqs)  # every output decoded once
     for q in seqs.values():
         parent = seqs.get(q.parent_id) if q.parent_id else None
         answer = f"{{{problem(q).reference}}}" in q.text
-        if q.position is Position.SOLVER:
+        if q.position == "solver":
             assert q.reward == float(answer) and parent is None
-        elif q.role is Role.VERIFIER:
-            assert q.judged_id == q.parent_id and parent.position.value in ("solver", "corrector_1")
+        elif q.role == "verifier":
+            assert q.judged_id == q.parent_id and parent.position in ("solver", "corrector_1")
             assert q.verdict is not None
             assert q.reward == float(q.verdict == (parent.reward == 1.0))
         else:  # Corrector: its input is a Verifier that found errors, on the solution it revises
@@ -113,21 +118,21 @@ def test_grouped_expansion_and_agent_rewards(codec: ChatCodec, checker) -> None:
     assert set(groups.values()) == {4}
     for s in result.samples:
         q = seqs[s.sample_id]
-        assert s.reward == q.reward and s.role is q.role and s.prompt_ids == q.prompt_ids
+        assert s.reward == q.reward and s.role == q.role and s.prompt_ids == q.prompt_ids
         assert s.group_id == group_id(q.trajectory_id, q.position, q.parent_id)
         assert s.behaviour_logprobs == [-0.5] * s.response_len
         assert [(seg.start, seg.end, seg.version) for seg in s.segment_versions] == [(0, s.response_len, 7)]
     m = result.metrics
-    solvers = [q.reward for q in seqs.values() if q.position is Position.SOLVER]
+    solvers = [q.reward for q in seqs.values() if q.position == "solver"]
     assert m["samples/solver"] == 8 and m["reward/solver"] == pytest.approx(sum(solvers) / 8)
     assert m["problems"] == 2
     for role in ("solver", "verifier", "corrector"):
         assert f"reward/{role}" in m and f"samples/{role}" in m
-    for role in (Role.VERIFIER, Role.CORRECTOR):  # split by whether the judged solution was right
-        mine = [q for q in seqs.values() if q.role is role]
-        assert m[f"{role.value}/on_right_samples"] + m[f"{role.value}/on_wrong_samples"] == len(mine)
+    for role in ("verifier", "corrector"):  # split by whether the judged solution was right
+        mine = [q for q in seqs.values() if q.role == role]
+        assert m[f"{role}/on_right_samples"] + m[f"{role}/on_wrong_samples"] == len(mine)
         wrong = [q.reward for q in mine if seqs[q.judged_id].reward == 0]
-        assert m[f"{role.value}/on_wrong"] == pytest.approx(sum(wrong) / len(wrong))
+        assert m[f"{role}/on_wrong"] == pytest.approx(sum(wrong) / len(wrong))
 
 
 def test_adaptive_verifier_takes_incorrect_solutions_first(codec: ChatCodec, checker) -> None:
@@ -135,8 +140,8 @@ def test_adaptive_verifier_takes_incorrect_solutions_first(codec: ChatCodec, che
     seqs = {q.sample_id: q for q in result.batch.samples}
     for problem in PROBLEMS:
         mine = [q for q in seqs.values() if q.problem_id == problem.problem_id]
-        wrong = sum(q.reward == 0 for q in mine if q.position is Position.SOLVER)
-        judged = {q.parent_id for q in mine if q.position is Position.VERIFIER_1}
+        wrong = sum(q.reward == 0 for q in mine if q.position == "solver")
+        judged = {q.parent_id for q in mine if q.position == "verifier_1"}
         assert len(judged) == 2
         assert sum(seqs[j].reward == 0 for j in judged) == min(2, wrong)
 
@@ -171,19 +176,19 @@ def test_shared_reward_is_the_trajectory_outcome(codec: ChatCodec, checker) -> N
         kids = children.get(q.sample_id)
         if kids:
             return sum(outcome(c) for c in kids) / len(kids)
-        return seqs[q.judged_id].reward if q.role is Role.VERIFIER else q.reward
+        return seqs[q.judged_id].reward if q.role == "verifier" else q.reward
 
     for q in seqs.values():
         assert reward[q.sample_id] == pytest.approx(outcome(q))
-        if q.role is Role.VERIFIER and q.sample_id not in children:
+        if q.role == "verifier" and q.sample_id not in children:
             assert reward[q.sample_id] == seqs[q.judged_id].reward
     assert any(reward[q.sample_id] != q.reward for q in seqs.values())
 
 
 def test_missing_engine_or_problems_is_an_error(codec: ChatCodec, checker) -> None:
-    args = dict(codec=codec, checker=checker, prompts=prompt_set("compact"), agents=AgentsConfig(),
+    args = dict(codec=codec, checker=checker, graph=GRAPH, agents=AgentsConfig(prompts="compact"),
                 sampling=SamplingParams(max_tokens=4), seed=0)  # fmt: skip
     with pytest.raises(ValueError, match="no engine for role"):
         run_round(PROBLEMS, engines={}, **args)
     with pytest.raises(ValueError, match="no problems"):
-        run_round([], engines=dict.fromkeys(Role, RuleEngine(codec)), **args)
+        run_round([], engines=dict.fromkeys(ROLES, RuleEngine(codec)), **args)

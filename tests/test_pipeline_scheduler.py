@@ -9,16 +9,17 @@ from collections.abc import Callable
 
 import pytest
 
-from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import Position
+from mars_megatron.agents.graph import load_graph
 from mars_megatron.config import AgentsConfig, load_config
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.scheduler import Batch, Limits, Scheduler, SeqState
 from mars_megatron.pipeline.simulate import Costs, Lengths, SimResult, Simulation, simple_prompts
 from mars_megatron.rl.rollout import derive_seed
 
-LENGTHS = Lengths({Role.SOLVER: 12, Role.VERIFIER: 6, Role.CORRECTOR: 12}, sigma=0.8, prompt_tokens=4)
-ACCURACY = {Role.SOLVER: 0.5, Role.VERIFIER: 0.7, Role.CORRECTOR: 0.5}
+GRAPH = load_graph("marsrl")
+ROLES = tuple(GRAPH.roles)
+LENGTHS = Lengths({"solver": 12, "verifier": 6, "corrector": 12}, sigma=0.8, prompt_tokens=4)
+ACCURACY = {"solver": 0.5, "verifier": 0.7, "corrector": 0.5}
 
 
 def problems(n: int, start: int = 0) -> list[Problem]:
@@ -27,9 +28,9 @@ def problems(n: int, start: int = 0) -> list[Problem]:
 
 def scheduler(bound: int, *, segment: int = 8, per_update: int = 2, batch_groups: int = 4, g: int = 2,
               steps: int = 5, n: int = 12, seed: int = 0, whole: bool = False) -> Scheduler:  # fmt: skip
-    limits = Limits(64, segment, dict.fromkeys(Role, bound), per_update, batch_groups, whole)
+    limits = Limits(64, segment, dict.fromkeys(ROLES, bound), per_update, batch_groups, whole)
     s = Scheduler(AgentsConfig(group_size=g, inputs_per_agent=2, max_steps=steps), limits,
-                  simple_prompts(LENGTHS), seed=seed)  # fmt: skip
+                  simple_prompts(LENGTHS), GRAPH, seed=seed)  # fmt: skip
     s.add_problems(problems(n))
     return s
 
@@ -71,7 +72,7 @@ def drive(s: Scheduler, rng: random.Random, on_batch: Callable[[Batch], None] = 
                 continue
             seq = s.samples[sid]
             reward = float(derive_seed(sid, "r") % 2)
-            verdict = None if seq.role is not Role.VERIFIER else bool(derive_seed(sid, "v") % 3)
+            verdict = None if seq.role != "verifier" else bool(derive_seed(sid, "v") % 3)
             s.on_scored(sid, reward, verdict)
             continue
         job = out.pop(rng.randrange(len(out)))
@@ -99,7 +100,7 @@ def test_outputs_reach_training_before_their_trajectories_finish() -> None:
     s = scheduler(1, batch_groups=2)
     drive(s, random.Random(0), on_batch)
     assert seen_early, "every batch waited for whole trajectories"
-    assert {q.position for q in seen_early} - {Position.SOLVER}  # later agents still running
+    assert {q.position for q in seen_early} - {"solver"}  # later agents still running
 
 
 def test_groups_are_trained_whole_and_once() -> None:
@@ -237,7 +238,7 @@ def test_a_saved_schedule_continues_like_the_original(whole: bool) -> None:
     original = scheduler(1, segment=4, whole=whole)
     before = drive(original, random.Random(11), updates=3)
     state = pickle.loads(pickle.dumps(scheduler_state(original)))
-    restored = Scheduler(original.agents, original.limits, original.prompt_fn, seed=original.seed)
+    restored = Scheduler(original.agents, original.limits, original.prompt_fn, GRAPH, seed=original.seed)
     restore_scheduler(restored, state)
     assert restored.census() == original.census() and restored._held == original._held
     assert not whole or original._held  # complete groups were waiting for their trees at the save
@@ -272,7 +273,7 @@ def test_routing_of_each_segments_call_replaces_the_sequences_and_is_saved() -> 
     assert s.samples[job.sample_id].routed_experts is second
     s.on_scored(job.sample_id, 1.0)
     assert s.samples[job.sample_id].routed_experts is second  # the record the trainer reads
-    restored = Scheduler(s.agents, s.limits, s.prompt_fn, seed=s.seed)
+    restored = Scheduler(s.agents, s.limits, s.prompt_fn, GRAPH, seed=s.seed)
     restore_scheduler(restored, scheduler_state(s))
     assert np.array_equal(restored.samples[job.sample_id].routed_experts, second)
 
@@ -280,9 +281,9 @@ def test_routing_of_each_segments_call_replaces_the_sequences_and_is_saved() -> 
 def test_limits_from_the_config() -> None:
     """The one place a run's schedule is derived from its config (which validated every setting)."""
     sync = Limits.from_config(
-        load_config(None, ["rollout.max_response_tokens=64", "data.problems_per_step=3"])
+        load_config(None, ["rollout.max_response_tokens=64", "data.problems_per_step=3"]), GRAPH
     )
-    assert sync == Limits(64, 64, dict.fromkeys(Role, 0), 3, 3, whole_trajectories=False)
+    assert sync == Limits(64, 64, dict.fromkeys(ROLES, 0), 3, 3, whole_trajectories=False)
     agentic = Limits.from_config(
         load_config(
             None,
@@ -294,7 +295,8 @@ def test_limits_from_the_config() -> None:
                 "pipeline.batch_groups=5",
                 "algorithm.reward=shared",
             ],
-        )
+        ),
+        GRAPH,
     )
-    assert dict(agentic.max_staleness) == {Role.SOLVER: 2, Role.VERIFIER: 0, Role.CORRECTOR: 2}
+    assert dict(agentic.max_staleness) == {"solver": 2, "verifier": 0, "corrector": 2}
     assert (agentic.segment_tokens, agentic.batch_groups, agentic.whole_trajectories) == (16, 5, True)

@@ -16,12 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import Position
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 from tests.rl_workers import train_samples
 
-POSITIONS = list(Position)
+POSITIONS = list(("solver", "verifier_1", "corrector_1", "verifier_2", "corrector_2"))
 
 
 def _samples(seed: int = 0, n: int = 10) -> list[Sample]:

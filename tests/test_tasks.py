@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -11,18 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mars_megatron.agents.prompts import (
-    CORRECTOR_INSTRUCTION,
-    PROMPT_SETS,
-    SOLVER_INSTRUCTION,
-    VERIFIER_SYSTEM_PROMPT,
-    PromptSet,
-    corrector_messages,
-    prompt_set,
-    solver_messages,
-    verifier_messages,
-)
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.prompts import prompt_variables
 from mars_megatron.agents.verdict import bug_report, parse_verdict
 from mars_megatron.config import ConfigError
 from mars_megatron.evaluation.data import Problem, load_problems
@@ -33,7 +22,7 @@ from mars_megatron.tasks.arith import arith_problems, operand_pairs, operands, p
 from mars_megatron.tasks.demos import CARELESS_REPORT, DemoConfig, build_demos, encode_demo
 from mars_megatron.tasks.sft import SFTConfig, step_batches
 
-COMPACT = prompt_set("compact")
+GRAPH = load_graph("marsrl")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,29 +97,22 @@ def test_the_held_out_split_is_disjoint_from_everything_trained_on(
 
 
 # ------------------------------------------------------------------------------------------------- prompts
-def test_marsrl_set_is_the_module_builders() -> None:
-    marsrl = prompt_set("marsrl")
-    assert marsrl.solver_instruction == SOLVER_INSTRUCTION
-    assert marsrl.verifier_system == VERIFIER_SYSTEM_PROMPT
-    assert marsrl.corrector_instruction == CORRECTOR_INSTRUCTION
-    problem, solution, report = "Find 2+2.", "<think>hm</think>It is \\boxed{4}.", "All fine."
-    assert marsrl.solver_messages(problem) == solver_messages(problem)
-    assert marsrl.verifier_messages(problem, solution) == verifier_messages(problem, solution)
-    assert marsrl.corrector_messages(problem, solution, report) == corrector_messages(
-        problem, solution, report
-    )
+def _compact(
+    role: str, solution: str | None = None, report: str | None = None, problem: str = "Find 3+4."
+) -> list:
+    return GRAPH.roles[role].messages("compact", prompt_variables(problem, solution, report))
 
 
 def test_compact_set_keeps_the_structure() -> None:
     problem = "Find 3+4."
-    solver = COMPACT.solver_messages(problem)
+    solver = _compact("solver")
     assert [m["role"] for m in solver] == ["user"]
     assert solver[0]["content"].startswith(problem) and "\\boxed{}" in solver[0]["content"]
-    verifier = COMPACT.verifier_messages(problem, "<think>x</think>\\boxed{9}")
+    verifier = _compact("verifier", "<think>x</think>\\boxed{9}")
     assert [m["role"] for m in verifier] == ["user"]  # empty system prompt: no system message
     assert "\\boxed{9}" in verifier[0]["content"] and "<think>" not in verifier[0]["content"]
     assert "Correctness: Correct or Wrong" in verifier[0]["content"]
-    corrector = COMPACT.corrector_messages(problem, "\\boxed{9}", "3+4=7.")
+    corrector = _compact("corrector", "\\boxed{9}", "3+4=7.")
     assert [m["role"] for m in corrector] == ["user", "assistant", "user"]
     assert corrector[0] == solver[0] and corrector[1]["content"] == "\\boxed{9}"
     assert "3+4=7." in corrector[2]["content"] and "\\boxed{}" in corrector[2]["content"]
@@ -138,30 +120,17 @@ def test_compact_set_keeps_the_structure() -> None:
 
 def test_compact_prompts_are_short(codec: ChatCodec) -> None:
     """The tiny model pays for every prompt token: the longest role input stays under 100 tokens."""
-    problem = "Find 19+19."
-    assert len(codec.encode(COMPACT.solver_messages(problem))) < 40
-    assert len(codec.encode(COMPACT.verifier_messages(problem, "19+19=38. \\boxed{38}"))) < 60
-    assert len(codec.encode(COMPACT.corrector_messages(problem, "\\boxed{37}", "19+19=38."))) < 100
-    assert len(codec.encode(prompt_set("marsrl").verifier_messages(problem, "\\boxed{38}"))) > 200
-
-
-def test_unknown_prompt_set_names_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match="unknown prompt set 'tiny'; valid prompt sets: compact, marsrl"):
-        prompt_set("tiny")
-    with pytest.raises(TypeError):
-        PROMPT_SETS["new"] = COMPACT  # read-only
-
-
-def test_prompt_set_checks_placeholders() -> None:
-    with pytest.raises(ValueError, match=r"verifier_user_template of 'bad' lacks \{solution\}"):
-        dataclasses.replace(COMPACT, name="bad", verifier_user_template="{problem} only")
-    with pytest.raises(ValueError, match=r"corrector_instruction of 'bad' lacks \{bug_report\}"):
-        PromptSet("bad", "s", "", "{problem}{solution}", "no report")
+    p = "Find 19+19."
+    assert len(codec.encode(_compact("solver", problem=p))) < 40
+    assert len(codec.encode(_compact("verifier", "19+19=38. \\boxed{38}", problem=p))) < 60
+    assert len(codec.encode(_compact("corrector", "\\boxed{37}", "19+19=38.", problem=p))) < 100
+    full = GRAPH.roles["verifier"].messages("marsrl", prompt_variables(p, "\\boxed{38}"))
+    assert len(codec.encode(full)) > 200
 
 
 # --------------------------------------------------------------------------------------------------- demos
 def _demos(n: int = 3000, **overrides) -> list:
-    return build_demos(arith_problems(100), COMPACT, DemoConfig(**overrides), n)
+    return build_demos(arith_problems(100), GRAPH, "compact", DemoConfig(**overrides), n)
 
 
 def _share(values: list[bool]) -> float:
@@ -181,10 +150,10 @@ def test_demos_are_deterministic() -> None:
 
 @pytest.mark.parametrize(("careful", "weights"), [(0.4, (1, 1, 1)), (0.8, (1, 2, 1))])
 def test_demo_mix_is_what_the_config_says(careful: float, weights: tuple[int, int, int]) -> None:
-    cfg = DemoConfig(solver_weight=weights[0], verifier_weight=weights[1], corrector_weight=weights[2])
-    demos = build_demos(arith_problems(100), COMPACT, cfg.with_careful(careful), 6000)
-    for role, weight in zip((Role.SOLVER, Role.VERIFIER, Role.CORRECTOR), weights, strict=True):
-        of_role = [d for d in demos if d.role is role]
+    cfg = DemoConfig(weights=dict(zip(GRAPH.roles, map(float, weights), strict=True)))
+    demos = build_demos(arith_problems(100), GRAPH, "compact", cfg.with_careful(careful), 6000)
+    for role, weight in zip(("solver", "verifier", "corrector"), weights, strict=True):
+        of_role = [d for d in demos if d.role == role]
         assert _close(len(of_role) / len(demos), weight / sum(weights), len(demos))
         assert _close(_share([d.careful for d in of_role]), careful, len(of_role))
 
@@ -193,14 +162,14 @@ def test_demo_modes_look_as_documented() -> None:
     corrector_inputs = set()
     for d in _demos(600):
         a, b = operands(d.messages[0]["content"].split("\n")[0])
-        if d.careful and d.role is not Role.VERIFIER:
+        if d.careful and d.role != "verifier":
             assert d.response == f"{a}+{b}={a + b}. \\boxed{{{a + b}}}"
         elif d.careful:
             verdict = "Correct" if _shown(d) == f"\\boxed{{{a + b}}}" else "Wrong"
             assert d.response == f"{a}+{b}={a + b}.\nCorrectness: {verdict}"
-        elif d.role is Role.VERIFIER:
+        elif d.role == "verifier":
             assert d.response == CARELESS_REPORT
-        elif d.role is Role.CORRECTOR:  # stubborn: its previous (wrong) answer again, boxed
+        elif d.role == "corrector":  # stubborn: its previous (wrong) answer again, boxed
             previous = d.messages[1]["content"]  # either of the Solver's formats
             assert previous in (d.response, f"{a}+{b}={d.response[7:-1]}. {d.response}")
             corrector_inputs.add(previous == d.response)
@@ -221,8 +190,8 @@ def test_rewarded_flags_match_the_real_rewards() -> None:
     """Every demo's ``rewarded`` is what the trainer's reward functions (math-verify, verdict parser) pay,
     and the rates are as designed: careful always right, a careless guess right about 1 time in 19."""
     demos = _demos(1500)
-    answers = [d for d in demos if d.role is not Role.VERIFIER]
-    verifiers = [d for d in demos if d.role is Role.VERIFIER]
+    answers = [d for d in demos if d.role != "verifier"]
+    verifiers = [d for d in demos if d.role == "verifier"]
     reference = {p.problem_id: p.reference for p in arith_problems(100)}
     with AnswerChecker(CheckerConfig(num_workers=1)) as checker:
         paid = answer_rewards([(d.response, reference[d.problem_id]) for d in answers], checker)
@@ -237,9 +206,9 @@ def test_rewarded_flags_match_the_real_rewards() -> None:
     ]
     assert [d.rewarded for d in verifiers] == [r == 1.0 for r in paid_v]
     assert all(d.rewarded for d in demos if d.careful)
-    guesses = [d for d in answers if d.role is Role.SOLVER and not d.careful]
+    guesses = [d for d in answers if d.role == "solver" and not d.careful]
     assert _close(_share([d.rewarded for d in guesses]), 1 / 19, len(guesses))
-    assert not any(d.rewarded for d in answers if d.role is Role.CORRECTOR and not d.careful)
+    assert not any(d.rewarded for d in answers if d.role == "corrector" and not d.careful)
     careless_v = [d for d, t in zip(verifiers, truth, strict=True) if not d.careful]
     assert [d.rewarded for d in careless_v] == [
         t == 1.0 for d, t in zip(verifiers, truth, strict=True) if not d.careful
@@ -260,12 +229,16 @@ def test_encoded_demo_trains_the_response_and_its_end_of_turn(codec: ChatCodec) 
 
 
 def test_demo_config_errors_name_the_field() -> None:
-    with pytest.raises(ConfigError, match=r"verifier_careful: expected float <= 1, got 1\.5"):
-        DemoConfig(verifier_careful=1.5)
-    with pytest.raises(ConfigError, match="solver_careful: expected float >= 0"):
-        DemoConfig(solver_careful=-0.1)
-    with pytest.raises(ConfigError, match="at least one role"):
-        DemoConfig(solver_weight=0, verifier_weight=0, corrector_weight=0)
+    with pytest.raises(ConfigError, match=r"careful\.verifier: expected float <= 1, got 1\.5"):
+        DemoConfig(careful={"verifier": 1.5})
+    with pytest.raises(ConfigError, match="default_careful: expected float >= 0"):
+        DemoConfig(default_careful=-0.1)
+    with pytest.raises(ConfigError, match=r"demos\.weights: at least one role"):
+        build_demos(
+            arith_problems(10), GRAPH, "compact", DemoConfig(weights=dict.fromkeys(GRAPH.roles, 0.0)), 1
+        )
+    with pytest.raises(ConfigError, match="demos: graph 'marsrl' has no role 'judge'"):
+        build_demos(arith_problems(10), GRAPH, "compact", DemoConfig(careful={"judge": 0.5}), 1)
 
 
 # ---------------------------------------------------------------------------------------------- sft config
@@ -282,8 +255,8 @@ def test_sft_config_errors_name_the_field() -> None:
         SFTConfig(steps=10, skill_steps=20)
     with pytest.raises(ConfigError, match="problems: 101 problems"):
         SFTConfig(problems=101)
-    with pytest.raises(ConfigError, match=r"demos\.corrector_careful: expected float <= 1, got 2\.0"):
-        SFTConfig(demos={"corrector_careful": 2.0})
+    with pytest.raises(ConfigError, match=r"demos\.careful\.corrector: expected float <= 1, got 2\.0"):
+        SFTConfig(demos={"careful": {"corrector": 2.0}})
 
 
 def test_step_batches_follow_the_phases(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
-"""The V–C reasoning system's logic (Solver, Verifier, Corrector) over plain data.
+"""Agent systems over plain data: the graph that declares one (:mod:`.graph`), the record of one agent
+output (:mod:`.sample`), input selection, the inference loop, prompts and verdicts.
 
 Nothing here talks to an engine: prompts are built as chat messages, verdicts are parsed from text,
-and the inference loop and training expansion are pure state machines/functions driven by the caller.
+and the inference loop and the trajectory are pure state machines/functions driven by the caller.
 """
 
+from mars_megatron.agents.graph import AgentGraph, GraphError, graph_for, load_graph
 from mars_megatron.agents.loop import (
     InferenceLoop,
     LoopResult,
@@ -11,36 +13,31 @@ from mars_megatron.agents.loop import (
     Request,
     choose_fallback,
 )
-from mars_megatron.agents.prompts import (
-    corrector_messages,
-    solver_messages,
-    strip_thinking,
-    verifier_messages,
-)
-from mars_megatron.agents.roles import Message, Role
+from mars_megatron.agents.prompts import strip_thinking
+from mars_megatron.agents.roles import Message
 from mars_megatron.agents.sample import Sample, Segment
 from mars_megatron.agents.selection import eligible_inputs, select_inputs
-from mars_megatron.agents.trajectory import Position, group_id
+from mars_megatron.agents.trajectory import PromptInputs, group_id
 from mars_megatron.agents.verdict import bug_report, parse_verdict
 
 __all__ = [
+    "AgentGraph",
+    "GraphError",
     "InferenceLoop",
     "LoopResult",
     "LoopStep",
     "Message",
-    "Position",
+    "PromptInputs",
     "Request",
-    "Role",
     "Sample",
     "Segment",
     "bug_report",
     "choose_fallback",
-    "corrector_messages",
     "eligible_inputs",
+    "graph_for",
     "group_id",
+    "load_graph",
     "parse_verdict",
     "select_inputs",
-    "solver_messages",
     "strip_thinking",
-    "verifier_messages",
 ]

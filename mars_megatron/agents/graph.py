@@ -422,14 +422,17 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
 
 
 # ---------------------------------------------------------------------------------------- validation
-def _available(graph: AgentGraph, chain_kinds: Sequence[str]) -> set[str]:
-    """Variables a prompt can be given after outputs of ``chain_kinds`` (oldest first)."""
-    out = {"problem"}
-    if "solution" in chain_kinds:
-        out.add("solution")
-    if "report" in chain_kinds:
-        out |= {"report", "bug_report"}
-    return out
+def _available(chain_kinds: Sequence[str]) -> set[str]:
+    """Variables a prompt can be given after outputs of ``chain_kinds`` (oldest first): the latest
+    solution, and a report only if one judged that solution (came after it)."""
+    out, report = {"problem"}, False
+    for kind in chain_kinds:
+        if kind == "solution":
+            out.add("solution")
+            report = False
+        elif kind == "report":
+            report = True
+    return out | {"report", "bug_report"} if report else out
 
 
 def validate(graph: AgentGraph, *, max_steps: int | None = None) -> None:
@@ -519,7 +522,7 @@ def _validate_trajectory(graph: AgentGraph, src: str) -> None:
                     src,
                 )
         chain = [*kinds.get(p.input, []), graph.roles[seen[p.input].role].output] if p.input else []
-        missing = sorted(set(role.variables) - _available(graph, chain))
+        missing = sorted(set(role.variables) - _available(chain))
         if missing:
             raise GraphError(
                 f"role {p.role!r} declares {{{missing[0]}}}, which nothing before this position provides",

@@ -192,3 +192,19 @@ def corrector_messages(problem: str, previous_solution: str, bug_report: str) ->
     """[user: problem, assistant: previous solution (thinking stripped), user: correction + report]
     in the ``"marsrl"`` set; see :meth:`PromptSet.corrector_messages`."""
     return PROMPT_SETS["marsrl"].corrector_messages(problem, previous_solution, bug_report)
+
+
+def prompt_variables(problem: str, solution: str | None = None, report: str | None = None) -> dict[str, str]:
+    """The template variables of an agent graph's prompts (agents/graph.py: VARIABLES) from the texts
+    they come from: the problem (stripped), the solution's and the report's visible text, and the report
+    before its verdict section (``bug_report``). One definition for training rollouts, the inference loop
+    and the warm start's demos, so a model is evaluated on the very text it was trained on."""
+    from mars_megatron.agents.verdict import bug_report
+
+    variables = {"problem": problem.strip()}
+    if solution is not None:
+        variables["solution"] = strip_thinking(solution)
+    if report is not None:
+        variables["report"] = strip_thinking(report)
+        variables["bug_report"] = bug_report(report).strip()
+    return variables

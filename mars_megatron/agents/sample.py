@@ -15,12 +15,12 @@ error names the field.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import Position, group_id
+from mars_megatron.agents.trajectory import group_id
 
 if TYPE_CHECKING:  # numpy only for the annotation: the launcher's environment (NeMo-Run) has no numpy
     import numpy as np
@@ -53,8 +53,8 @@ class Sample:
     """The tokenised input (chat template applied); at least one token."""
     response_ids: list[int]
     """The tokens the policy wrote (so far, while it decodes)."""
-    position: Position
-    """Trajectory step that produced it; its role is ``position.role``."""
+    position: str
+    """The trajectory position (of the agent graph) that produced it."""
     problem_id: str
     group_id: str = ""
     """Samples sharing it share role, position and input; GRPO normalises over them. Empty: derived from
@@ -80,22 +80,30 @@ class Sample:
     """This admission of the problem (``<problem id>@<n>``): a problem met again in a later epoch is a
     new trajectory tree with new sample ids. Empty: ``problem_id``."""
     parent_id: str | None = None
-    """The output this one's input was built from (None for the Solver)."""
+    """The output this one's input was built from (None at the first position)."""
     judged_id: str | None = None
-    """Verifier: the solution it judges. Corrector: the solution it revises. None for the Solver."""
+    """The latest solution on the way here: the one a report judges or a revision revises; None at the
+    first position."""
     text: str = ""
     """The response decoded to text (once, when it finished: the reward and the next prompt read it)."""
     finish_reason: str | None = None
     """``stop`` (the engine ended it) or ``length`` (the token budget did); None while decoding."""
     verdict: bool | None = None
-    """Verifier outputs only: the parsed verdict (None: unparseable, or not a Verifier)."""
+    """Outputs of a role that decides (a verdict reader): the parsed verdict; None: unparseable, or a role
+    that reads none."""
     judged_right: bool | None = None
-    """Verifier/Corrector: whether the solution it judged or revised was right; None for the Solver."""
+    """Outputs with an input: whether the solution it judged or revised was right; None for the first
+    position."""
     training_reward: float | None = None
     """The reward trained on where it differs in kind from :attr:`reward` (``algorithm.reward=shared``:
     the trajectory's outcome); None: train on :attr:`reward`."""
+    role: str = ""
+    """The agent of the graph that wrote it (the position's role). Empty: the position's name without a
+    trailing ``_<n>``, for positions named after their role (``verifier_2``: ``verifier``)."""
 
     def __post_init__(self) -> None:
+        if not self.role:
+            self.role = re.sub(r"_\d+$", "", self.position)
         if not self.trajectory_id:
             self.trajectory_id = self.problem_id
         if not self.group_id:
@@ -104,8 +112,8 @@ class Sample:
 
     def check(self) -> None:
         """The record's invariants (they hold while it decodes, too); raises naming the field."""
-        if not isinstance(self.position, Position):
-            raise ValueError(f"Sample.position must be a Position, got {self.position!r}")
+        if not isinstance(self.position, str) or not self.position:
+            raise ValueError(f"Sample.position must be a position name, got {self.position!r}")
         if len(self.prompt_ids) == 0:
             raise ValueError("Sample.prompt_ids must hold at least one token")
         n = len(self.response_ids)
@@ -191,10 +199,6 @@ class Sample:
 
     # ------------------------------------------------------------------------------------------- views
     @property
-    def role(self) -> Role:
-        return self.position.role
-
-    @property
     def tokens(self) -> list[int]:
         """Prompt followed by response: the sequence the trainer scores."""
         return [*self.prompt_ids, *self.response_ids]
@@ -210,8 +214,8 @@ class Sample:
 
     @property
     def found_errors(self) -> bool:
-        """A Verifier output that judged its solution ``Wrong`` (an unparseable one found nothing)."""
-        return self.role is Role.VERIFIER and self.verdict is False
+        """An output whose verdict failed its solution (an unparseable one found nothing)."""
+        return self.verdict is False
 
     @property
     def reward_trained_on(self) -> float | None:

@@ -1,49 +1,52 @@
-"""Training trajectories: positions, their order and group ids (inputs are picked in :mod:`.selection`).
+"""Training trajectories: group ids and the chain of outputs a prompt is built from.
 
-A trajectory is Solver → Verifier1 → Corrector1 → Verifier2 → Corrector2 (capped by ``max_steps``).
-The Solver samples a group of G per problem; each later position selects ``inputs_per_agent`` outputs
-of the position before it and samples a group of G per selected input. A Corrector only takes
-Verifier outputs that found errors, so a trajectory stops where a Verifier says ``Correct``.
+The positions of a trajectory, their order and which earlier position feeds each are the agent graph's
+(:class:`~mars_megatron.agents.graph.AgentGraph`, ``trajectory``); the first position samples a group of G
+per problem, each later one selects some outputs of its input position (:mod:`.selection`) and samples a
+group of G per selected input.
 """
 
-from enum import StrEnum
-from typing import Literal
+from __future__ import annotations
 
-from mars_megatron.agents.roles import Role
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-Strategy = Literal["random", "balanced", "adaptive"]
-_STRATEGIES = ("random", "balanced", "adaptive")
-
-
-class Position(StrEnum):
-    """A step of the training trajectory. Verifier1/2 share prompts but are trained as separate
-    positions so the Verifier sees both Solver-style and Corrector-style solutions."""
-
-    SOLVER = "solver"
-    VERIFIER_1 = "verifier_1"
-    CORRECTOR_1 = "corrector_1"
-    VERIFIER_2 = "verifier_2"
-    CORRECTOR_2 = "corrector_2"
-
-    @property
-    def role(self) -> Role:
-        return Role(self.value.split("_")[0])
+if TYPE_CHECKING:
+    from mars_megatron.agents.graph import AgentGraph
+    from mars_megatron.agents.sample import Sample
 
 
-_ORDER = tuple(Position)
-
-
-def positions(max_steps: int) -> tuple[Position, ...]:
-    """The positions of a trajectory of ``agents.max_steps`` steps, in order from the Solver."""
-    return _ORDER[:max_steps]
-
-
-def next_position(position: Position, max_steps: int) -> Position | None:
-    """The position fed by ``position``'s outputs, or None at the end of a ``max_steps`` trajectory."""
-    index = _ORDER.index(position) + 1
-    return _ORDER[index] if index < max_steps else None
-
-
-def group_id(problem_id: str, position: Position, parent_id: str | None) -> str:
+def group_id(problem_id: str, position: str, parent_id: str | None) -> str:
     """Identify a group: same problem, same position, same parent sample (so the same input)."""
-    return f"{problem_id}/{position.value}/{parent_id or '-'}"
+    return f"{problem_id}/{position}/{parent_id or '-'}"
+
+
+def chain(parent: Sample | None, samples: Mapping[str, Sample]) -> list[Sample]:
+    """The outputs a new output is built from, oldest first: ``parent`` and its ancestors."""
+    out: list[Sample] = []
+    while parent is not None:
+        out.append(parent)
+        parent = samples[parent.parent_id] if parent.parent_id is not None else None
+    return out[::-1]
+
+
+@dataclass(frozen=True)
+class PromptInputs:
+    """What a later position's prompt is built from: its parent output, the latest solution on the way
+    (the one a report judges or a revision revises) and the report that judged that solution, if one did."""
+
+    parent: Sample | None = None
+    solution: Sample | None = None
+    report: Sample | None = None
+
+    @classmethod
+    def of(cls, parent: Sample | None, samples: Mapping[str, Sample], graph: AgentGraph) -> PromptInputs:
+        solution = report = None
+        for sample in chain(parent, samples):
+            kind = graph.roles[sample.role].output
+            if kind == "solution":
+                solution, report = sample, None
+            elif kind == "report":
+                report = sample
+        return cls(parent, solution, report)

@@ -59,3 +59,13 @@ def bug_report(text: str) -> str:
         return visible
     before = visible[: section.start()]
     return _HEADING_PREFIX.sub("", before).strip()
+
+
+def read_verdict(reader: str | None, text: str) -> bool | None:
+    """The verdict of an output by its role's reader (the graph's ``roles.<name>.verdict``): None for a
+    role that reads none."""
+    if reader is None:
+        return None
+    if reader == "correctness":
+        return parse_verdict(text)
+    raise ValueError(f"unknown verdict reader {reader!r}")

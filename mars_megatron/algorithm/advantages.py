@@ -94,7 +94,7 @@ def assign_advantages(
     }
     by_role: dict[str, list[float]] = {}
     for s in samples:
-        by_role.setdefault(s.role.value, []).append(s.reward_trained_on)  # type: ignore[arg-type]
+        by_role.setdefault(s.role, []).append(s.reward_trained_on)  # type: ignore[arg-type]
     for role, values in by_role.items():
         stats[f"mean_reward/{role}"] = sum(values) / len(values)
     return kept, stats

@@ -235,7 +235,7 @@ def dmmpt_mask(
 # --------------------------------------------------------------------------------------- role weights
 def role_weights(samples: Sequence[Sample], weights: Mapping[str, float], seq_len: int) -> torch.Tensor:
     """Per-token loss weights ``[len(samples), seq_len]``: each row is its sample's role weight
-    (``weights[sample.role]``, keyed by role name as in ``algorithm.role_weights``: a :class:`Role` is a
-    ``StrEnum``, so it finds its name; 1.0 for roles not listed)."""
+    (``weights[sample.role]``, keyed by the role names of the agent graph as in ``algorithm.role_weights``;
+    1.0 for roles not listed)."""
     row = torch.tensor([float(weights.get(s.role, 1.0)) for s in samples], dtype=torch.float32)
     return row.unsqueeze(-1).expand(len(samples), seq_len).contiguous()

@@ -143,7 +143,7 @@ class MismatchTally:
     def add_batch(self, samples: Sequence[Sample], micro_batches: Sequence[MicroBatch]) -> None:
         """A mini-batch: its samples and this rank's packs of them."""
         k = len(self._sums)
-        self._roles.append([s.role.value for s in samples])
+        self._roles.append([s.role for s in samples])
         self._sums.append(torch.zeros(len(samples), len(SEQUENCE_KEYS), dtype=torch.float64))
         for mb in micro_batches:
             if mb.pack is None:

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.prompts import PromptSet
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import AgentGraph, RewardKind, VerdictReader
+from mars_megatron.agents.prompts import prompt_variables
 from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import Position
-from mars_megatron.agents.verdict import bug_report, parse_verdict
+from mars_megatron.agents.trajectory import PromptInputs
+from mars_megatron.agents.verdict import read_verdict
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.scheduler import Batch, Scheduler, SegmentJob, shared_rewards
 from mars_megatron.rewards.agent_rewards import Checker, answer_rewards, verifier_reward
@@ -26,21 +26,16 @@ from mars_megatron.rl.rollout import role_metrics
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
 
 
-def prompt_builder(prompts: PromptSet, encode: Callable[[list[Any]], Sequence[int]]) -> Callable:
-    """The scheduler's prompt function for real engines: the role's chat messages, tokenised."""
+def prompt_builder(
+    graph: AgentGraph, prompt_set: str, encode: Callable[[list[Any]], Sequence[int]]
+) -> Callable[[str, Problem, PromptInputs], list[int]]:
+    """The scheduler's prompt function for real engines: the position's role's chat messages in
+    ``prompt_set``, tokenised."""
 
-    def prompt_fn(
-        position: Position, problem: Problem, parent: Sample | None, judged: Sample | None
-    ) -> list[int]:
-        if position.role is Role.SOLVER:
-            messages = prompts.solver_messages(problem.text)
-        elif position.role is Role.VERIFIER:
-            assert parent is not None
-            messages = prompts.verifier_messages(problem.text, parent.text)
-        else:
-            assert parent is not None and judged is not None
-            messages = prompts.corrector_messages(problem.text, judged.text, bug_report(parent.text))
-        return list(encode(messages))
+    def prompt_fn(position: str, problem: Problem, inputs: PromptInputs) -> list[int]:
+        role = graph.role_of(position)
+        solution, report = (q.text if q is not None else None for q in (inputs.solution, inputs.report))
+        return list(encode(role.messages(prompt_set, prompt_variables(problem.text, solution, report))))
 
     return prompt_fn
 
@@ -93,33 +88,42 @@ class ScoreRequest:
     (:meth:`~.scheduler.Scheduler.on_scored`)."""
 
     sample_id: str
-    role: Role
+    reward: RewardKind
+    """How the output's role is rewarded (the graph's ``roles.<name>.reward``)."""
+    verdict: VerdictReader | None
+    """How a verdict is read from the output (None: its role reads none)."""
     text: str
     reference: Any
     judged_right: bool
-    """Verifier/Corrector: whether the solution it judged or revised was right (True for the Solver)."""
+    """Outputs with an input: whether the solution it judged or revised was right (True otherwise)."""
 
     @classmethod
     def of(cls, s: Scheduler, sample_id: str) -> ScoreRequest:
         sample = s.samples[sample_id]
+        role = s.graph.roles[sample.role]
         judged_right = True if sample.judged_right is None else sample.judged_right
-        return cls(sample_id, sample.role, sample.text, s.problem(sample).reference, judged_right)
+        return cls(
+            sample_id, role.reward, role.verdict, sample.text, s.problem(sample).reference, judged_right
+        )
 
 
 def score_requests(
     requests: Sequence[ScoreRequest], checker: Checker
 ) -> list[tuple[str, float, bool | None]]:
-    """``(sample_id, reward, verdict)`` per request. Solver/Corrector: 1 if the last boxed answer matches
-    the reference (one batched math-verify call). Verifier: 1 if its verdict is right about the solution
-    it judged."""
-    answers = [(i, r.text, r.reference) for i, r in enumerate(requests) if r.role is not Role.VERIFIER]
+    """``(sample_id, reward, verdict)`` per request, by the role's reward kind. ``answer``: 1 if the last
+    boxed answer matches the reference (one batched math-verify call). ``verdict``: 1 if the verdict is
+    right about the solution it judged. ``outcome``: 0 for now; the scheduler sets the mean reward of what
+    followed once the trajectory is finished. A role's verdict is read whatever its reward."""
+    answers = [(i, r.text, r.reference) for i, r in enumerate(requests) if r.reward == "answer"]
     rewards = answer_rewards([(text, ref) for _, text, ref in answers], checker)
-    out: list[tuple[str, float, bool | None]] = [("", 0.0, None)] * len(requests)
+    out: list[tuple[str, float, bool | None]] = [
+        (r.sample_id, 0.0, read_verdict(r.verdict, r.text)) for r in requests
+    ]
     for (i, _, _), reward in zip(answers, rewards, strict=True):
-        out[i] = (requests[i].sample_id, reward, None)
+        out[i] = (requests[i].sample_id, reward, out[i][2])
     for i, r in enumerate(requests):
-        if r.role is Role.VERIFIER:
-            verdict = parse_verdict(r.text)
+        if r.reward == "verdict":
+            verdict = out[i][2]
             out[i] = (r.sample_id, verifier_reward(verdict, r.judged_right), verdict)
     return out
 
@@ -131,11 +135,11 @@ def set_shared_rewards(s: Scheduler, batch: Batch) -> None:
         s.samples[sample_id].training_reward = reward
 
 
-def batch_metrics(batch: Batch) -> dict[str, float]:
+def batch_metrics(batch: Batch, graph: AgentGraph) -> dict[str, float]:
     """Per-role agent rewards of an update's samples (:func:`role_metrics`), and how stale its segments
     were."""
     samples = batch.samples
-    out = role_metrics(samples)
+    out = role_metrics(samples, graph)
     out["problems"] = float(len({q.trajectory_id for q in samples}))
     staleness = [batch.version - s.version for q in samples for s in q.segment_versions]
     out["pipeline/staleness_max"] = float(max(staleness, default=0))
@@ -163,7 +167,8 @@ def write_rollouts(folder: Path, step: int, batch: Batch, trained: Sequence[Samp
                 "policy_version": batch.version,
                 "sample_id": sample.sample_id,
                 "problem_id": sample.problem_id,
-                "position": sample.position.value,
+                "position": sample.position,
+                "role": sample.role,
                 "group_id": sample.group_id,
                 "parent_id": sample.parent_id,
                 "prompt_ids": list(sample.prompt_ids),

@@ -230,7 +230,7 @@ class PipelineDriver:
         self.s.release(batch)
         self.s.check()
         self.train_handles = None
-        metrics.update(batch_metrics(batch))
+        metrics.update(batch_metrics(batch, self.s.graph))
         metrics.update(stats)
         return metrics, train_s
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import AgentGraph
 from mars_megatron.agents.sample import Sample
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import ScoreRequest, score_requests
@@ -29,8 +29,11 @@ class TrainerGroup:
     :meth:`finish` (the writer rank's metrics, and the new weights in every engine as the next policy
     version)."""
 
-    def __init__(self, group: Any, fleet: EngineFleet, names: Sequence[str], writer_rank: int) -> None:
+    def __init__(
+        self, group: Any, fleet: EngineFleet, names: Sequence[str], writer_rank: int, graph: AgentGraph
+    ) -> None:
         self.group = group
+        self.graph = graph
         """The ranks (:class:`~mars_megatron.training.ray_group.RayWorkerGroup`)."""
         self.fleet = fleet
         self.names = list(names)
@@ -39,12 +42,12 @@ class TrainerGroup:
         self.versions: dict[str, int] = dict.fromkeys(self.names, 0)
         """The policy version each policy's engines hold."""
 
-    def policy_of(self, role: Role) -> str:
-        return policy_of(role, self.names)
+    def policy_of(self, role: str) -> str:
+        return policy_of(role, self.names, self.graph)
 
-    def roles_of(self, name: str) -> set[Role]:
+    def roles_of(self, name: str) -> set[str]:
         """The roles policy ``name`` serves."""
-        return {r for r in Role if self.policy_of(r) == name}
+        return {r for r in self.graph.roles if self.policy_of(r) == name}
 
     def split(self, samples: Sequence[Sample]) -> dict[str, list[Sample]]:
         """``samples`` by the policy that trains on them (order kept)."""

@@ -1,6 +1,6 @@
 """The schedule run in this process, with in-process engines and answer checker: no Ray, no trainer.
 
-For measuring what a model does inside MarsRL's own rollout (``role_accuracy`` after SFT) and for tests
+For measuring what a model does inside the training rollout (``role_accuracy`` after SFT) and for tests
 that drive the rollout with rule-based engines. It runs the very scheduler of ``mars train`` (positions,
 input selection, groups, sample ids, seeds), so its figures are on the scale of the training run's
 ``reward/<role>``. Deterministic: engine calls are made in the scheduler's order, one role's engine at a
@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mars_megatron.agents.prompts import PromptSet
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import AgentGraph, prompt_set_of
 from mars_megatron.agents.sample import Sample
 from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
@@ -47,10 +46,10 @@ class Round:
 def run_round(
     problems: Sequence[Problem],
     *,
-    engines: Mapping[Role, RolloutEngine],
+    engines: Mapping[str, RolloutEngine],
     codec: ChatCodec,
     checker: Checker,
-    prompts: PromptSet,
+    graph: AgentGraph,
     agents: AgentsConfig,
     sampling: SamplingParams,
     seed: int,
@@ -60,8 +59,8 @@ def run_round(
     version: int = 0,
 ) -> Round:
     """All trajectories of ``problems`` (the synchronous schedule: staleness 0), decoded by ``engines``
-    as policy ``version``."""
-    missing = [role.value for role in Role if role not in engines]
+    as policy ``version``; ``engines`` by role of ``graph``, prompts in ``agents.prompts``."""
+    missing = [role for role in graph.roles if role not in engines]
     if missing:
         raise ValueError(f"run_round: no engine for role(s) {missing}")
     if not problems:
@@ -69,15 +68,16 @@ def run_round(
     limits = Limits(
         max_response_tokens=sampling.max_tokens,
         segment_tokens=segment_tokens or sampling.max_tokens,
-        max_staleness=dict.fromkeys(Role, 0),
+        max_staleness=dict.fromkeys(graph.roles, 0),
         problems_per_step=len(problems),
         batch_groups=len(problems),
         whole_trajectories=reward == "shared",
     )
-    s = Scheduler(agents, limits, prompt_builder(prompts, codec.encode), seed=seed)
+    prompts = prompt_builder(graph, prompt_set_of(graph, agents.prompts), codec.encode)
+    s = Scheduler(agents, limits, prompts, graph, seed=seed)
     s.version = version
     s.add_problems(problems)
-    by_engine: dict[int, tuple[RolloutEngine, set[Role]]] = {}
+    by_engine: dict[int, tuple[RolloutEngine, set[str]]] = {}
     for role, engine in engines.items():
         by_engine.setdefault(id(engine), (engine, set()))[1].add(role)
     while not s.update_ready():
@@ -100,4 +100,4 @@ def run_round(
     assert batch is not None
     if reward == "shared":
         set_shared_rewards(s, batch)
-    return Round(batch, batch.samples, batch_metrics(batch), s)
+    return Round(batch, batch.samples, batch_metrics(batch, graph), s)

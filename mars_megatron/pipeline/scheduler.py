@@ -54,10 +54,10 @@ from typing import Any
 
 import numpy as np
 
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import AgentGraph
 from mars_megatron.agents.sample import Sample, Segment
 from mars_megatron.agents.selection import select_inputs
-from mars_megatron.agents.trajectory import Position, group_id, next_position, positions
+from mars_megatron.agents.trajectory import PromptInputs, group_id
 from mars_megatron.config import AgentsConfig, MarsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.rl.rollout import derive_seed
@@ -91,7 +91,7 @@ class SegmentJob:
     ``prefix`` decoded so far, sampled with ``seed``, by the weights of policy ``version``."""
 
     sample_id: str
-    role: Role
+    role: str
     prompt_ids: list[int]
     prefix: list[int]
     """The sequence's tokens so far (shared with the scheduler; unchanged while the job is out)."""
@@ -112,8 +112,8 @@ class Limits:
     max_response_tokens: int
     segment_tokens: int
     """Tokens per segment; >= max_response_tokens decodes every output in one segment."""
-    max_staleness: Mapping[Role, int]
-    """A bound for every role."""
+    max_staleness: Mapping[str, int]
+    """A bound for every role of the graph."""
     problems_per_step: int
     """New problems admitted per policy version (``data.problems_per_step``)."""
     batch_groups: int
@@ -123,15 +123,15 @@ class Limits:
     tree is scored (``algorithm.reward=shared`` rewards every output with its trajectory's outcome)."""
 
     @classmethod
-    def from_config(cls, cfg: MarsConfig) -> Limits:
+    def from_config(cls, cfg: MarsConfig, graph: AgentGraph) -> Limits:
         """A run's schedule: sync mode is agentic with every bound 0; a role's bound is its
         ``pipeline.staleness_per_role`` entry or ``pipeline.max_staleness``; ``segment_tokens`` 0 means the
         whole response and ``batch_groups`` 0 means ``data.problems_per_step``."""
         p, max_tokens, per_step = cfg.pipeline, cfg.rollout.max_response_tokens, cfg.data.problems_per_step
         if p.mode == "sync":
-            bounds = dict.fromkeys(Role, 0)
+            bounds = dict.fromkeys(graph.roles, 0)
         else:
-            bounds = {r: p.staleness_per_role.get(r.value, p.max_staleness) for r in Role}
+            bounds = {r: p.staleness_per_role.get(r, p.max_staleness) for r in graph.roles}
         return cls(
             max_response_tokens=max_tokens,
             segment_tokens=p.segment_tokens or max_tokens,
@@ -142,8 +142,8 @@ class Limits:
         )
 
 
-PromptFn = Callable[[Position, Problem, "Sample | None", "Sample | None"], list[int]]
-"""(position, problem, parent output, judged solution) -> the prompt's token ids."""
+PromptFn = Callable[[str, Problem, PromptInputs], list[int]]
+"""(position name, problem, what the prompt is built from) -> the prompt's token ids."""
 
 
 @dataclass
@@ -162,8 +162,11 @@ class Batch:
 class Scheduler:
     """The agentic schedule of one run; see the module docstring for the rules."""
 
-    def __init__(self, agents: AgentsConfig, limits: Limits, prompt_fn: PromptFn, *, seed: int = 0) -> None:
+    def __init__(
+        self, agents: AgentsConfig, limits: Limits, prompt_fn: PromptFn, graph: AgentGraph, *, seed: int = 0
+    ) -> None:
         self.agents = agents
+        self.graph = graph
         self.limits = limits
         self.prompt_fn = prompt_fn
         self.seed = seed
@@ -182,15 +185,16 @@ class Scheduler:
         self._groups: dict[str, list[str]] = {}
         self._by_problem: dict[str, list[str]] = {}  # problem id -> its sample ids
         self._untrained: dict[str, int] = {}  # problem id -> groups not yet trained
-        self._position_left: dict[tuple[str, Position], int] = {}
+        self._position_left: dict[tuple[str, str], int] = {}
         self._trained: set[str] = set()
-        self._unfinished: dict[Role, int] = dict.fromkeys(Role, 0)
+        self._unfinished: dict[str, int] = dict.fromkeys(graph.roles, 0)
         # per role: incomplete groups by the version their first segment was issued at (update_ready)
-        self._open_oldest: dict[Role, Counter[int]] = {r: Counter() for r in Role}
+        self._open_oldest: dict[str, Counter[int]] = {r: Counter() for r in graph.roles}
         self._group_first: dict[str, int] = {}
         self._held: dict[str, list[str]] = {}  # whole_trajectories: complete groups by problem key
         self._ready: dict[str, tuple[int, str]] = {}  # READY sample ids -> their order among new work
-        self._depth = {p: i for i, p in enumerate(positions(agents.max_steps))}
+        self._trajectory = graph.trajectory(agents.max_steps)
+        self._depth = {p.name: i for i, p in enumerate(self._trajectory)}
         self.counters = {"requeued": 0, "problems": 0, "spawned": 0}
 
     # ------------------------------------------------------------------------------------------ problems
@@ -212,12 +216,15 @@ class Scheduler:
             self._active[key] = 0
             self._by_problem[key] = []
             self._untrained[key] = 0
-            self._spawn(Position.SOLVER, key, None, None)
+            self._spawn(self._trajectory[0].name, key, None)
             budget -= 1
 
-    def _spawn(self, position: Position, key: str, parent: Sample | None, judged: Sample | None) -> None:
+    def _spawn(self, position: str, key: str, parent: Sample | None) -> None:
         problem = self._problems[key]
-        prompt = list(self.prompt_fn(position, problem, parent, judged))
+        inputs = PromptInputs.of(parent, self.samples, self.graph)
+        judged = inputs.solution
+        role = self.graph.position(position).role
+        prompt = list(self.prompt_fn(position, problem, inputs))
         gid = group_id(key, position, parent.sample_id if parent else None)
         members = []
         for k in range(self.agents.group_size):
@@ -236,11 +243,12 @@ class Scheduler:
                 parent_id=parent.sample_id if parent else None,
                 judged_id=judged.sample_id if judged else None,
                 judged_right=None if judged is None else bool(judged.reward),
+                role=role,
             )
             self._flight[sid] = _Flight()
             members.append(sid)
             self.counters["spawned"] += 1
-            self._unfinished[position.role] += 1
+            self._unfinished[role] += 1
             self._ready[sid] = (-self._depth[position], sid)
         self._groups[gid] = members
         self._by_problem[key].extend(members)
@@ -249,9 +257,7 @@ class Scheduler:
         self._active[key] += len(members)
 
     # ---------------------------------------------------------------------------------------- rollouts
-    def take_segments(
-        self, limit: int | None = None, roles: Iterable[Role] | None = None
-    ) -> list[SegmentJob]:
+    def take_segments(self, limit: int | None = None, roles: Iterable[str] | None = None) -> list[SegmentJob]:
         """Up to ``limit`` segments to decode now (of ``roles`` only, e.g. one policy's): carried-over
         sequences first, then later positions (they finish trajectories), then new Solver work; admits
         new problems first."""
@@ -340,7 +346,7 @@ class Scheduler:
         self._active[pid] -= 1
         gid = seq.group_id
         if all(self._flight[m].state is SeqState.DONE for m in self._groups[gid]):
-            if self.limits.whole_trajectories:
+            if self.limits.whole_trajectories or self.graph.roles[seq.role].reward == "outcome":
                 self._held.setdefault(pid, []).append(gid)
             else:
                 self._enqueue(gid)
@@ -350,9 +356,27 @@ class Scheduler:
             self._next_position(pid, seq.position)
         if self._active[pid] == 0:
             del self._active[pid]
+            self._resolve_outcomes(pid)
             for held in self._held.pop(pid, []):
                 self._enqueue(held)
             self._retire(pid)
+
+    def _resolve_outcomes(self, pid: str) -> None:
+        """Every output of ``pid``'s finished tree whose role is rewarded by its outcome gets the mean reward
+        of the outputs that followed it (deepest first, so an outcome can rest on outcomes). An output that
+        nothing followed keeps the 0 it was scored with."""
+        outcome_roles = {r.name for r in self.graph.roles.values() if r.reward == "outcome"}
+        if not outcome_roles:
+            return
+        members = [self.samples[sid] for sid in self._by_problem[pid]]
+        children: dict[str, list[Sample]] = {}
+        for q in members:
+            if q.parent_id is not None:
+                children.setdefault(q.parent_id, []).append(q)
+        for q in sorted(members, key=lambda q: -self._depth[q.position]):
+            kids = children.get(q.sample_id, [])
+            if q.role in outcome_roles and kids:
+                q.reward = sum(k.reward or 0.0 for k in kids) / len(kids)
 
     def _enqueue(self, gid: str) -> None:
         """A group becomes trainable (it stays open for the staleness gate until then)."""
@@ -371,22 +395,30 @@ class Scheduler:
         del self._untrained[pid]
         del self._problems[pid]
 
-    def _next_position(self, key: str, position: Position) -> None:
-        nxt = next_position(position, self.agents.max_steps)
-        if nxt is None:
+    def _next_position(self, key: str, position: str) -> None:
+        later = [p for p in self._trajectory if p.input == position]
+        if not later:
             return
         candidates = [self.samples[sid] for sid in self._by_problem[key]]
-        candidates = sorted((s for s in candidates if s.position is position), key=lambda s: s.sample_id)
-        rng = random.Random(derive_seed(self.seed, key, position.value, "select"))
-        chosen = select_inputs(candidates, self.agents.inputs_per_agent, self.agents.strategy, nxt.role, rng)
-        for parent in chosen:
-            judged = parent if nxt.role is Role.VERIFIER else self.samples[parent.judged_id or ""]
-            self._spawn(nxt, key, parent, judged)
+        candidates = sorted((s for s in candidates if s.position == position), key=lambda s: s.sample_id)
+        for nxt in later:
+            rng = random.Random(derive_seed(self.seed, key, position, "select"))
+            chosen = select_inputs(
+                candidates,
+                nxt.inputs or self.agents.inputs_per_agent,
+                nxt.strategy or self.agents.strategy,
+                rng,
+                when=nxt.when,
+                prefer=nxt.prefer,
+                positive_share=nxt.positive_share,
+            )
+            for parent in chosen:
+                self._spawn(nxt.name, key, parent)
 
     # ----------------------------------------------------------------------------------------- training
-    def unfinished(self, roles: Iterable[Role] | None = None) -> int:
+    def unfinished(self, roles: Iterable[str] | None = None) -> int:
         """Sequences not yet scored, of ``roles`` (default: all)."""
-        return sum(self._unfinished[r] for r in (roles if roles is not None else Role))
+        return sum(self._unfinished[r] for r in (roles if roles is not None else self._unfinished))
 
     def update_ready(self) -> bool:
         """Whether the next update should start now (no side effects; see the module docstring)."""
@@ -549,8 +581,8 @@ def shared_rewards(s: Scheduler, seqs: Iterable[Sample]) -> dict[str, float]:
     whether their final solution is right, averaged over its continuations (the whole tree must be
     scored: :attr:`Limits.whole_trajectories`).
 
-    A solution's trajectory ends with it when nobody judged it; a Verifier's ends with the solution it
-    judged when no Corrector revised it (it said Correct, or its branch was not selected).
+    A solution's trajectory ends with it when nothing followed it; any other output's ends with the
+    solution it judged when nothing followed it (it passed the solution, or its branch was not selected).
     """
     children: dict[str, list[str]] = {}
     for q in s.samples.values():
@@ -567,8 +599,8 @@ def shared_rewards(s: Scheduler, seqs: Iterable[Sample]) -> dict[str, float]:
             kids = children.get(sid, [])
             if kids:
                 memo[sid] = sum(outcome(k) for k in kids) / len(kids)
-            elif q.role is Role.VERIFIER:
-                memo[sid] = float(s.samples[q.judged_id or ""].reward or 0.0)
+            elif s.graph.roles[q.role].output != "solution" and q.judged_id is not None:
+                memo[sid] = float(s.samples[q.judged_id].reward or 0.0)
             else:
                 memo[sid] = float(q.reward or 0.0)
         return memo[sid]
@@ -597,7 +629,8 @@ def scheduler_state(s: Scheduler) -> dict[str, Any]:
                 "sample_id": q.sample_id,
                 "problem": _problem_state(s.problem(q)),
                 "key": q.trajectory_id,
-                "position": q.position.value,
+                "position": q.position,
+                "role": q.role,
                 "parent_id": q.parent_id,
                 "judged_id": q.judged_id,
                 "prompt_ids": np.asarray(q.prompt_ids, dtype=np.int64),
@@ -615,6 +648,7 @@ def scheduler_state(s: Scheduler) -> dict[str, Any]:
             }
         )
     return {
+        "graph": s.graph.name,
         "version": s.version,
         "seqs": seqs,
         "groups": dict(s._groups),
@@ -632,11 +666,17 @@ def restore_scheduler(s: Scheduler, state: Mapping[str, Any]) -> None:
     """Load :func:`scheduler_state` into a fresh scheduler built with the same config."""
     if s.samples or s._waiting or s.version:
         raise RuntimeError("restore_scheduler: the scheduler is not fresh")
+    saved = state.get("graph", "marsrl")  # checkpoints from before agent graphs ran MarsRL's
+    if saved != s.graph.name:
+        raise ValueError(
+            f"the checkpoint's rollouts are of agent graph {saved!r}, this run's agents.graph is "
+            f"{s.graph.name!r}: resume with the graph that made them"
+        )
     s.version = int(state["version"])
     for d in state["seqs"]:
         problem = Problem(**d["problem"])
         key = d["key"]
-        position = Position(d["position"])
+        position = str(d["position"])
         q = Sample(
             [int(x) for x in d["prompt_ids"]],
             [int(x) for x in d["tokens"]],
@@ -655,6 +695,7 @@ def restore_scheduler(s: Scheduler, state: Mapping[str, Any]) -> None:
             finish_reason=d["finish_reason"],
             verdict=d["verdict"],
             judged_right=d.get("judged_right"),
+            role=d.get("role") or s.graph.position(position).role,  # before graphs: role from the position
         )
         state_ = SeqState(d["state"])
         s.samples[q.sample_id] = q

@@ -22,9 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mars_megatron.agents.roles import Role
 from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import Position
+from mars_megatron.agents.trajectory import PromptInputs
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.scheduler import Batch, PromptFn, Scheduler, SegmentJob
 from mars_megatron.rl.rollout import derive_seed
@@ -50,7 +49,8 @@ class Costs:
 class Lengths:
     """Response lengths: log-normal around ``median`` (tokens) with ``sigma``, capped by the scheduler."""
 
-    median: Mapping[Role, float]
+    median: Mapping[str, float]
+    """By role of the graph."""
     sigma: float = 0.8
     prompt_tokens: int = 512
     """The problem statement and instructions."""
@@ -95,12 +95,8 @@ def simple_prompts(lengths: Lengths) -> PromptFn:
     """Prompts of the right length for the simulation (placeholder ids: their content never matters): the
     problem, plus the solution judged and, for a Corrector, the report, up to ``max_input_tokens``."""
 
-    def prompt_fn(
-        position: Position, problem: Problem, parent: Sample | None, judged: Sample | None
-    ) -> list[int]:
-        carried = len(judged.response_ids) if judged is not None else 0
-        if parent is not None and parent is not judged:
-            carried += len(parent.response_ids)
+    def prompt_fn(position: str, problem: Problem, inputs: PromptInputs) -> list[int]:
+        carried = sum(len(q.response_ids) for q in (inputs.solution, inputs.report) if q is not None)
         return [0] * min(lengths.prompt_tokens + carried, lengths.max_input_tokens)
 
     return prompt_fn
@@ -117,7 +113,7 @@ class Simulation:
         worker_batch: int,
         costs: Costs,
         lengths: Lengths,
-        accuracy: Mapping[Role, float],
+        accuracy: Mapping[str, float],
         placement: Placement = "disaggregated",
         seed: int = 0,
     ) -> None:
@@ -149,7 +145,7 @@ class Simulation:
     def _score(self, seq: Sample) -> tuple[float, bool | None]:
         rng = random.Random(derive_seed(self.seed, seq.sample_id, "reward"))
         right = rng.random() < self.accuracy[seq.role]
-        if seq.role is not Role.VERIFIER:
+        if not self.s.graph.roles[seq.role].decides:
             return float(right), None
         judged = self.s.samples[seq.judged_id or ""]
         truth = bool(judged.reward)

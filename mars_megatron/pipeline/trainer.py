@@ -17,12 +17,12 @@ workers are Ray actors of their own. Everything is checked before any of them st
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import graph_for, prompt_set_of
 from mars_megatron.config import ConfigError, MarsConfig, dump_config
 from mars_megatron.rl.data import ProblemStream
 from mars_megatron.rl.policies import policy_names, policy_of
@@ -179,7 +179,8 @@ class MarsRLTrainer:
         from mars_megatron.training.ray_group import RayWorkerGroup, rendezvous_host
 
         self.cfg, self.plan, self.log = cfg, plan, log
-        self.names = policy_names(cfg)
+        self.graph = graph_for(cfg)  # the agent system, checked before anything starts
+        self.names = policy_names(cfg, self.graph)
         cores = os.cpu_count() or 1
         p = cfg.pipeline
         actors = plan.world_size + len(self.names) * p.rollout_workers + p.reward_workers
@@ -217,7 +218,7 @@ class MarsRLTrainer:
             colocation=self._colocation(),
         )
         self.fleet = fleet
-        self.trainers = TrainerGroup(self.group, fleet, self.names, writer_rank)
+        self.trainers = TrainerGroup(self.group, fleet, self.names, writer_rank, self.graph)
         self.stream: ProblemStream[Any] = ProblemStream(
             plan.problems, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
@@ -283,7 +284,6 @@ class MarsRLTrainer:
         """The run's schedule on Ray. ``sync`` is the same scheduler with every staleness bound 0: each
         update trains exactly the outputs of the problems admitted since the last one, decoded by the
         current weights, and no rollout runs while it trains."""
-        from mars_megatron.agents.prompts import prompt_set
         from mars_megatron.pipeline.agents import prompt_builder
         from mars_megatron.pipeline.driver import PipelineDriver
         from mars_megatron.pipeline.facades import ProblemFeed, RewardPool
@@ -291,10 +291,10 @@ class MarsRLTrainer:
         from mars_megatron.rollout.engine import SamplingParams
 
         cfg, p, a = self.cfg, self.cfg.pipeline, self.cfg.agents
-        limits = Limits.from_config(cfg)
-        scheduler = Scheduler(
-            a, limits, prompt_builder(prompt_set(a.prompts), codec.encode), seed=cfg.train.seed
-        )
+        g = self.graph
+        limits = Limits.from_config(cfg, g)
+        prompts = prompt_builder(g, prompt_set_of(g, a.prompts), codec.encode)
+        scheduler = Scheduler(a, limits, prompts, g, seed=cfg.train.seed)
         sampling = SamplingParams(
             max_tokens=cfg.rollout.max_response_tokens,
             temperature=cfg.rollout.temperature,
@@ -333,7 +333,8 @@ class MarsRLTrainer:
                 self.log(f"held-out evaluation skipped at step {self.step}: no engine of {name!r} is current")
                 return {}
             pools[name] = EnginePool(current)
-        return self.held_out.run({role: pools[policy_of(role, self.names)] for role in Role}, self.step)
+        routed = {role: pools[policy_of(role, self.names, self.graph)] for role in self.graph.roles}
+        return self.held_out.run(routed, self.step)
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -443,11 +444,9 @@ def _due(step: int, cfg: MarsConfig) -> bool:
     return step == cfg.train.steps or (c.save_interval > 0 and step % c.save_interval == 0)
 
 
-def _line(step: int, total: int, m: Mapping[str, float]) -> str:
+def _line(step: int, total: int, m: Mapping[str, float], roles: Sequence[str]) -> str:
     rewards = "  ".join(
-        f"{role[0].upper()} {m[f'reward/{role}']:.2f}"
-        for role in ("solver", "verifier", "corrector")
-        if f"reward/{role}" in m
+        f"{role[0].upper()} {m[f'reward/{role}']:.2f}" for role in roles if f"reward/{role}" in m
     )
     loss = m.get("train/loss", m.get("train/shared/loss", float("nan")))
     return (
@@ -485,6 +484,7 @@ def train(
 
     from mars_megatron.metrics import MetricsSink
 
+    graph_for(cfg)  # a graph that cannot run fails here, before models are converted or Ray starts
     plan = prepare(cfg, nproc=nproc, resume=resume)
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -508,7 +508,7 @@ def train(
                 sink.log(trainer.step, metrics)
                 history.append({"step": trainer.step, **metrics})
                 if trainer.step % cfg.logging.log_interval == 0:
-                    tqdm.write(_line(trainer.step, cfg.train.steps, metrics))
+                    tqdm.write(_line(trainer.step, cfg.train.steps, metrics, list(trainer.graph.roles)))
                 if _due(trainer.step, cfg):
                     trainer.save()
     return history

@@ -1,20 +1,22 @@
-"""Which policy (model) serves which role: one shared policy (MarsRL) or one per role. Kept free of torch
-so the launcher, which counts rollout engines, can use it in its own environment."""
+"""Which policy (model) serves which role: one shared policy (MarsRL), one per role, or the agent graph's
+grouping (``algorithm.policies``). Kept free of torch so the launcher, which counts rollout engines, can use
+it in its own environment."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import AgentGraph, graph_for
 from mars_megatron.config import MarsConfig
 
 SHARED = "shared"
 
 
-def policy_names(cfg: MarsConfig) -> list[str]:
-    """``["shared"]``, or one policy per role."""
-    return [SHARED] if cfg.algorithm.policies == "shared" else [role.value for role in Role]
+def policy_names(cfg: MarsConfig, graph: AgentGraph | None = None) -> list[str]:
+    """``["shared"]``, one policy per role, or the graph's policies."""
+    return (graph or graph_for(cfg)).policy_names(cfg.algorithm.policies)
 
 
-def policy_of(role: Role, names: Sequence[str]) -> str:
-    return SHARED if SHARED in names else role.value
+def policy_of(role: str, names: Sequence[str], graph: AgentGraph) -> str:
+    """The policy among ``names`` (from :func:`policy_names`) that serves ``role``."""
+    return graph.policy_of(role, names)

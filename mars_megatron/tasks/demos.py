@@ -1,20 +1,26 @@
-"""Demonstrations of all three roles for the supervised warm start of the tiny run.
+"""Demonstrations of every role of an agent graph for the supervised warm start of the tiny run.
 
 What they must do: teach every role its *format* and the *skill* (adding, comparing), yet leave each
 role right only part of the time when sampled at temperature 1, so that reinforcement learning has a
 reward to raise for every role.
 
 How: every role has two modes, told apart by the first token of the response. The *careful* mode
-works the sum out and is right; the *careless* mode skips the work:
+works the sum out and is right; the *careless* mode skips the work. What a role writes follows from
+its kind in the graph (:mod:`mars_megatron.agents.graph`), not its name:
 
-==========  ==============================================  =====================================
-role        careful (share ``<role>_careful``)               careless
-==========  ==============================================  =====================================
-Solver      ``3+4=7. \\boxed{7}``                           guesses: ``\\boxed{R}``, R uniform
-Verifier    ``3+4=7.\\nCorrectness: Wrong`` (recomputes;    rubber-stamps:
-            Correct iff the sum is the solution's answer)    ``Correctness: Correct``
-Corrector   ``3+4=7. \\boxed{7}``                           stubborn: repeats its previous answer
-==========  ==============================================  =====================================
+=====================================  ==========================================  ===========================
+kind                                   careful                                      careless
+=====================================  ==========================================  ===========================
+solution, first position               ``3+4=7. \\boxed{7}``                        guesses: ``\\boxed{R}``
+report with a ``correctness`` verdict  ``3+4=7.\\nCorrectness: Wrong`` (recomputes;   rubber-stamps:
+                                       Correct iff the sum is the solution's)        ``Correctness: Correct``
+report without a verdict               ``3+4=7.`` (the recomputed sum: the log a     ``Looks right.``
+                                       judgement reads)
+judgement (``yes_no``)                 ``yes``/``no``: the report's sum against the  ``yes``
+                                       solution's answer (no sum in it: ``yes``)
+solution revising a judged one         ``3+4=7. \\boxed{7}``                        stubborn: repeats its
+                                                                                    previous answer
+=====================================  ==========================================  ===========================
 
 Why modes rather than noisy answers: measured on the tiny MoE, 150 warm-start steps on demos whose
 answers were right 40% of the time (no marker) left the greedy Solver at 6% (chance: 5%): the noise
@@ -26,20 +32,23 @@ The shares are low (20 % careful by default) so that every role starts mostly ca
 to reinforcement learning is the decision to work carefully, not arithmetic it never learned: the warm
 start's skill phase makes careful sums right 92-97 % of the time (``SFTConfig.skill_steps``).
 
-Demos are chat conversations in a prompt set (``compact`` for the tiny model); :func:`encode_demo`
-turns one into token ids with the policy's chat template and the mask of the tokens that are trained.
+Demos are chat conversations in one of the graph's prompt sets (``compact`` for the tiny model), rendered
+by the graph's own templates; :func:`encode_demo` turns one into token ids with the policy's chat template
+and the mask of the tokens that are trained.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mars_megatron.agents.prompts import PromptSet
-from mars_megatron.agents.roles import Message, Role
+from mars_megatron.agents.graph import AgentGraph
+from mars_megatron.agents.prompts import prompt_variables
+from mars_megatron.agents.roles import Message
 from mars_megatron.config import ConfigError, Section, _field
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.tasks.arith import operands
@@ -49,46 +58,35 @@ from mars_megatron.tasks.arith import operands
 class DemoConfig(Section):
     """How often each role works carefully in the demos, and the mix of roles (a config section)."""
 
-    solver_careful: float = _field(
-        0.2, "Share of Solver demos that work the sum out (the rest guess a random number).", min=0, max=1
-    )
-    verifier_careful: float = _field(
-        0.2,
-        "Share of Verifier demos that recompute the sum and compare (the rest accept the solution "
-        "unchecked).",
+    careful: dict[str, float] = _field(  # noqa: RUF009 — _field gives mutable defaults a factory
+        {},
+        "Share of each role's demos that work the sum out (the rest skip the work), by role of the graph, "
+        "e.g. {verifier: 0.3}; missing roles: default_careful.",
         min=0,
         max=1,
     )
-    verifier_input_accuracy: float = _field(
-        0.5, "Share of the Verifier demos' solutions that are correct.", min=0, max=1
+    default_careful: float = _field(0.2, "Careful share of the roles careful does not list.", min=0, max=1)
+    weights: dict[str, float] = _field(  # noqa: RUF009
+        {}, "Relative number of each role's demos, by role of the graph; missing roles weigh 1.", min=0
     )
-    corrector_careful: float = _field(
-        0.2,
-        "Share of Corrector demos that work the sum out (the rest repeat the rejected answer).",
-        min=0,
-        max=1,
+    input_accuracy: float = _field(
+        0.5, "Share of the judged solutions (in report and judgement demos) that are correct.", min=0, max=1
     )
-    solver_weight: float = _field(1.0, "Relative number of Solver demos.", min=0)
-    verifier_weight: float = _field(1.0, "Relative number of Verifier demos.", min=0)
-    corrector_weight: float = _field(1.0, "Relative number of Corrector demos.", min=0)
     seed: int = _field(0, "Seed of the demos' roles, problems and modes.", min=0)
 
-    def validate(self) -> None:
-        if self.solver_weight + self.verifier_weight + self.corrector_weight == 0:
-            raise ConfigError("at least one role needs a positive weight", "solver_weight")
+    def careful_share(self, role: str) -> float:
+        return self.careful.get(role, self.default_careful)
 
     def with_careful(self, share: float) -> DemoConfig:
         """The same demos with every role careful at ``share`` (the warm start's skill phase)."""
-        return dataclasses.replace(
-            self, solver_careful=share, verifier_careful=share, corrector_careful=share
-        )
+        return dataclasses.replace(self, careful={}, default_careful=share)
 
 
 @dataclass(frozen=True)
 class Demo:
     """One demonstration: the role's input messages and the response it is trained to write."""
 
-    role: Role
+    role: str
     problem_id: str
     messages: list[Message]
     response: str
@@ -116,6 +114,44 @@ def careful_report(a: int, b: int, shown: int) -> str:
 CARELESS_REPORT = "Correctness: Correct"
 """The careless Verifier's whole response: a verdict without any check (no bug report)."""
 
+CARELESS_LOG = "Looks right."
+"""The careless log of a report without a verdict: nothing checked, nothing found."""
+
+
+def careful_log(a: int, b: int) -> str:
+    """The careful log of a report without a verdict: the recomputed sum, for a judgement to compare."""
+    return f"{a}+{b}={a + b}."
+
+
+def judge(report: str, shown: int) -> str:
+    """The careful judgement of a report: ``no`` when the sum it recomputed differs from the solution's
+    answer, ``yes`` otherwise (a report that recomputed nothing found nothing)."""
+    match = _SUM.search(report)
+    return "no" if match is not None and int(match.group(1)) != shown else "yes"
+
+
+_SUM = re.compile(r"=(\d+)\.")
+_Maker = Callable[[Problem, "_Context", random.Random], Demo]
+
+
+@dataclass(frozen=True)
+class _Context:
+    role: str
+    graph: AgentGraph
+    prompt_set: str
+    cfg: DemoConfig
+    top: int
+
+    def messages(
+        self, problem: Problem, solution: str | None = None, report: str | None = None
+    ) -> list[Message]:
+        variables = prompt_variables(problem.text, solution, report)
+        return self.graph.roles[self.role].messages(self.prompt_set, variables)
+
+    @property
+    def careful_share(self) -> float:
+        return self.cfg.careful_share(self.role)
+
 
 def _wrong(rng: random.Random, answer: int, max_answer: int) -> int:
     """A uniformly random integer in ``0..max(max_answer, 1)`` other than ``answer``."""
@@ -125,60 +161,109 @@ def _wrong(rng: random.Random, answer: int, max_answer: int) -> int:
             return value
 
 
-def build_demos(problems: Sequence[Problem], prompts: PromptSet, cfg: DemoConfig, n: int) -> list[Demo]:
-    """``n`` demos, each of a role drawn by the weights, on a problem drawn from ``problems``.
+def _shown_solution(rng: random.Random, a: int, b: int, shown: int) -> str:
+    """A solution with answer ``shown`` in either of the first position's formats, so that the format
+    says nothing about correctness."""
+    return f"{a}+{b}={shown}. {boxed(shown)}" if rng.random() < 0.5 else boxed(shown)
+
+
+def demo_maker(graph: AgentGraph, role: str) -> _Maker:
+    """What ``role`` demonstrates, from its kind (see the module docstring)."""
+    spec = graph.roles[role]
+    fed = any(p.role == role and p.input is not None for p in graph.positions)
+    if spec.output == "solution":
+        return _revision_demo if fed else _solution_demo
+    if spec.output == "report":
+        return _report_demo if spec.verdict == "correctness" else _log_demo
+    if spec.verdict == "yes_no":
+        return _judgement_demo
+    raise ValueError(f"build_demos: no demos for role {role!r} ({spec.output}, verdict {spec.verdict})")
+
+
+def build_demos(
+    problems: Sequence[Problem], graph: AgentGraph, prompt_set: str, cfg: DemoConfig, n: int
+) -> list[Demo]:
+    """``n`` demos of ``graph``'s roles, each of a role drawn by the weights, on a problem drawn from
+    ``problems``, in ``prompt_set``.
 
     Deterministic for a given ``cfg.seed`` (a longer list starts with the shorter one). Guesses and
-    wrong solutions are drawn from ``0..the largest answer`` of ``problems``. The Verifier judges
-    solutions in both of the Solver's formats, right or wrong in either; the Corrector revises a wrong
-    guess that a careful Verifier rejected, with that Verifier's report.
+    wrong solutions are drawn from ``0..the largest answer`` of ``problems``. Reports and judgements
+    judge solutions in both of the first position's formats, right or wrong in either; a revision
+    revises a wrong guess with the careful report that rejected it.
     """
     if not problems:
         raise ValueError("build_demos: no problems")
+    unknown = sorted((set(cfg.weights) | set(cfg.careful)) - set(graph.roles))
+    if unknown:
+        raise ConfigError(f"graph {graph.name!r} has no role {unknown[0]!r}", "demos")
     rng = random.Random(cfg.seed)
     top = max(int(p.reference) for p in problems)
-    roles = (Role.SOLVER, Role.VERIFIER, Role.CORRECTOR)
-    weights = (cfg.solver_weight, cfg.verifier_weight, cfg.corrector_weight)
-    makers = {Role.SOLVER: _solver_demo, Role.VERIFIER: _verifier_demo, Role.CORRECTOR: _corrector_demo}
+    roles = tuple(graph.roles)
+    weights = tuple(cfg.weights.get(r, 1.0) for r in roles)
+    if not any(weights):
+        raise ConfigError("at least one role needs a positive weight", "demos.weights")
+    makers = {r: demo_maker(graph, r) for r in roles}
+    contexts = {r: _Context(r, graph, prompt_set, cfg, top) for r in roles}
     demos = []
     for _ in range(n):
         role = rng.choices(roles, weights)[0]
-        demos.append(makers[role](rng.choice(problems), prompts, cfg, rng, top))
+        demos.append(makers[role](rng.choice(problems), contexts[role], rng))
     return demos
 
 
-def _solver_demo(p: Problem, prompts: PromptSet, cfg: DemoConfig, rng: random.Random, top: int) -> Demo:
+def _solution_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
     a, b = operands(p)
-    careful = rng.random() < cfg.solver_careful
-    response = careful_solution(a, b) if careful else boxed(rng.randint(0, top))
-    return _demo(Role.SOLVER, p, prompts.solver_messages(p.text), response, careful, a + b)
+    careful = rng.random() < c.careful_share
+    response = careful_solution(a, b) if careful else boxed(rng.randint(0, c.top))
+    return _demo(c.role, p, c.messages(p), response, careful, a + b)
 
 
-def _verifier_demo(p: Problem, prompts: PromptSet, cfg: DemoConfig, rng: random.Random, top: int) -> Demo:
+def _report_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
     a, b = operands(p)
-    right = rng.random() < cfg.verifier_input_accuracy
-    shown = a + b if right else _wrong(rng, a + b, top)
-    # in either of the Solver's formats, right or wrong, so the format says nothing about correctness
-    solution = f"{a}+{b}={shown}. {boxed(shown)}" if rng.random() < 0.5 else boxed(shown)
-    careful = rng.random() < cfg.verifier_careful
+    right = rng.random() < c.cfg.input_accuracy
+    shown = a + b if right else _wrong(rng, a + b, c.top)
+    solution = _shown_solution(rng, a, b, shown)
+    careful = rng.random() < c.careful_share
     response = careful_report(a, b, shown) if careful else CARELESS_REPORT
-    messages = prompts.verifier_messages(p.text, solution)
-    return Demo(Role.VERIFIER, p.problem_id, messages, response, careful, careful or right)
+    return Demo(c.role, p.problem_id, c.messages(p, solution), response, careful, careful or right)
 
 
-def _corrector_demo(p: Problem, prompts: PromptSet, cfg: DemoConfig, rng: random.Random, top: int) -> Demo:
+def _log_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
     a, b = operands(p)
-    previous = _wrong(rng, a + b, top)
-    report = careful_report(a, b, previous).split("\nCorrectness:")[0]
-    # the rejected solution in either of the Solver's formats: a careful Solver's slips reach it too
-    solution = f"{a}+{b}={previous}. {boxed(previous)}" if rng.random() < 0.5 else boxed(previous)
-    messages = prompts.corrector_messages(p.text, solution, report)
-    careful = rng.random() < cfg.corrector_careful
+    right = rng.random() < c.cfg.input_accuracy
+    shown = a + b if right else _wrong(rng, a + b, c.top)
+    solution = _shown_solution(rng, a, b, shown)
+    careful = rng.random() < c.careful_share
+    response = careful_log(a, b) if careful else CARELESS_LOG
+    # Its reward is the outcome of the judgements of it: a careful log lets a careful judge be right.
+    return Demo(c.role, p.problem_id, c.messages(p, solution), response, careful, careful or right)
+
+
+def _judgement_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
+    a, b = operands(p)
+    right = rng.random() < c.cfg.input_accuracy
+    shown = a + b if right else _wrong(rng, a + b, c.top)
+    solution = _shown_solution(rng, a, b, shown)
+    report = careful_log(a, b) if rng.random() < 0.5 else CARELESS_LOG
+    careful = rng.random() < c.careful_share
+    response = judge(report, shown) if careful else "yes"
+    messages = c.messages(p, solution, report)
+    return Demo(c.role, p.problem_id, messages, response, careful, (response == "yes") == right)
+
+
+def _revision_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
+    a, b = operands(p)
+    previous = _wrong(rng, a + b, c.top)
+    report = careful_log(a, b)  # the careful report that rejected it, before its verdict
+    # the rejected solution in either format: a careful first solution's slips reach it too
+    solution = _shown_solution(rng, a, b, previous)
+    messages = c.messages(p, solution, report)
+    careful = rng.random() < c.careful_share
     response = careful_solution(a, b) if careful else boxed(previous)
-    return _demo(Role.CORRECTOR, p, messages, response, careful, a + b)
+    return _demo(c.role, p, messages, response, careful, a + b)
 
 
-def _demo(role: Role, p: Problem, messages: list[Message], response: str, careful: bool, answer: int) -> Demo:
+def _demo(role: str, p: Problem, messages: list[Message], response: str, careful: bool, answer: int) -> Demo:
     return Demo(role, p.problem_id, messages, response, careful, response.endswith(boxed(answer)))
 
 

@@ -18,11 +18,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from mars_megatron.agents.prompts import prompt_set
-from mars_megatron.agents.roles import Role
-from mars_megatron.agents.trajectory import Strategy
+from mars_megatron.agents.graph import Strategy, load_graph, prompt_set_of
 from mars_megatron.config import (
     MAX_TOKENS,
     SEED_MAX,
@@ -81,7 +79,12 @@ class SFTConfig(Section):
     )
     weight_decay: float = _field(0.0, "Decoupled weight decay.", min=0, max=1)
     clip_grad: float = _field(1.0, "Global gradient-norm clip; 0 = off; at most 1e6.", min=0, max=1_000_000)
-    prompts: Literal["marsrl", "compact"] = _field("compact", "Prompt set the demos are written in.")
+    graph: str = _field(
+        "marsrl", "The agent graph whose roles the demos teach (as agents.graph of the RL run)."
+    )
+    prompts: str = _field(
+        "compact", "Prompt set of the graph the demos are written in (as agents.prompts of the RL run)."
+    )
     train_file: str | None = _field(
         None,
         "JSONL of the addition problems the demos are drawn from (the RL run's data.train_file), so the "
@@ -139,7 +142,8 @@ def step_batches(sft: SFTConfig, tokenizer_path: str | Path) -> list[tuple[list[
     from mars_megatron.rollout.chat import ChatCodec
 
     codec = ChatCodec.from_pretrained(tokenizer_path)
-    problems, prompts = sft.problem_set(), prompt_set(sft.prompts)
+    graph = load_graph(sft.graph)
+    problems, prompts = sft.problem_set(), prompt_set_of(graph, sft.prompts)
     phases = (
         (sft.demos.with_careful(sft.skill_careful), sft.skill_steps),
         (sft.demos, sft.steps - sft.skill_steps),
@@ -147,7 +151,7 @@ def step_batches(sft: SFTConfig, tokenizer_path: str | Path) -> list[tuple[list[
     batches = []
     for k, (cfg, steps) in enumerate(phases):
         cfg = dataclasses.replace(cfg, seed=cfg.seed + k)
-        demos = build_demos(problems, prompts, cfg, steps * sft.demos_per_step)
+        demos = build_demos(problems, graph, prompts, cfg, steps * sft.demos_per_step)
         pairs = [encode_demo(d, codec) for d in demos]
         for i in range(0, len(pairs), sft.demos_per_step):
             chunk = pairs[i : i + sft.demos_per_step]
@@ -247,9 +251,10 @@ def role_accuracy(
     problems: Sequence[Problem],
     *,
     prompts: str = "compact",
+    graph: str = "marsrl",
     group_size: int = 4,
     inputs_per_agent: int = 2,
-    max_steps: int = 5,
+    max_steps: int | None = None,
     strategy: Strategy = "adaptive",
     temperature: float = 1.0,
     max_tokens: int = 32,
@@ -257,15 +262,15 @@ def role_accuracy(
     engine: Any = None,
     max_batch: int = 64,
 ) -> dict[str, float]:
-    """Each role's mean reward where reinforcement learning starts: one synchronous round of MarsRL's own
-    schedule (:func:`~mars_megatron.pipeline.local.run_round`: positions, input selection, real answer
-    checker and verdict parser) on ``problems``, so the figure is on the scale of ``mars train``'s
-    ``reward/<role>``.
+    """Each role's mean reward where reinforcement learning starts: one synchronous round of the training
+    schedule of ``graph`` (:func:`~mars_megatron.pipeline.local.run_round`: positions, input selection,
+    real answer checker and verdict parser) on ``problems``, so the figure is on the scale of
+    ``mars train``'s ``reward/<role>``.
 
     Returns the rollout's metrics: ``reward/<role>``, ``samples/<role>``, ``position_reward/<position>``,
-    ``verifier/on_right|on_wrong``, ``corrector/on_right|on_wrong`` (NaN where a role got no input),
-    ``verifier/unparsed``, …. ``engine`` may be a rollout engine already holding the weights (default:
-    an ``HFEngine`` on ``model_dir`` decoding ``max_batch`` requests at once).
+    ``<role>/on_right|on_wrong`` for roles with an input (NaN where a role got none), ``<role>/unparsed``
+    for roles that read a verdict, …. ``engine`` may be a rollout engine already holding the weights
+    (default: an ``HFEngine`` on ``model_dir`` decoding ``max_batch`` requests at once).
     """
     from mars_megatron.pipeline.local import run_round
     from mars_megatron.rollout.chat import ChatCodec
@@ -274,16 +279,19 @@ def role_accuracy(
 
     if not problems:
         raise ValueError("role_accuracy: no problems")
+    agent_graph = load_graph(graph, max_steps=max_steps)
     codec = ChatCodec.from_pretrained(model_dir)
     engine = engine if engine is not None else HFEngine(model_dir, seed=seed, max_batch=max_batch)
     with AnswerChecker(CheckerConfig(num_workers=1)) as checker:
         return run_round(
             problems,
-            engines=dict.fromkeys(Role, engine),
+            engines=dict.fromkeys(agent_graph.roles, engine),
             codec=codec,
             checker=checker,
-            prompts=prompt_set(prompts),
+            graph=agent_graph,
             agents=AgentsConfig(
+                graph=graph,
+                prompts=prompts,
                 group_size=group_size,
                 inputs_per_agent=inputs_per_agent,
                 max_steps=max_steps,

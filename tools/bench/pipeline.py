@@ -43,7 +43,7 @@ from pathlib import Path
 
 from common import REPO, mars, warm_start
 
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import load_graph
 from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.metrics import read_metrics
@@ -118,8 +118,9 @@ def paper_sim(
     placement: str = "disaggregated",
 ) -> SimResult:
     """MarsRL's shape: G = 8, 128 problems/update, 5 positions, 64k responses; tokens in ``block`` units."""
+    graph = load_graph("marsrl")
     lengths = Lengths(
-        {Role.SOLVER: 14000 / block, Role.VERIFIER: 8000 / block, Role.CORRECTOR: 14000 / block},
+        {"solver": 14000 / block, "verifier": 8000 / block, "corrector": 14000 / block},  # MarsRL's graph
         sigma=0.6,
         prompt_tokens=max(1, 1024 // block),
         max_input_tokens=32768 // block,
@@ -127,11 +128,11 @@ def paper_sim(
     limits = Limits(
         65536 // block,
         segment // block,
-        dict.fromkeys(Role, bound),
+        dict.fromkeys(graph.roles, bound),
         problems_per_step=128,
         batch_groups=128 * 4,
     )
-    s = Scheduler(AgentsConfig(group_size=8), limits, simple_prompts(lengths), seed=0)
+    s = Scheduler(AgentsConfig(group_size=8), limits, simple_prompts(lengths), graph, seed=0)
     s.add_problems([Problem(f"p{i}", "", "1", i + 1) for i in range(128 * (updates + 2))])
     scaled = Costs(
         costs.decode_step_s * block,
@@ -145,7 +146,7 @@ def paper_sim(
         worker_batch=64,
         costs=scaled,
         lengths=lengths,
-        accuracy={Role.SOLVER: 0.7, Role.VERIFIER: 0.8, Role.CORRECTOR: 0.5},
+        accuracy={"solver": 0.7, "verifier": 0.8, "corrector": 0.5},
         placement=placement,
     )  # type: ignore[arg-type]
     return sim.run(updates)

@@ -56,7 +56,6 @@ from typing import Any
 import torch
 
 from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import Position
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 
@@ -92,7 +91,7 @@ def make_samples(shape: Shape, vocab: int, seed: int = 0) -> list[Sample]:
     """Seeded random samples with advantages and engine log-probs, in GRPO groups of :data:`GROUP_SIZE`
     sharing a prompt."""
     rng = random.Random(seed)
-    positions = list(Position)
+    positions = list(("solver", "verifier_1", "corrector_1", "verifier_2", "corrector_2"))
     out: list[Sample] = []
     prompt: list[int] = []
     for i in range(shape.samples):
