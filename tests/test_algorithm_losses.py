@@ -5,8 +5,6 @@ import math
 import pytest
 import torch
 
-ROLES = ("solver", "verifier", "corrector")
-
 from mars_megatron.algorithm import (
     KL_CLAMP,
     LossInputs,
@@ -27,6 +25,8 @@ from mars_megatron.algorithm import (
 )
 from mars_megatron.config import AlgorithmConfig, ConfigError
 from mars_megatron.training.batches import make_micro_batches
+
+ROLES = ("solver", "verifier", "corrector")
 
 LN = math.log
 
@@ -233,9 +233,7 @@ def test_entropy_exact_and_estimate():
 
 # ----------------------------------------------------------------------------------- role weights
 def make_sample(position, prompt=(1, 2, 3), response=(4, 5), advantage=1.0, **kwargs) -> Sample:
-    return Sample(
-        list(prompt), list(response), position, "p", "g" + position, advantage=advantage, **kwargs
-    )
+    return Sample(list(prompt), list(response), position, "p", "g" + position, advantage=advantage, **kwargs)
 
 
 def test_role_weights_rows():

@@ -4,7 +4,6 @@ import math
 
 import pytest
 
-ROLES = ("solver", "verifier", "corrector")
 from mars_megatron.agents.trajectory import group_id
 from mars_megatron.algorithm import (
     Sample,
@@ -13,6 +12,8 @@ from mars_megatron.algorithm import (
     grpo_advantages,
     zero_variance_groups,
 )
+
+ROLES = ("solver", "verifier", "corrector")
 
 
 def sample(reward=None, position="solver", parent=None, problem="p1", **kwargs) -> Sample:
