@@ -590,8 +590,9 @@ def validate(graph: AgentGraph, *, max_steps: int | None = None) -> None:
 
 
 def _validate_tools(graph: AgentGraph, src: str) -> None:
-    """A tool must exist and be served by a distiller role that writes digests and calls no tool; only
-    a distiller writes digests or may use ``purpose`` and ``tool_output``."""
+    """A tool must exist, be called by a role that writes solutions and be served by another role that
+    writes digests (so a distiller calls no tool); only a distiller writes digests or may use
+    ``purpose`` and ``tool_output``."""
     from mars_megatron.agents.tools import TOOLS
 
     distillers = graph.distiller_roles()
@@ -617,8 +618,6 @@ def _validate_tools(graph: AgentGraph, src: str) -> None:
                     f"{where}.tool.distiller",
                     src,
                 )
-        if role.name in distillers and role.tool is not None:
-            raise GraphError("a distiller calls no tool", f"{where}.tool", src)
         if role.output == "digest" and role.name not in distillers:
             raise GraphError(
                 "a digest is written only by a tool's distiller (roles.<role>.tool.distiller)",
