@@ -187,8 +187,9 @@ def test_a_loop_may_end_after_one_solution_step_of_any_graph(tmp_path: Path) -> 
 def test_more_calls_and_no_distiller_position_are_valid(tmp_path: Path) -> None:
     def edit(d: dict[str, Any]) -> None:
         d["roles"]["reasoner"]["tool"]["max_calls"] = 3
+        d["roles"]["reasoner"]["tool"]["name"] = "lookup"  # any tool of agents.tools.TOOLS
         d["trajectory"] = d["trajectory"][:1]  # digests served but never trained
 
     graph = load_graph(str(_variant(tmp_path, edit)))
-    assert graph.roles["reasoner"].tool == ToolSpec("calc", "distiller", 3)
+    assert graph.roles["reasoner"].tool == ToolSpec("lookup", "distiller", 3)
     assert graph.tool_positions("reasoner", None) == []

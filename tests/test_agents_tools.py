@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mars_megatron.agents import tools
@@ -9,6 +11,7 @@ from mars_megatron.agents.tools import (
     MAX_DIGEST_CHARS,
     MAX_EXPRESSION_CHARS,
     MAX_OUTPUT_CHARS,
+    MAX_QUERY_CHARS,
     TOOLS,
     CalcError,
     Tool,
@@ -16,6 +19,7 @@ from mars_megatron.agents.tools import (
     calc,
     calculate,
     format_number,
+    lookup,
     observation,
     parse_call,
     run_tool,
@@ -157,10 +161,45 @@ def test_format_number() -> None:
     ]
 
 
+# ---------------------------------------------------------------------------------------------- lookup
+def test_lookup_finds_the_notes_that_share_most_words() -> None:
+    assert lookup("boiling point of water") == (
+        "boiling point of water: At sea-level pressure water boils at 100 degrees Celsius, which is 212 "
+        "degrees Fahrenheit."
+    )
+    hits = lookup("sum of the first n squares").splitlines()
+    assert [h.split(":")[0] for h in hits][:2] == [
+        "sum of the first n squares",
+        "sum of the first n integers",
+    ]
+    assert len(lookup("n a b c 2 3 5 10 100 sum area")) <= 3 * 300
+    assert len(lookup("n a b c 2 3 5 10 100 sum area").splitlines()) == 3  # at most LOOKUP_HITS
+
+
+def test_lookup_misses_and_bad_queries_are_text() -> None:
+    assert lookup("zebra") == "no document matches 'zebra'"
+    assert lookup("the of how") == "error: the query has no words to search for"
+    assert lookup("x" * (MAX_QUERY_CHARS + 1)) == f"error: query longer than {MAX_QUERY_CHARS} characters"
+
+
+def test_lookup_without_its_documents_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = tmp_path / "docs.json"
+    broken.write_text('[{"title": "no text"}]')
+    monkeypatch.setattr(tools, "DOCUMENTS", broken)
+    tools._documents.cache_clear()
+    try:
+        assert lookup("text") == "error: the document set is unavailable"
+    finally:
+        tools._documents.cache_clear()
+
+
 # ------------------------------------------------------------------------------------ registry, observations
 def test_run_tool_reports_unknown_and_forbidden_tools_as_text() -> None:
     assert run_tool(ToolCall("calc", "2*21", "x")) == "2*21 = 42"
-    assert run_tool(ToolCall("shell", "ls", "files")) == "error: no tool 'shell' (tools: calc)"
+    assert run_tool(ToolCall("shell", "ls", "files")) == "error: no tool 'shell' (tools: calc, lookup)"
+    assert (
+        run_tool(ToolCall("lookup", "leap", "x"), allowed=["calc"]) == "error: no tool 'lookup' (tools: calc)"
+    )
     assert run_tool(ToolCall("calc", "1+1", "x"), allowed=()) == "error: no tool 'calc' (tools: )"
 
 

@@ -20,6 +20,9 @@ ends at the *first* `` for ``: a purpose may say "for", an input may not. The re
 right after the call; the caller appends :func:`observation` (``"\\nRESULT <digest>\\n"``) and lets the
 reasoner go on from there.
 
+Tools (:data:`TOOLS`): ``calc``, a sandboxed arithmetic evaluator, and ``lookup``, a word search over a
+small shipped set of reference notes (``lookup_docs.json``); both local and read-only.
+
 Everything here is pure or local and never raises on model text: a malformed call is ``None``, and a
 failing tool (a division by zero, an unknown tool, an input that is too long) answers with a short
 ``error: ...`` text that the distiller reads like any other output.
@@ -28,11 +31,14 @@ failing tool (a division by zero, an unknown tool, an input that is too long) an
 from __future__ import annotations
 
 import ast
+import functools
+import json
 import math
 import operator
 import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 
 from mars_megatron.agents.prompts import strip_thinking
@@ -234,9 +240,54 @@ def calc(expression: str) -> str:
     return f"{' '.join(expression.split())} = {format_number(value)}"
 
 
+# ---------------------------------------------------------------------------------------------- lookup
+DOCUMENTS = Path(__file__).with_name("lookup_docs.json")
+"""The document set ``lookup`` searches: a JSON list of ``{"title", "text"}``, shipped with the package."""
+MAX_QUERY_CHARS = 200
+LOOKUP_HITS = 3
+_WORD = re.compile(r"[a-z0-9]+")
+_STOP_WORDS = frozenset(
+    "a an and are at by for from how in is it many much of on or the to what which with".split()
+)
+"""Words too common to tell documents apart: they do not count towards a match."""
+
+
+@functools.lru_cache(maxsize=1)
+def _documents() -> tuple[tuple[str, str, frozenset[str]], ...]:
+    """The documents as (title, text, their words), read once; a broken file reads as no documents."""
+    try:
+        data = json.loads(DOCUMENTS.read_text(encoding="utf-8"))
+        return tuple(
+            (d["title"], d["text"], frozenset(_WORD.findall(f"{d['title']} {d['text']}".lower())))
+            for d in data
+        )
+    except (OSError, ValueError, TypeError, KeyError):
+        return ()
+
+
+def lookup(query: str) -> str:
+    """The ``lookup`` tool: the documents sharing most words with ``query`` (at most
+    :data:`LOOKUP_HITS`, best first, ties in file order), one ``title: text`` line each; read-only,
+    local, no network."""
+    if len(query) > MAX_QUERY_CHARS:
+        return f"error: query longer than {MAX_QUERY_CHARS} characters"
+    words = set(_WORD.findall(query.lower())) - _STOP_WORDS
+    if not words:
+        return "error: the query has no words to search for"
+    documents = _documents()
+    if not documents:
+        return "error: the document set is unavailable"
+    scored = [(len(words & doc_words), i) for i, (_, _, doc_words) in enumerate(documents)]
+    hits = sorted((-score, i) for score, i in scored if score > 0)[:LOOKUP_HITS]
+    if not hits:
+        return f"no document matches {query.strip()!r}"
+    return "\n".join(f"{documents[i][0]}: {documents[i][1]}" for _, i in hits)
+
+
 TOOLS: Mapping[str, Tool] = MappingProxyType(
     {
         "calc": Tool("calc", "an arithmetic calculator: numbers, + - * / // % ** and parentheses", calc),
+        "lookup": Tool("lookup", "searches a small shipped set of reference notes by words", lookup),
     }
 )
 """Every tool a graph may name (``roles.<role>.tool.name``)."""
