@@ -118,18 +118,21 @@ class ToolSpec:
        were served in this response, the call is served; otherwise the response is complete.
     2. Serving: ``output = tools.run_tool(call, allowed=[name])`` (local, never raises); the
        ``distiller`` role is prompted with ``purpose=call.purpose``, ``tool_output=output`` (and
-       ``problem``), sampled once, and its visible text is the digest.
+       ``problem``), sampled once with the distiller's policy, and its visible text
+       (``strip_thinking``; empty when it was cut inside its thinking) is the digest.
     3. ``tools.observation(digest)`` is tokenised and appended to the response right after the
        segment's end-of-turn token (which stays in the response and is trained: the model learns to
-       stop after a call); the role continues from prompt + response so far (a segment rollout).
-       Observation tokens have loss_mask 0 (and no log-probs to score); the role's own segments,
-       end-of-turn tokens included, have loss_mask 1.
-    4. The response's reward is its role's reward on the whole response (``answer``: the last
-       ``\\boxed{}`` of the visible text). Each distiller sample is a sample of the distiller role
-       whose reward is that reward (``outcome``: the reward of the response it served); its gradient
-       covers its own tokens only. Advantages of the distiller samples are normalised among the
-       distiller samples served to one group (one problem); a group whose responses made no call
-       gives none.
+       stop after a call); the role continues from prompt + response so far (a segment rollout) with
+       the response's token budget less the tokens it already holds (none left: the response is
+       cut, finish reason ``length``). Observation tokens have loss_mask 0 (and no log-probs to
+       score); the role's own segments, end-of-turn tokens included, have loss_mask 1.
+    4. The response's text (for its reward, for later prompts' ``solution``, for the loop's answer) is
+       its segments and observations in order, end-of-turn tokens left out. Its reward is its role's
+       reward on that text (``answer``: the last ``\\boxed{}``). Each distiller sample is a sample
+       of the distiller role whose reward is that reward (``outcome``: the reward of the response it
+       served); its gradient covers its own tokens only. Advantages of the distiller samples are
+       normalised among the distiller samples served to one group (one problem); a group whose
+       responses made no call gives none.
     """
 
     name: str
