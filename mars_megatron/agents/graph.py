@@ -14,6 +14,15 @@ word after the last "Correctness"; ``yes_no``: a leading yes or no), and how it 
 solution it judged; ``outcome``: the mean reward of what follows it). Everything else is wording, and
 wording is the prompt files'.
 
+Tools (MARS-style pairs): a role that writes solutions may declare ``tool: {name, distiller,
+max_calls}``. While it writes, it may call that tool (:mod:`mars_megatron.agents.tools` has the call
+protocol and the tools); each served call runs the tool locally, then the ``distiller`` role reads the
+tool's output and the call's purpose (variables ``tool_output`` and ``purpose``, available to a
+distiller only) and writes a ``digest``, which goes back into the caller's response as an observation
+masked out of its loss. A distiller is trained at a trajectory position with ``trigger: tool_call`` (see
+:class:`PositionSpec`), is rewarded by the outcome of the response it served, and is no loop step: the
+caller's step serves its calls (see :class:`ToolSpec` for the exact semantics).
+
 Templates are rendered with a restricted formatter: only plain ``{name}`` fields of the variables the
 role declares, no attribute or index access, no conversions or format specs, so nothing read from a
 graph file can reach into the program.
@@ -30,17 +39,22 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 if TYPE_CHECKING:
     from mars_megatron.config import EvalConfig, MarsConfig
 
-OutputKind = Literal["solution", "report", "judgement"]
+OutputKind = Literal["solution", "report", "judgement", "digest"]
 RewardKind = Literal["answer", "verdict", "outcome"]
 VerdictReader = Literal["correctness", "yes_no"]
 Strategy = Literal["random", "balanced", "adaptive", "custom"]
 When = Literal["any", "rejected", "accepted"]
 MessageRole = Literal["system", "user", "assistant"]
+Trigger = Literal["output", "tool_call"]
 
-VARIABLES = ("problem", "solution", "report", "bug_report")
+VARIABLES = ("problem", "solution", "report", "bug_report", "purpose", "tool_output")
 """What a prompt may use: ``problem`` (its text), ``solution`` (the latest solution on the way here,
 thinking stripped), ``report`` (the latest report on the way here, thinking stripped) and ``bug_report``
-(that report before its final verdict section)."""
+(that report before its final verdict section); a tool's distiller also ``purpose`` (what the call
+said it is for) and ``tool_output`` (the tool's raw output)."""
+
+TOOL_VARIABLES = ("purpose", "tool_output")
+"""The variables only a role that is some tool's distiller may declare."""
 
 SHIPPED = Path(__file__).with_name("graphs")
 """The shipped graphs: one folder each, named as ``agents.graph`` names them."""
@@ -92,6 +106,41 @@ class Template:
 
 
 @dataclass(frozen=True)
+class ToolSpec:
+    """A role's tool (``roles.<role>.tool``): which tool it may call, which role distils the output,
+    and how many calls one response may make.
+
+    Semantics the scheduler and the inference loop implement (the role's step *serves* its calls):
+
+    1. The role writes a segment (generation until its end-of-turn token). If the segment finished
+       by itself (not cut by the token budget), ``tools.parse_call`` finds a call in the segment's
+       text (only the text written since the last observation), and fewer than ``max_calls`` calls
+       were served in this response, the call is served; otherwise the response is complete.
+    2. Serving: ``output = tools.run_tool(call, allowed=[name])`` (local, never raises); the
+       ``distiller`` role is prompted with ``purpose=call.purpose``, ``tool_output=output`` (and
+       ``problem``), sampled once with the distiller's policy, and its visible text
+       (``strip_thinking``; empty when it was cut inside its thinking) is the digest.
+    3. ``tools.observation(digest)`` is tokenised and appended to the response right after the
+       segment's end-of-turn token (which stays in the response and is trained: the model learns to
+       stop after a call); the role continues from prompt + response so far (a segment rollout) with
+       the response's token budget less the tokens it already holds (none left: the response is
+       cut, finish reason ``length``). Observation tokens have loss_mask 0 (and no log-probs to
+       score); the role's own segments, end-of-turn tokens included, have loss_mask 1.
+    4. The response's text (for its reward, for later prompts' ``solution``, for the loop's answer) is
+       its segments and observations in order, end-of-turn tokens left out. Its reward is its role's
+       reward on that text (``answer``: the last ``\\boxed{}``). Each distiller sample is a sample
+       of the distiller role whose reward is that reward (``outcome``: the reward of the response it
+       served); its gradient covers its own tokens only. Advantages of the distiller samples are
+       normalised among the distiller samples served to one group (one problem); a group whose
+       responses made no call gives none.
+    """
+
+    name: str
+    distiller: str
+    max_calls: int = 1
+
+
+@dataclass(frozen=True)
 class RoleSpec:
     """One agent: what it writes, how it is read and rewarded, and its prompt in each prompt set."""
 
@@ -102,6 +151,8 @@ class RoleSpec:
     variables: tuple[str, ...]
     prompts: Mapping[str, tuple[Template, ...]]
     """Prompt set name -> the messages, in order; an empty template file drops its message."""
+    tool: ToolSpec | None = None
+    """The tool this role may call while it writes (None: no tool)."""
 
     @property
     def decides(self) -> bool:
@@ -130,12 +181,20 @@ class PositionSpec:
     """``adaptive``: the inputs picked first (reward > 0 or reward 0); the rest only fill up."""
     positive_share: float = 0.5
     """``custom``: the share of the picks taken from reward-positive inputs."""
+    trigger: Trigger = "output"
+    """``output``: a group of samples per selected output of ``input`` (the chain above).
+    ``tool_call``: one sample per tool call that ``input``'s role makes, written by that role's tool
+    distiller while ``input``'s step runs (see :class:`ToolSpec`); such a position selects nothing
+    (no ``when``/``inputs``/``strategy``/``prefer``/``positive_share``) and feeds no position."""
 
 
 @dataclass(frozen=True)
 class LoopStepSpec:
     """A step of the inference loop: the role that speaks and where the loop goes after it (``next``,
-    or ``on_pass``/``on_fail`` after a role that decides)."""
+    or ``on_pass``/``on_fail`` after a role that decides). A step of a role that reads no verdict and
+    has no ``next`` ends the loop: the latest solution is the answer (a loop may be that single step).
+    A step whose role has a tool serves the role's tool calls within the step (:class:`ToolSpec`);
+    distillers are no steps."""
 
     name: str
     role: str
@@ -190,8 +249,18 @@ class AgentGraph:
         return self.positions if max_steps is None else self.positions[:max_steps]
 
     def next_positions(self, position: str, max_steps: int | None) -> list[PositionSpec]:
-        """The positions fed by ``position``'s outputs within the cut trajectory."""
-        return [p for p in self.trajectory(max_steps) if p.input == position]
+        """The positions fed by ``position``'s outputs within the cut trajectory (not those spawned
+        by its tool calls: :meth:`tool_positions`)."""
+        return [p for p in self.trajectory(max_steps) if p.input == position and p.trigger == "output"]
+
+    def tool_positions(self, position: str, max_steps: int | None) -> list[PositionSpec]:
+        """The positions spawned per tool call of ``position`` within the cut trajectory: their samples
+        (the distiller's digests) are trained; calls are served whether or not one is in the cut."""
+        return [p for p in self.trajectory(max_steps) if p.input == position and p.trigger == "tool_call"]
+
+    def distiller_roles(self) -> set[str]:
+        """The roles that distil some role's tool output."""
+        return {r.tool.distiller for r in self.roles.values() if r.tool is not None}
 
     @property
     def start_role(self) -> str:
@@ -265,17 +334,23 @@ def _choice(value: Any, options: tuple[str, ...], where: str, path: Path) -> Any
     return value
 
 
-_ROLE_KEYS = {"output", "reward", "verdict", "variables", "messages"}
-_POSITION_KEYS = {"name", "role", "input", "when", "inputs", "strategy", "prefer", "positive_share"}
+_ROLE_KEYS = {"output", "reward", "verdict", "variables", "messages", "tool"}
+_SELECTION_KEYS = ("when", "inputs", "strategy", "prefer", "positive_share")
+_POSITION_KEYS = {"name", "role", "input", "trigger", *_SELECTION_KEYS}
+_TOOL_KEYS = {"name", "distiller", "max_calls"}
 _LOOP_KEYS = {"start", "steps", "accept_after", "give_up_after", "max_iterations", "start_retries"}
 _TOP_KEYS = {"name", "description", "prompts", "roles", "trajectory", "loop", "policies", "balance"}
 
 
 def _unknown(data: Mapping[str, Any], allowed: set[str], where: str, path: Path) -> None:
-    extra = sorted(set(data) - allowed)
+    extra = sorted(str(k) for k in set(data) - allowed)
     if extra:
         prefix = f"{where}." if where else ""
-        raise GraphError(f"unknown key (allowed: {', '.join(sorted(allowed))})", prefix + extra[0], path)
+        # YAML reads a bare on/off/yes/no key as a boolean
+        hint = " (a bare on/off/yes/no key is read as a boolean)" if extra[0] in ("True", "False") else ""
+        raise GraphError(
+            f"unknown key{hint} (allowed: {', '.join(sorted(allowed))})", prefix + extra[0], path
+        )
 
 
 def _int(value: Any, where: str, path: Path, minimum: int = 1) -> int:
@@ -293,6 +368,19 @@ def _read_template(folder: Path, name: Any, where: str, path: Path) -> str:
     text = file.read_text(encoding="utf-8")
     # A text file's last line ends with a newline that is not part of the template.
     return text[:-1] if text.endswith("\n") else text
+
+
+def _parse_tool(spec: Any, where: str, path: Path) -> ToolSpec | None:
+    if spec is None:
+        return None
+    spec = _mapping(spec, where, path)
+    _unknown(spec, _TOOL_KEYS, where, path)
+    for key in ("name", "distiller"):
+        if not isinstance(spec.get(key), str) or not spec[key]:
+            raise GraphError(f"expected a name, got {spec.get(key)!r}", f"{where}.{key}", path)
+    return ToolSpec(
+        spec["name"], spec["distiller"], _int(spec.get("max_calls", 1), f"{where}.max_calls", path)
+    )
 
 
 def parse_graph(data: Any, path: Path) -> AgentGraph:
@@ -345,7 +433,10 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
                 text = _read_template(folder, file_name, mwhere, path)
                 templates.append(Template(speaker, text, f"{folder.name}/{file_name}"))
             prompts[set_name] = tuple(templates)
-        roles[str(role_name)] = RoleSpec(str(role_name), output, reward, verdict, tuple(variables), prompts)
+        tool = _parse_tool(spec.get("tool"), f"{where}.tool", path)
+        roles[str(role_name)] = RoleSpec(
+            str(role_name), output, reward, verdict, tuple(variables), prompts, tool
+        )
     positions = []
     trajectory = top.get("trajectory")
     if not isinstance(trajectory, list) or not trajectory:
@@ -360,6 +451,15 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
         strategy = spec.get("strategy")
         if strategy is not None:
             _choice(strategy, get_args(Strategy), f"{where}.strategy", path)
+        trigger = _choice(spec.get("trigger", "output"), get_args(Trigger), f"{where}.trigger", path)
+        if trigger == "tool_call":
+            for key in _SELECTION_KEYS:
+                if key in spec:
+                    raise GraphError(
+                        "a position spawned per tool call serves every call; it selects nothing",
+                        f"{where}.{key}",
+                        path,
+                    )
         share = spec.get("positive_share", 0.5)
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
             raise GraphError(f"expected a number in [0, 1], got {share!r}", f"{where}.positive_share", path)
@@ -375,6 +475,7 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
                     spec.get("prefer", "negative"), ("positive", "negative"), f"{where}.prefer", path
                 ),
                 positive_share=float(share),
+                trigger=trigger,
             )
         )
     loop = _mapping(top.get("loop"), "loop", path)
@@ -422,9 +523,12 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
 
 
 # ---------------------------------------------------------------------------------------- validation
-def _available(chain_kinds: Sequence[str]) -> set[str]:
+def _available(chain_kinds: Sequence[str], *, served_call: bool = False) -> set[str]:
     """Variables a prompt can be given after outputs of ``chain_kinds`` (oldest first): the latest
-    solution, and a report only if one judged that solution (came after it)."""
+    solution, and a report only if one judged that solution (came after it); a distiller serving a tool
+    call (``served_call``) is given the call's purpose and the tool's output."""
+    if served_call:
+        return {"problem", *TOOL_VARIABLES}
     out, report = {"problem"}, False
     for kind in chain_kinds:
         if kind == "solution":
@@ -442,6 +546,7 @@ def validate(graph: AgentGraph, *, max_steps: int | None = None) -> None:
     verdict can stop, selection that needs rewards its inputs do not have yet, and a trajectory cut
     (``agents.max_steps``) beyond the trajectory."""
     src = graph.source
+    _validate_tools(graph, src)
     for role in graph.roles.values():
         where = f"roles.{role.name}"
         if role.reward == "answer" and role.output != "solution":
@@ -450,8 +555,8 @@ def validate(graph: AgentGraph, *, max_steps: int | None = None) -> None:
             raise GraphError("a verdict reward needs a verdict reader (verdict: ...)", f"{where}.reward", src)
         if role.output == "judgement" and role.verdict is None:
             raise GraphError("a judgement needs a verdict reader (verdict: ...)", f"{where}.verdict", src)
-        if role.output == "solution" and role.verdict is not None:
-            raise GraphError("a solution carries no verdict", f"{where}.verdict", src)
+        if role.output in ("solution", "digest") and role.verdict is not None:
+            raise GraphError(f"a {role.output} carries no verdict", f"{where}.verdict", src)
         for templates in role.prompts.values():
             for i, template in enumerate(templates):
                 try:
@@ -490,6 +595,50 @@ def validate(graph: AgentGraph, *, max_steps: int | None = None) -> None:
         )
 
 
+def _validate_tools(graph: AgentGraph, src: str) -> None:
+    """A tool must exist, be called by a role that writes solutions and be served by another role that
+    writes digests (so a distiller calls no tool); only a distiller writes digests or may use
+    ``purpose`` and ``tool_output``."""
+    from mars_megatron.agents.tools import TOOLS
+
+    distillers = graph.distiller_roles()
+    for role in graph.roles.values():
+        where = f"roles.{role.name}"
+        if role.tool is not None:
+            tool = role.tool
+            if tool.name not in TOOLS:
+                raise GraphError(
+                    f"unknown tool {tool.name!r} (tools: {', '.join(sorted(TOOLS))})",
+                    f"{where}.tool.name",
+                    src,
+                )
+            if role.output != "solution":
+                raise GraphError("only a role that writes solutions calls tools", f"{where}.tool", src)
+            if tool.distiller not in graph.roles:
+                raise GraphError(f"unknown role {tool.distiller!r}", f"{where}.tool.distiller", src)
+            if tool.distiller == role.name:
+                raise GraphError("a role cannot distil its own tool's output", f"{where}.tool.distiller", src)
+            if graph.roles[tool.distiller].output != "digest":
+                raise GraphError(
+                    f"the distiller {tool.distiller!r} must have output: digest",
+                    f"{where}.tool.distiller",
+                    src,
+                )
+        if role.output == "digest" and role.name not in distillers:
+            raise GraphError(
+                "a digest is written only by a tool's distiller (roles.<role>.tool.distiller)",
+                f"{where}.output",
+                src,
+            )
+        used = sorted(set(role.variables) & set(TOOL_VARIABLES))
+        if used and role.name not in distillers:
+            raise GraphError(
+                f"{{{used[0]}}} is given only to a tool's distiller, and {role.name!r} distils no tool",
+                f"{where}.variables",
+                src,
+            )
+
+
 def _validate_trajectory(graph: AgentGraph, src: str) -> None:
     seen: dict[str, PositionSpec] = {}
     kinds: dict[str, list[str]] = {}
@@ -509,7 +658,23 @@ def _validate_trajectory(graph: AgentGraph, src: str) -> None:
                 later = p.input == p.name or any(q.name == p.input for q in graph.positions[i:])
                 what = "a cycle: inputs must come from earlier positions" if later else "unknown position"
                 raise GraphError(f"{what} ({p.input!r})", f"{where}.input", src)
+            if seen[p.input].trigger == "tool_call":
+                raise GraphError(
+                    f"{p.input!r} is spawned per tool call and feeds no position", f"{where}.input", src
+                )
             source = graph.roles[seen[p.input].role]
+            if p.trigger == "tool_call" and (source.tool is None or source.tool.distiller != p.role):
+                raise GraphError(
+                    f"trigger: tool_call needs the distiller of {p.input!r}'s tool, not {p.role!r}",
+                    f"{where}.role",
+                    src,
+                )
+            if p.trigger == "output" and p.role in graph.distiller_roles():
+                raise GraphError(
+                    f"role {p.role!r} is a tool's distiller: its position takes trigger: tool_call",
+                    f"{where}.trigger",
+                    src,
+                )
             if p.when != "any" and not source.decides:
                 raise GraphError(
                     f"{p.input!r} reads no verdict, so 'when: {p.when}' never holds", f"{where}.when", src
@@ -522,7 +687,7 @@ def _validate_trajectory(graph: AgentGraph, src: str) -> None:
                     src,
                 )
         chain = [*kinds.get(p.input, []), graph.roles[seen[p.input].role].output] if p.input else []
-        missing = sorted(set(role.variables) - _available(chain))
+        missing = sorted(set(role.variables) - _available(chain, served_call=p.trigger == "tool_call"))
         if missing:
             raise GraphError(
                 f"role {p.role!r} declares {{{missing[0]}}}, which nothing before this position provides",
@@ -531,9 +696,15 @@ def _validate_trajectory(graph: AgentGraph, src: str) -> None:
             )
         kinds[p.name] = chain
         seen[p.name] = p
+    distillers = graph.distiller_roles()
     for role in graph.roles.values():
-        if role.reward == "outcome" and not any(
-            q.input is not None and graph.position(q.input).role == role.name for q in graph.positions
+        # a distiller's outcome is the reward of the response it served, not of a later position
+        if (
+            role.reward == "outcome"
+            and role.name not in distillers
+            and not any(
+                q.input is not None and graph.position(q.input).role == role.name for q in graph.positions
+            )
         ):
             raise GraphError(
                 "an outcome reward needs a position that takes this role's outputs",
@@ -559,14 +730,19 @@ def _validate_loop(graph: AgentGraph, src: str) -> None:
         targets = {"next": step.next, "on_pass": step.on_pass, "on_fail": step.on_fail}
         if decides and (step.next is not None or step.on_pass is None or step.on_fail is None):
             raise GraphError("a role that decides goes on_pass and on_fail, not next", where, src)
-        if not decides and (step.next is None or step.on_pass or step.on_fail):
-            raise GraphError("a role that reads no verdict goes to one next step", where, src)
+        if not decides and (step.on_pass or step.on_fail):
+            raise GraphError(
+                "a role that reads no verdict goes to one next step (or none: the end)", where, src
+            )
         for key, target in targets.items():
             if target is not None and target not in loop.steps:
                 raise GraphError(f"unknown step {target!r}", f"{where}.{key}", src)
-    if not any(graph.roles[s.role].decides for s in loop.steps.values()):
+    # A step without ``next`` (and no verdict) ends the loop: its solution is the answer.
+    if not any(graph.roles[s.role].decides or s.next is None for s in loop.steps.values()):
         raise GraphError(
-            "no step reads a verdict, so the loop can neither accept nor stop", "loop.steps", src
+            "no step reads a verdict or ends the loop (no next), so the loop can neither accept nor stop",
+            "loop.steps",
+            src,
         )
     # A cycle that passes no deciding step never meets a stop rule (they all count verdicts).
     plain = {s.name: s.next for s in loop.steps.values() if not graph.roles[s.role].decides}
