@@ -97,6 +97,8 @@ class Sample:
     training_reward: float | None = None
     """The reward trained on where it differs in kind from :attr:`reward` (``algorithm.reward=shared``:
     the trajectory's outcome); None: train on :attr:`reward`."""
+    tool_calls: int = 0
+    """Tool calls served inside this response (each added an observation, masked out of the loss)."""
     role: str = ""
     """The agent of the graph that wrote it (the position's role). Empty: the position's name without a
     trailing ``_<n>``, for positions named after their role (``verifier_2``: ``verifier``)."""
@@ -188,6 +190,31 @@ class Sample:
         self.behaviour_logprobs.extend(min(lp, 0.0) for lp in logprobs)
         self.loss_mask.extend([1] * len(token_ids))
         self.segment_versions.append(Segment(start, len(self.response_ids), version))
+
+    def add_observation(self, token_ids: Sequence[int], version: int) -> None:
+        """Append what a served tool call returned (the distiller's digest, tokenised) after the turn that
+        made the call: context the policy did not write, so masked out of the loss (``loss_mask`` 0,
+        behaviour log-prob 0). Its segment carries the policy ``version`` current when it was added. The
+        routing is dropped: it no longer covers every position, and the next segment's call routes them
+        all again."""
+        if not token_ids:
+            return
+        assert self.loss_mask is not None
+        if self.behaviour_logprobs is None:
+            self.behaviour_logprobs = [0.0] * len(self.response_ids)
+        start = len(self.response_ids)
+        self.response_ids.extend(token_ids)
+        self.behaviour_logprobs.extend([0.0] * len(token_ids))
+        self.loss_mask.extend([0] * len(token_ids))
+        self.segment_versions.append(Segment(start, len(self.response_ids), version))
+        self.routed_experts = None
+        self.tool_calls += 1
+
+    def since_observation(self) -> list[int]:
+        """The response tokens written since the last observation (all of them when there is none)."""
+        assert self.loss_mask is not None
+        last = max((i for i, m in enumerate(self.loss_mask) if m == 0), default=-1)
+        return self.response_ids[last + 1 :]
 
     def finish(self, finish_reason: str) -> None:
         """Decoding is over: the model ended it (``stop``) or the token budget did (``length``). Checks

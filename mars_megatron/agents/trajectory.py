@@ -39,6 +39,8 @@ class PromptInputs:
     parent: Sample | None = None
     solution: Sample | None = None
     report: Sample | None = None
+    call: tuple[str, str] | None = None
+    """A distiller serving a tool call: the call's purpose and the tool's output."""
 
     @classmethod
     def of(cls, parent: Sample | None, samples: Mapping[str, Sample], graph: AgentGraph) -> PromptInputs:

@@ -98,3 +98,31 @@ def assign_advantages(
     for role, values in by_role.items():
         stats[f"mean_reward/{role}"] = sum(values) / len(values)
     return kept, stats
+
+
+def balance_roles(samples: Sequence[Sample], roles: Sequence[str]) -> tuple[list[Sample], dict[str, float]]:
+    """MARS's balanced sampling between roles (the graph's ``balance``): every role after the first keeps
+    at most as many samples as the first has, those with the largest ``|advantage|`` (they carry the
+    most signal; ties keep the earlier), so a role that writes many short outputs (a distiller, one per
+    tool call) does not outweigh the role it serves in the update. Other roles are untouched; order is
+    kept. Stats: ``balance/dropped/<role>``.
+
+    Why the first role is the reference rather than the rarest: a batch in which no tool was called has
+    no distiller samples, and balancing down to zero would throw the whole batch away.
+    """
+    if not roles:
+        return list(samples), {}
+    reference = sum(s.role == roles[0] for s in samples)
+    keep: set[int] = set(range(len(samples)))
+    stats: dict[str, float] = {}
+    for role in roles[1:]:
+        mine = [i for i, s in enumerate(samples) if s.role == role]
+        if len(mine) <= reference:
+            stats[f"balance/dropped/{role}"] = 0.0
+            continue
+        if any(samples[i].advantage is None for i in mine):
+            raise ValueError(f"balance_roles: {role} samples need advantages (run assign_advantages)")
+        ranked = sorted(mine, key=lambda i: -abs(samples[i].advantage or 0.0))
+        keep -= set(ranked[reference:])
+        stats[f"balance/dropped/{role}"] = float(len(mine) - reference)
+    return [s for i, s in enumerate(samples) if i in keep], stats

@@ -17,6 +17,7 @@ from typing import Any
 from mars_megatron.agents.graph import AgentGraph, RewardKind, VerdictReader
 from mars_megatron.agents.prompts import prompt_variables
 from mars_megatron.agents.sample import Sample
+from mars_megatron.agents.tools import observation, parse_call, run_tool
 from mars_megatron.agents.trajectory import PromptInputs
 from mars_megatron.agents.verdict import read_verdict
 from mars_megatron.evaluation.data import Problem
@@ -35,7 +36,10 @@ def prompt_builder(
     def prompt_fn(position: str, problem: Problem, inputs: PromptInputs) -> list[int]:
         role = graph.role_of(position)
         solution, report = (q.text if q is not None else None for q in (inputs.solution, inputs.report))
-        return list(encode(role.messages(prompt_set, prompt_variables(problem.text, solution, report))))
+        variables = prompt_variables(problem.text, solution, report)
+        if inputs.call is not None:
+            variables["purpose"], variables["tool_output"] = inputs.call
+        return list(encode(role.messages(prompt_set, variables)))
 
     return prompt_fn
 
@@ -59,11 +63,15 @@ def record_outputs(
     outputs: Sequence[GenerationOutput],
     decode: Callable[[Sequence[int]], str],
     version: int | None = None,
+    encode_text: Callable[[str], Sequence[int]] | None = None,
 ) -> list[str]:
     """Record one engine call's outputs as the next segments of their sequences (decoded by policy
     ``version``; default: the version each was issued at). Returns the ids of the sequences this finished,
     in order, their text decoded: they are ready to be scored. Decoded here, once, because the reward and
-    the next agent's prompt both read the text."""
+    the next agent's prompt both read the text.
+
+    Tool calls are served here (:func:`serve_tools`), so ``encode_text`` (plain text to tokens) is needed
+    where the graph has a role with a tool."""
     finished: list[str] = []
     for job, out in zip(jobs, outputs, strict=True):
         stopped = out.finish_reason == "stop"
@@ -77,8 +85,39 @@ def record_outputs(
         ):
             sample = s.samples[job.sample_id]
             sample.text = decode(sample.response_ids)
-            finished.append(job.sample_id)
+            finished.extend(serve_tools(s, sample, decode, encode_text))
     return finished
+
+
+def serve_tools(
+    s: Scheduler,
+    sample: Sample,
+    decode: Callable[[Sequence[int]], str],
+    encode_text: Callable[[str], Sequence[int]] | None,
+) -> list[str]:
+    """What a finished output means for tool calls (``ToolSpec`` in agents/graph.py); the ids to score.
+
+    - A turn of a role with a tool that ended by itself with a call (and calls left): the tool runs here,
+      locally, and the distiller's sample starts; the caller is parked, not scored.
+    - A distiller's digest: appended to the response it serves as an observation (masked out of the
+      loss), which then continues (or, with no budget left, is scored as cut); the digest is scored.
+    - Anything else: scored.
+    """
+    role = s.graph.roles[sample.role]
+    spec = role.tool
+    if spec is not None and sample.finish_reason == "stop" and sample.tool_calls < spec.max_calls:
+        call = parse_call(decode(sample.since_observation()))
+        if call is not None:
+            s.call_out(sample.sample_id, call.purpose, run_tool(call, allowed=[spec.name]))
+            return []
+    if s.graph.position(sample.position).trigger == "tool_call":
+        if encode_text is None:
+            raise ValueError(f"graph {s.graph.name!r} serves tool calls: record_outputs needs encode_text")
+        caller = s.samples[sample.parent_id or ""]
+        if s.call_returned(caller.sample_id, list(encode_text(observation(sample.text)))):
+            caller.text = decode(caller.response_ids)
+            return [sample.sample_id, caller.sample_id]
+    return [sample.sample_id]
 
 
 @dataclass(frozen=True)

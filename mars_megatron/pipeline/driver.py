@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.algorithm.advantages import assign_advantages
+from mars_megatron.algorithm.advantages import assign_advantages, balance_roles
 from mars_megatron.pipeline.agents import (
     ScoreRequest,
     batch_metrics,
@@ -134,7 +134,10 @@ class PipelineDriver:
     def _on_rollout(self, item: _InFlight, result: tuple[list[Any], int]) -> None:
         outputs, version = result
         self.busy_rollout.discard(item.worker)
-        self.to_score.extend(record_outputs(self.s, item.payload, outputs, self.codec.decode, version))
+        recorded = record_outputs(
+            self.s, item.payload, outputs, self.codec.decode, version, self.codec.encode_text
+        )
+        self.to_score.extend(recorded)
 
     def _on_reward(self, item: _InFlight, results: list[tuple[str, float, bool | None]]) -> None:
         self.busy_reward.discard(item.worker)
@@ -198,6 +201,7 @@ class PipelineDriver:
         """GRPO advantages of ``batch``'s records, by policy, and the counts of what is trained."""
         raw = batch.samples
         samples, adv = assign_advantages(raw, filter_zero_variance=self.filter_zero_variance)
+        samples, balanced = balance_roles(samples, self.s.graph.balance)
         batches = self.trainers.split(samples)
         if self.rollouts_dir is not None:
             write_rollouts(self.rollouts_dir, step, batch, samples)
@@ -206,6 +210,7 @@ class PipelineDriver:
             "samples": float(len(raw)),
             "samples/trained": float(len(samples)),
             "groups/filtered": adv["filtered_groups"],
+            **balanced,
         }
         return batches, stats
 

@@ -89,7 +89,7 @@ def run_round(
             if not jobs:
                 continue
             outputs = engine.generate([segment_request(j, sampling) for j in jobs])
-            finished += record_outputs(s, jobs, outputs, codec.decode)
+            finished += record_outputs(s, jobs, outputs, codec.decode, encode_text=codec.encode_text)
         if not issued:  # every sequence waits on a score, and none is being scored: a scheduler bug
             raise RuntimeError(f"run_round stalled: {s.stats()}")
         if finished:

@@ -70,6 +70,8 @@ class SeqState(StrEnum):
     """A segment is out at a rollout worker."""
     SCORING = "scoring"
     """Finished decoding; its reward is being computed."""
+    TOOL = "tool"
+    """Its turn ended with a tool call: waiting for the distiller's digest of the tool's output."""
     DONE = "done"
     """Scored; waiting in (or already taken from) the training queue."""
 
@@ -347,7 +349,9 @@ class Scheduler:
         gid = seq.group_id
         if all(self._flight[m].state is SeqState.DONE for m in self._groups[gid]):
             if self.limits.whole_trajectories or self.graph.roles[seq.role].reward == "outcome":
-                self._held.setdefault(pid, []).append(gid)
+                held = self._held.setdefault(pid, [])
+                if gid not in held:  # a tool-call group completes again when a later call joins it
+                    held.append(gid)
             else:
                 self._enqueue(gid)
         key = (pid, seq.position)
@@ -375,7 +379,11 @@ class Scheduler:
                 children.setdefault(q.parent_id, []).append(q)
         for q in sorted(members, key=lambda q: -self._depth[q.position]):
             kids = children.get(q.sample_id, [])
-            if q.role in outcome_roles and kids:
+            if q.role not in outcome_roles:
+                continue
+            if self.graph.position(q.position).trigger == "tool_call":  # a digest: the response it served
+                q.reward = self.samples[q.parent_id or ""].reward
+            elif kids:
                 q.reward = sum(k.reward or 0.0 for k in kids) / len(kids)
 
     def _enqueue(self, gid: str) -> None:
@@ -396,7 +404,7 @@ class Scheduler:
         del self._problems[pid]
 
     def _next_position(self, key: str, position: str) -> None:
-        later = [p for p in self._trajectory if p.input == position]
+        later = self.graph.next_positions(position, self.agents.max_steps)
         if not later:
             return
         candidates = [self.samples[sid] for sid in self._by_problem[key]]
@@ -414,6 +422,65 @@ class Scheduler:
             )
             for parent in chosen:
                 self._spawn(nxt.name, key, parent)
+
+    # ------------------------------------------------------------------------------------------ tool calls
+    def call_out(self, sample_id: str, purpose: str, tool_output: str) -> str:
+        """A finished turn of ``sample_id`` made a tool call (served: the tool ran, ``tool_output``): park
+        the sequence (:attr:`SeqState.TOOL`) and start the distiller's sample that digests the output for
+        ``purpose``; its id. The distillers served to one group of the caller's position form one group
+        (their advantages compare digests written for the same problem); see ``ToolSpec`` in
+        agents/graph.py."""
+        seq = self._expect(sample_id, SeqState.SCORING)
+        spec = self.graph.roles[seq.role].tool
+        if spec is None or seq.tool_calls >= spec.max_calls:
+            raise ValueError(f"call_out: {sample_id} ({seq.role}) may make no further tool call")
+        (position,) = self.graph.tool_positions(seq.position, self.agents.max_steps)
+        seq.finish_reason = None
+        self._flight[sample_id].state = SeqState.TOOL
+        key = seq.trajectory_id
+        inputs = PromptInputs(seq, seq, None, (purpose, tool_output))
+        prompt = list(self.prompt_fn(position.name, self._problems[key], inputs))
+        gid = group_id(key, position.name, seq.group_id)
+        members = self._groups.setdefault(gid, [])
+        if not members:
+            self._untrained[key] += 1
+        sid = f"{gid}/{len(members)}"
+        self.samples[sid] = Sample(
+            prompt,
+            [],
+            position.name,
+            seq.problem_id,
+            gid,
+            behaviour_logprobs=[],
+            sample_id=sid,
+            trajectory_id=key,
+            parent_id=sample_id,
+            role=position.role,
+        )
+        self._flight[sid] = _Flight()
+        members.append(sid)
+        self._by_problem[key].append(sid)
+        self.counters["spawned"] += 1
+        self._unfinished[position.role] += 1
+        self._ready[sid] = (-self._depth[position.name], sid)
+        self._position_left[key, position.name] = self._position_left.get((key, position.name), 0) + 1
+        self._active[key] += 1
+        return sid
+
+    def call_returned(self, sample_id: str, observation_ids: Sequence[int]) -> bool:
+        """The digest of ``sample_id``'s call is written: append it (tokenised:
+        :func:`~mars_megatron.agents.tools.observation`) to the response, masked out of the loss, and let
+        the sequence continue. True when no token budget is left to go on: the response is cut (finish
+        reason ``length``) and must be scored now."""
+        seq = self._expect(sample_id, SeqState.TOOL)
+        seq.add_observation(observation_ids, self.version)
+        if len(seq.response_ids) >= self.limits.max_response_tokens:
+            seq.finish("length")
+            self._flight[sample_id].state = SeqState.SCORING
+            return True
+        self._flight[sample_id].state = SeqState.READY
+        self._ready[sample_id] = (-self._depth[seq.position], sample_id)
+        return False
 
     # ----------------------------------------------------------------------------------------- training
     def unfinished(self, roles: Iterable[str] | None = None) -> int:
@@ -533,7 +600,8 @@ class Scheduler:
             raise AssertionError(f"sample count mismatch: {c}")
         seen: set[str] = set()
         for gid, members in self._groups.items():
-            if len(members) != self.agents.group_size or seen.intersection(members):
+            per_call = self.graph.position(self.samples[members[0]].position).trigger == "tool_call"
+            if (not per_call and len(members) != self.agents.group_size) or seen.intersection(members):
                 raise AssertionError(f"group {gid}: {members}")
             seen.update(members)
         for sid in self._trained:
@@ -630,11 +698,14 @@ def scheduler_state(s: Scheduler) -> dict[str, Any]:
                 "problem": _problem_state(s.problem(q)),
                 "key": q.trajectory_id,
                 "position": q.position,
+                "group_id": q.group_id,
                 "role": q.role,
                 "parent_id": q.parent_id,
                 "judged_id": q.judged_id,
                 "prompt_ids": np.asarray(q.prompt_ids, dtype=np.int64),
                 "tokens": np.asarray(q.response_ids, dtype=np.int64),
+                "loss_mask": np.asarray(q.loss_mask or [], dtype=np.int8),
+                "tool_calls": q.tool_calls,
                 "logprobs": np.asarray(q.behaviour_logprobs or [], dtype=np.float32),
                 "segments": [(g.start, g.end, g.version) for g in q.segment_versions],
                 "routing": q.routed_experts,
@@ -682,7 +753,7 @@ def restore_scheduler(s: Scheduler, state: Mapping[str, Any]) -> None:
             [int(x) for x in d["tokens"]],
             position,
             problem.problem_id,
-            group_id(key, position, d["parent_id"]),
+            d.get("group_id") or group_id(key, position, d["parent_id"]),
             reward=d["reward"],
             behaviour_logprobs=[min(float(x), 0.0) for x in d["logprobs"]],
             segment_versions=[Segment(*g) for g in d["segments"]],
@@ -696,6 +767,8 @@ def restore_scheduler(s: Scheduler, state: Mapping[str, Any]) -> None:
             verdict=d["verdict"],
             judged_right=d.get("judged_right"),
             role=d.get("role") or s.graph.position(position).role,  # before graphs: role from the position
+            loss_mask=[int(x) for x in d["loss_mask"]] if "loss_mask" in d else None,
+            tool_calls=int(d.get("tool_calls", 0)),
         )
         state_ = SeqState(d["state"])
         s.samples[q.sample_id] = q

@@ -104,6 +104,11 @@ class ChatCodec:
         tail = self.max_input_tokens // 4
         return tuple(ids[: self.max_input_tokens - tail] + ids[len(ids) - tail :])
 
+    def encode_text(self, text: str) -> tuple[int, ...]:
+        """Plain text as tokens, no chat template, no special tokens: what a tool's observation adds to a
+        response after the turn that called it."""
+        return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def decode(self, token_ids: Sequence[int]) -> str:
         """Output text without special tokens (end-of-turn markers); ``<think>`` tags are kept."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
