@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -14,11 +13,11 @@ from mars_megatron.config import ConfigError
 from mars_megatron.models.tokenizer import build_tiny_tokenizer
 from mars_megatron.rollout.chat import ChatCodec
 from mars_megatron.tasks.arith import load_arith_file, operands
+from mars_megatron.tasks.demos import DemoConfig
 from mars_megatron.tasks.tool_demos import (
     TEST_FILE,
     TRAIN_FILE,
     ToolDemo,
-    ToolDemoConfig,
     build_tool_demos,
     encode_tool_demo,
     sum_problems,
@@ -68,17 +67,17 @@ def test_shipped_files_are_what_the_generator_writes(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- demos
-def _demos(graph: AgentGraph, cfg: ToolDemoConfig, n: int = 2000) -> list[ToolDemo]:
+def _demos(graph: AgentGraph, cfg: DemoConfig, n: int = 2000) -> list[ToolDemo]:
     return build_tool_demos(sum_problems(400), graph, "compact", cfg, n)
 
 
 def test_demos_are_deterministic(graph: AgentGraph) -> None:
-    cfg = ToolDemoConfig(seed=5)
+    cfg = DemoConfig(seed=5)
     assert _demos(graph, cfg, 50) == _demos(graph, cfg, 100)[:50]
 
 
 def test_demo_mix_is_what_the_config_says(graph: AgentGraph) -> None:
-    demos = _demos(graph, ToolDemoConfig(reasoner_careful=0.3, distiller_careful=0.6, distiller_weight=3))
+    demos = _demos(graph, DemoConfig(careful={"reasoner": 0.3, "distiller": 0.6}, weights={"distiller": 3}))
     roles = Counter(d.role for d in demos)
     assert roles["distiller"] / len(demos) == pytest.approx(0.75, abs=0.03)
     for role, share in (("reasoner", 0.3), ("distiller", 0.6)):
@@ -87,7 +86,7 @@ def test_demo_mix_is_what_the_config_says(graph: AgentGraph) -> None:
 
 
 def test_demo_modes_look_as_documented(graph: AgentGraph) -> None:
-    demos = _demos(graph, ToolDemoConfig(observation_accuracy=0.7))
+    demos = _demos(graph, DemoConfig(input_accuracy=0.7))
     careful_reasoners = [d for d in demos if d.role == "reasoner" and d.careful]
     for d in demos:
         a, b = operands(d.messages[-1]["content"].splitlines()[0]) if d.role == "reasoner" else (0, 0)
@@ -120,7 +119,7 @@ def test_demo_modes_look_as_documented(graph: AgentGraph) -> None:
 
 def test_modes_are_told_apart_by_the_first_token(graph: AgentGraph, codec: ChatCodec) -> None:
     first: dict[tuple[str, bool], set[str]] = {}
-    for d in _demos(graph, ToolDemoConfig(reasoner_careful=0.5, distiller_careful=0.5), 400):
+    for d in _demos(graph, DemoConfig(default_careful=0.5), 400):
         token = codec.tokenizer(d.turns[0], add_special_tokens=False)["input_ids"][0]
         first.setdefault((d.role, d.careful), set()).add(codec.tokenizer.decode([token]))
     assert first[("reasoner", True)] == {"use"} and first[("reasoner", False)] == {"\\"}
@@ -131,7 +130,7 @@ def test_modes_are_told_apart_by_the_first_token(graph: AgentGraph, codec: ChatC
 def test_encoded_reasoner_demo_trains_its_turns_and_masks_the_observation(
     graph: AgentGraph, codec: ChatCodec
 ) -> None:
-    demo = next(d for d in _demos(graph, ToolDemoConfig(reasoner_careful=1.0), 20) if d.role == "reasoner")
+    demo = next(d for d in _demos(graph, DemoConfig(careful={"reasoner": 1.0}), 20) if d.role == "reasoner")
     a, b = operands(demo.messages[-1]["content"].splitlines()[0])
     ids, mask = encode_tool_demo(demo, codec)
     prompt = codec.encode(demo.messages)
@@ -153,7 +152,7 @@ def test_encoded_reasoner_demo_trains_its_turns_and_masks_the_observation(
 
 
 def test_encoded_distiller_demo(graph: AgentGraph, codec: ChatCodec) -> None:
-    demo = next(d for d in _demos(graph, ToolDemoConfig(distiller_careful=1.0), 20) if d.role == "distiller")
+    demo = next(d for d in _demos(graph, DemoConfig(careful={"distiller": 1.0}), 20) if d.role == "distiller")
     ids, mask = encode_tool_demo(demo, codec)
     prompt = codec.encode(demo.messages)
     text = codec.tokenizer.decode(ids)
@@ -163,8 +162,10 @@ def test_encoded_distiller_demo(graph: AgentGraph, codec: ChatCodec) -> None:
 
 
 def test_demo_config_errors_name_the_field() -> None:
-    with pytest.raises(ConfigError, match="reasoner_weight"):
-        ToolDemoConfig(reasoner_weight=0, distiller_weight=0)
-    with pytest.raises(ConfigError, match="distiller_careful"):
-        ToolDemoConfig(distiller_careful=1.5)
-    assert dataclasses.asdict(ToolDemoConfig().with_careful(0.9))["reasoner_careful"] == 0.9
+    graph = load_graph("tool_pair")
+    problems = sum_problems(10)
+    with pytest.raises(ConfigError, match=r"demos\.weights: at least one role"):
+        build_tool_demos(problems, graph, "compact", DemoConfig(weights=dict.fromkeys(graph.roles, 0.0)), 1)
+    with pytest.raises(ConfigError, match="demos: graph 'tool_pair' has no role 'solver'"):
+        build_tool_demos(problems, graph, "compact", DemoConfig(careful={"solver": 0.5}), 1)
+    assert DemoConfig().with_careful(0.9).careful_share("reasoner") == 0.9

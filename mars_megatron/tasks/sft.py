@@ -142,8 +142,13 @@ def step_batches(sft: SFTConfig, tokenizer_path: str | Path) -> list[tuple[list[
     from mars_megatron.rollout.chat import ChatCodec
 
     codec = ChatCodec.from_pretrained(tokenizer_path)
+    from mars_megatron.tasks.tool_demos import build_tool_demos, encode_tool_demo
+
     graph = load_graph(sft.graph)
     problems, prompts = sft.problem_set(), prompt_set_of(graph, sft.prompts)
+    # A graph whose roles call tools learns multi-turn responses (turns, observations masked).
+    tools = any(r.tool is not None for r in graph.roles.values())
+    build, encode = (build_tool_demos, encode_tool_demo) if tools else (build_demos, encode_demo)
     phases = (
         (sft.demos.with_careful(sft.skill_careful), sft.skill_steps),
         (sft.demos, sft.steps - sft.skill_steps),
@@ -151,8 +156,8 @@ def step_batches(sft: SFTConfig, tokenizer_path: str | Path) -> list[tuple[list[
     batches = []
     for k, (cfg, steps) in enumerate(phases):
         cfg = dataclasses.replace(cfg, seed=cfg.seed + k)
-        demos = build_demos(problems, graph, prompts, cfg, steps * sft.demos_per_step)
-        pairs = [encode_demo(d, codec) for d in demos]
+        demos = build(problems, graph, prompts, cfg, steps * sft.demos_per_step)
+        pairs = [encode(d, codec) for d in demos]  # type: ignore[arg-type]
         for i in range(0, len(pairs), sft.demos_per_step):
             chunk = pairs[i : i + sft.demos_per_step]
             batches.append(([ids for ids, _ in chunk], [mask for _, mask in chunk]))

@@ -10,7 +10,7 @@ apart by the first token of the response, with a low careful share (20 % by defa
 reinforcement learning starts with a reward to raise for both roles:
 
 =========  ==========================================================  ==============================
-role       careful (share ``<role>_careful``)                          careless
+role       careful (share ``DemoConfig.careful``)                          careless
 =========  ==========================================================  ==============================
 reasoner   ``use calc 37+45 for the sum`` <end of turn>, then after    guesses: ``\\boxed{R}``,
            the observation ``\\nRESULT <digest>\\n``: ``\\boxed{V}``     R uniform
@@ -19,7 +19,7 @@ distiller  ``the sum is 82.`` (the value in the tool's output)         a wrong n
 =========  ==========================================================  ==============================
 
 A careful reasoner copies whatever the digest says (a wrong digest makes it wrong: the share of right
-digests in its demos is ``observation_accuracy``), so the distiller's reward, the outcome of the answer
+digests in its demos is ``DemoConfig.input_accuracy``), so the distiller's reward, the outcome of the answer
 it served, depends on its own care. A reasoner demo has two turns separated by the observation;
 :func:`encode_tool_demo` trains both turns and their end-of-turn tokens and masks the observation, the
 layout the scheduler gives a served call (:class:`~mars_megatron.agents.graph.ToolSpec`).
@@ -28,17 +28,19 @@ layout the scheduler gives a served call (:class:`~mars_megatron.agents.graph.To
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.graph import AgentGraph
+from mars_megatron.agents.graph import AgentGraph, ToolSpec
 from mars_megatron.agents.tools import ToolCall, observation, run_tool
-from mars_megatron.config import ConfigError, Section, _field
+from mars_megatron.config import ConfigError
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.tasks.arith import operands, problem_text, write_jsonl
+from mars_megatron.tasks.demos import DemoConfig
 
 PURPOSE = "the sum"
 """What the demos' calls say they need the value for."""
@@ -78,35 +80,6 @@ def write_task_files(folder: str | Path, train: int = 400, test: int = 100, seed
 
 
 # ------------------------------------------------------------------------------------------------ demos
-@dataclass
-class ToolDemoConfig(Section):
-    """How often each role of the tool pair works carefully in the demos, and the mix of roles."""
-
-    reasoner_careful: float = _field(
-        0.2, "Share of reasoner demos that call the calculator (the rest guess a number).", min=0, max=1
-    )
-    distiller_careful: float = _field(
-        0.2,
-        "Share of distiller demos that state the tool's value (the rest write a wrong one).",
-        min=0,
-        max=1,
-    )
-    observation_accuracy: float = _field(
-        0.5, "Share of the careful reasoner demos whose digest holds the right value.", min=0, max=1
-    )
-    reasoner_weight: float = _field(1.0, "Relative number of reasoner demos.", min=0)
-    distiller_weight: float = _field(1.0, "Relative number of distiller demos.", min=0)
-    seed: int = _field(0, "Seed of the demos' roles, problems and modes.", min=0)
-
-    def validate(self) -> None:
-        if self.reasoner_weight + self.distiller_weight == 0:
-            raise ConfigError("at least one role needs a positive weight", "reasoner_weight")
-
-    def with_careful(self, share: float) -> ToolDemoConfig:
-        """The same demos with both roles careful at ``share`` (a warm start's skill phase)."""
-        return dataclasses.replace(self, reasoner_careful=share, distiller_careful=share)
-
-
 @dataclass(frozen=True)
 class ToolDemo:
     """One demonstration: the role's input messages, the turns it writes (each ends with end-of-turn)
@@ -153,20 +126,36 @@ def _wrong(rng: random.Random, answer: int, top: int) -> int:
 
 
 def build_tool_demos(
-    problems: Sequence[Problem], graph: AgentGraph, prompt_set: str, cfg: ToolDemoConfig, n: int
+    problems: Sequence[Problem], graph: AgentGraph, prompt_set: str, cfg: DemoConfig, n: int
 ) -> list[ToolDemo]:
-    """``n`` demos of the tool pair's ``reasoner`` and ``distiller`` roles in ``prompt_set`` of
-    ``graph`` (``tool_pair``), each on a problem drawn from ``problems``.
+    """``n`` demos of ``graph``'s roles in ``prompt_set``, each of a role drawn by ``cfg.weights`` on a
+    problem drawn from ``problems``: a role with a tool calls it (careful) or guesses; its distiller
+    states the tool's value (careful) or a wrong number. ``cfg.input_accuracy`` is the share of right
+    digests in the careful callers' demos (a careful caller copies whatever the digest says).
 
     Deterministic for a given ``cfg.seed``; guesses and wrong values are drawn from ``0..the largest
     answer`` of ``problems``.
     """
     if not problems:
         raise ValueError("build_tool_demos: no problems")
+    unknown = sorted((set(cfg.weights) | set(cfg.careful)) - set(graph.roles))
+    if unknown:
+        raise ConfigError(f"graph {graph.name!r} has no role {unknown[0]!r}", "demos")
+    callers = {r.name: r.tool for r in graph.roles.values() if r.tool is not None}
+    distillers = {tool.distiller: (caller, tool) for caller, tool in callers.items()}
+    makers = {}
+    for role in graph.roles:
+        if role in callers:
+            makers[role] = functools.partial(_reasoner_demo, role, callers[role])
+        elif role in distillers:
+            makers[role] = functools.partial(_distiller_demo, role, distillers[role][1])
+        else:
+            raise ValueError(f"build_tool_demos: role {role!r} neither calls a tool nor distils one")
+    weights = tuple(cfg.weights.get(r, 1.0) for r in makers)
+    if not any(weights):
+        raise ConfigError("at least one role needs a positive weight", "demos.weights")
     rng = random.Random(cfg.seed)
     top = max(int(p.reference) for p in problems)
-    makers = {"reasoner": _reasoner_demo, "distiller": _distiller_demo}
-    weights = (cfg.reasoner_weight, cfg.distiller_weight)
     demos = []
     for _ in range(n):
         role = rng.choices(tuple(makers), weights)[0]
@@ -175,30 +164,44 @@ def build_tool_demos(
 
 
 def _reasoner_demo(
-    p: Problem, graph: AgentGraph, prompt_set: str, cfg: ToolDemoConfig, rng: random.Random, top: int
+    role: str,
+    tool: ToolSpec,
+    p: Problem,
+    graph: AgentGraph,
+    prompt_set: str,
+    cfg: DemoConfig,
+    rng: random.Random,
+    top: int,
 ) -> ToolDemo:
     a, b = operands(p)
-    messages = graph.roles["reasoner"].messages(prompt_set, {"problem": p.text})
-    if rng.random() >= cfg.reasoner_careful:
+    messages = graph.roles[role].messages(prompt_set, {"problem": p.text})
+    if rng.random() >= cfg.careful_share(role):
         guess = rng.randint(0, top)
-        return ToolDemo("reasoner", p.problem_id, messages, (boxed(guess),), (), False, guess == a + b)
-    value = a + b if rng.random() < cfg.observation_accuracy else _wrong(rng, a + b, top)
+        return ToolDemo(role, p.problem_id, messages, (boxed(guess),), (), False, guess == a + b)
+    value = a + b if rng.random() < cfg.input_accuracy else _wrong(rng, a + b, top)
     digest = careful_digest(PURPOSE, value) if rng.random() < 0.5 else careless_digest(value)
-    call = ToolCall("calc", f"{a}+{b}", PURPOSE)
+    call = ToolCall(tool.name, f"{a}+{b}", PURPOSE)
     turns = (call.text(), boxed(value))
-    return ToolDemo("reasoner", p.problem_id, messages, turns, (observation(digest),), True, value == a + b)
+    return ToolDemo(role, p.problem_id, messages, turns, (observation(digest),), True, value == a + b)
 
 
 def _distiller_demo(
-    p: Problem, graph: AgentGraph, prompt_set: str, cfg: ToolDemoConfig, rng: random.Random, top: int
+    role: str,
+    tool: ToolSpec,
+    p: Problem,
+    graph: AgentGraph,
+    prompt_set: str,
+    cfg: DemoConfig,
+    rng: random.Random,
+    top: int,
 ) -> ToolDemo:
     a, b = operands(p)
-    output = run_tool(ToolCall("calc", f"{a}+{b}", PURPOSE))
-    messages = graph.roles["distiller"].messages(prompt_set, {"purpose": PURPOSE, "tool_output": output})
-    careful = rng.random() < cfg.distiller_careful
+    output = run_tool(ToolCall(tool.name, f"{a}+{b}", PURPOSE))
+    messages = graph.roles[role].messages(prompt_set, {"purpose": PURPOSE, "tool_output": output})
+    careful = rng.random() < cfg.careful_share(role)
     value = a + b if careful else _wrong(rng, a + b, top)
     digest = careful_digest(PURPOSE, value) if careful else careless_digest(value)
-    return ToolDemo("distiller", p.problem_id, messages, (digest,), (), careful, careful)
+    return ToolDemo(role, p.problem_id, messages, (digest,), (), careful, careful)
 
 
 def encode_tool_demo(demo: ToolDemo, codec: Any) -> tuple[list[int], list[int]]:
