@@ -116,7 +116,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", nargs="+", default=None, help="one label per run (default: directory names)")
     p.add_argument("--out", required=True, help="PNG to write")
 
-    p = sub.add_parser("config", help="print the resolved config, or describe every field")
+    p = sub.add_parser(
+        "config",
+        help="check and print the resolved config (its agent graph included), or describe every field",
+    )
     p.add_argument("config", nargs="?")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--describe", action="store_true", help="every field with type, bounds, default and help")
@@ -268,9 +271,12 @@ def _config(args: argparse.Namespace) -> None:
         return
     import yaml
 
+    from mars_megatron.agents.graph import graph_for
     from mars_megatron.config import config_to_dict
 
-    print(yaml.safe_dump(config_to_dict(load_config(args.config, args.overrides)), sort_keys=False))
+    cfg = load_config(args.config, args.overrides)
+    graph_for(cfg)  # the agent graph is part of a valid config: its errors name the field too
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {

@@ -6,6 +6,8 @@
 #      trainer ranks (EP=2) and a transformers rollout engine, all Ray actors; prints per-agent rewards,
 #      and the held-out accuracy of the V–C system and of its Solver alone before, halfway and after.
 # Extra arguments are config overrides for `mars train` (e.g. algorithm.reward=shared train.steps=20).
+# GRAPH=imo_refine or GRAPH=tool_pair runs another shipped agent graph on its tiny task instead
+# (examples/<graph>_sft.yaml, examples/<graph>_cpu.yaml).
 # Ray listens on every interface; as root, the run goes into a network namespace with only loopback up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,10 +18,16 @@ if [ -z "${MARS_IN_NETNS:-}" ]; then
   fi
 fi
 export PATH="$PWD/${MARS_VENV:-.venv}/bin:$PATH"
+GRAPH=${GRAPH:-marsrl}
+case "$GRAPH" in
+  marsrl) SFT=examples/tiny_sft.yaml TRAIN=examples/tiny_cpu.yaml ;;
+  imo_refine | tool_pair) SFT="examples/${GRAPH}_sft.yaml" TRAIN="examples/${GRAPH}_cpu.yaml" ;;
+  *) echo "GRAPH must be marsrl, imo_refine or tool_pair, got '$GRAPH'" >&2; exit 2 ;;
+esac
 RUN=${RUN:-runs/demo}
 rm -rf "$RUN" && mkdir -p "$RUN"
 mars init-model --preset tiny-moe --out "$RUN/hf"
-mars sft examples/tiny_sft.yaml --model-dir "$RUN/hf" --out "$RUN/sft"
-mars train examples/tiny_cpu.yaml model.mcore_dir="$RUN/sft" logging.run_dir="$RUN/train" \
+mars sft "$SFT" --model-dir "$RUN/hf" --out "$RUN/sft"
+mars train "$TRAIN" model.mcore_dir="$RUN/sft" logging.run_dir="$RUN/train" \
   checkpoint.save_dir="$RUN/checkpoints" evaluation.interval=30 "$@"
 echo "metrics: $RUN/train/metrics.jsonl   plot: $RUN/train/rewards.png   tensorboard: $RUN/train/tensorboard"
