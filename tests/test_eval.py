@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from mars_megatron.agents.graph import load_graph
 from mars_megatron.config import EvalConfig
 from mars_megatron.evaluation import sampling
 from mars_megatron.evaluation.data import Problem, load_problems
@@ -133,12 +134,14 @@ class ExactChecker:
 
 
 PROBLEMS = [Problem("a", "2+2?", "4", 1), Problem("b", "2+3?", 5, 2)]
+MARSRL = load_graph("marsrl")
+ROLES = list(MARSRL.roles)
 
 
 def run_scripted(engine, codec=None, **kwargs):
     records = []
     runner = EvalRunner(
-        engine, codec or ScriptedCodec(), ExactChecker(), on_result=records.append,
+        engine, codec or ScriptedCodec(), ExactChecker(), on_result=records.append, graph=MARSRL,
         config=EvalConfig(accept_after=2, give_up_after=2, max_tokens=8), **kwargs,
     )  # fmt: skip
     jobs = [(p, s) for p in PROBLEMS for s in range(2)]
@@ -192,13 +195,11 @@ class RoleEngine(ScriptedEngine):
 def test_each_role_is_answered_by_its_own_engine_and_codec() -> None:
     """algorithm.policies=per_role: every request goes to its role's engine (one call per engine and
     round), outputs are decoded by that role's codec, and the results equal a single engine's."""
-    from mars_megatron.agents.roles import Role
-
-    engines = {role: RoleEngine() for role in Role}
-    codecs = {role: ScriptedCodec() for role in Role}
+    engines = {role: RoleEngine() for role in ROLES}
+    codecs = {role: ScriptedCodec() for role in ROLES}
     runner, records, jobs = run_scripted(engines, codec=codecs)
     assert runner.run(jobs) == 4
-    assert {role.value: e.roles for role, e in engines.items()} == {r.value: {r.value} for r in Role}
+    assert {role: e.roles for role, e in engines.items()} == {r: {r} for r in ROLES}
     single, reference, _ = run_scripted(ScriptedEngine())
     single.run(jobs)
 
@@ -207,13 +208,12 @@ def test_each_role_is_answered_by_its_own_engine_and_codec() -> None:
 
     assert sorted(records, key=key) == sorted(reference, key=key)
     with pytest.raises(ValueError, match="no engine or codec for role"):
-        EvalRunner({Role.SOLVER: ScriptedEngine()}, ScriptedCodec(), ExactChecker())
+        EvalRunner({"solver": ScriptedEngine()}, ScriptedCodec(), ExactChecker(), graph=MARSRL)
 
 
 def test_the_loop_speaks_the_prompt_set_it_is_given() -> None:
     """A model trained on the compact prompts is evaluated with them: every role's messages come from the
     set given to the runner, not from the marsrl texts."""
-    from mars_megatron.agents.prompts import PROMPT_SETS
 
     class Recording(ScriptedCodec):
         def __init__(self) -> None:
@@ -225,11 +225,9 @@ def test_the_loop_speaks_the_prompt_set_it_is_given() -> None:
             return super().encode(messages)
 
     codec = Recording()
-    runner, _, jobs = run_scripted(ScriptedEngine(), codec=codec, prompts=PROMPT_SETS["compact"])
+    runner, _, jobs = run_scripted(ScriptedEngine(), codec=codec, prompts="compact")
     runner.run(jobs)
-    compact = PROMPT_SETS["compact"]
-    first = codec.seen[0]
-    assert first == compact.solver_messages("2+2?")
+    assert codec.seen[0] == [{"role": "user", "content": "2+2?\n\nAnswer in \\boxed{}."}]
     verifier = next(m for m in codec.seen if "Correctness: Correct or Wrong" in m[-1]["content"])
     assert verifier[0]["role"] == "user"  # compact has no system message; marsrl's Verifier has one
     assert not any("meticulous reviewer" in m["content"] for msgs in codec.seen for m in msgs)
@@ -266,7 +264,7 @@ def test_role_accuracy_scores_each_verdict_against_what_it_judged() -> None:
         },
         {"steps": []},  # a line from before solutions were checked: left out
     ]
-    got = role_accuracy(records)
+    got = role_accuracy(records, MARSRL)
     assert got["verifier"] == {
         "acc_on_right": 1 / 2, "acc_on_wrong": 2 / 3, "calls_on_right": 2, "calls_on_wrong": 3,
     }  # fmt: skip
@@ -506,16 +504,14 @@ def test_served_model_names_per_role_for_an_openai_endpoint() -> None:
     per-role checkpoint is served as solver/verifier/corrector); anything else is refused."""
     import argparse
 
-    from mars_megatron.agents.roles import Role
     from mars_megatron.evaluation.command import _served_names
     from mars_megatron.evaluation.policies import PolicySource
 
-    per_role = {r: PolicySource(r.value, Path(r.value)) for r in Role}
-    one = dict.fromkeys(Role, PolicySource("model", Path("m")))
+    per_role = {r: PolicySource(r, Path(r)) for r in ROLES}
+    one = dict.fromkeys(ROLES, PolicySource("model", Path("m")))
 
     def names(served: list[str], sources: dict, model: str | None = None) -> dict[str, str]:
-        got = _served_names(argparse.Namespace(served_model=served, model=model), sources)
-        return {r.value: n for r, n in got.items()}
+        return _served_names(argparse.Namespace(served_model=served, model=model), sources)
 
     assert names([], per_role) == {"solver": "solver", "verifier": "verifier", "corrector": "corrector"}
     assert names([], one, model="ckpt/x") == dict.fromkeys(["solver", "verifier", "corrector"], "ckpt/x")
