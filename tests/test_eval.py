@@ -389,6 +389,46 @@ def test_eval_takes_the_graph_and_prompts_of_the_trained_run(tmp_path: Path) -> 
     assert budgets == {"solver_retries": 3, "max_iterations": 30, "accept_after": 5, "give_up_after": 10}
 
 
+def test_checkpoint_policies_route_each_role_of_the_graph(tmp_path: Path) -> None:
+    """--checkpoint: a shared policy answers every role, one per role its own, and a graph's grouping
+    (algorithm.policies=graph) each role its group's; other names are refused naming the grouping."""
+    import shutil
+
+    from mars_megatron.evaluation.policies import PolicyError, checkpoint_policies
+
+    folder = tmp_path / "grouped"
+    shutil.copytree(REPO / "mars_megatron" / "agents" / "graphs" / "imo_refine", folder)
+    text = (folder / "graph.yaml").read_text()
+    grouped = text.replace(
+        "  shared: [solver, verifier, judge, corrector]",
+        "  writer: [solver, corrector]\n  critic: [verifier, judge]",
+    )
+    assert grouped != text
+    (folder / "graph.yaml").write_text(grouped.replace("name: imo_refine", "name: grouped"))
+    graph = load_graph(str(folder))
+
+    def step(policies: list[str]) -> Path:
+        path = tmp_path / "-".join(policies) / "step_000001"
+        path.mkdir(parents=True)
+        state = {"format": "mars-trainer-state-v1", "state": {"policies": policies}}
+        (path / "trainer_state.json").write_text(json.dumps(state))
+        for name in policies:
+            (path / name).mkdir()
+            (path / name / "mars_checkpoint.json").write_text("{}")
+        return path
+
+    def routing(policies: list[str]) -> dict[str, str]:
+        return {role: source.name for role, source in checkpoint_policies(step(policies), graph)[1].items()}
+
+    assert routing(["shared"]) == dict.fromkeys(graph.roles, "shared")
+    assert routing(["judge", "solver", "verifier", "corrector"]) == {r: r for r in graph.roles}
+    assert routing(["writer", "critic"]) == {
+        "solver": "writer", "verifier": "critic", "judge": "critic", "corrector": "writer",
+    }  # fmt: skip
+    with pytest.raises(PolicyError, match=r"nor graph 'grouped''s grouping \['critic', 'writer'\]"):
+        routing(["writer"])
+
+
 def test_runner_limits_concurrency_and_keeps_results_finished_before_an_engine_failure():
     engine = ScriptedEngine()
     runner, records, jobs = run_scripted(engine, max_concurrent=1)
