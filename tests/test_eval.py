@@ -385,6 +385,10 @@ def test_eval_takes_the_graph_and_prompts_of_the_trained_run(tmp_path: Path) -> 
     assert settings(parser.parse_args(base)).graph.name == "marsrl"
     with pytest.raises(ValueError, match=r"--prompts: .*graph 'imo_refine' has no prompt set 'marsrl'"):
         settings(parser.parse_args([*base, "--graph", "imo_refine", "--prompts", "marsrl"]))
+    with pytest.raises(
+        ValueError, match=r"--graph: agents\.graph: no shipped graph 'nope'; shipped: .*imo_refine"
+    ):
+        settings(parser.parse_args([*base, "--graph", "nope"]))
     budgets = sampling.record(chosen.evaluation, load_graph("imo_refine"))["system"]
     assert budgets == {"solver_retries": 3, "max_iterations": 30, "accept_after": 5, "give_up_after": 10}
 

@@ -35,7 +35,7 @@ def parse_verdict(text: str) -> bool | None:
     that restates its sections, or quotes the format, is judged by its final word. Anything else
     (no section, another word such as "Incorrect" or "Correctly", a truncated or empty report,
     non-ASCII look-alikes) is None: callers decide what None means (the inference loop treats it as
-    Wrong; the Verifier's reward treats it as unrewarded).
+    Wrong; a verdict reward treats it as unrewarded).
     """
     visible = strip_thinking(text)
     section = _last_section(visible)

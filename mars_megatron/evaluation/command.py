@@ -144,7 +144,10 @@ def settings(args: argparse.Namespace) -> EvalSettings:
             "max_input_tokens": cfg.rollout.max_input_tokens,
             "dtype": cfg.model.dtype,
         }
-    graph = load_graph(args.graph or trained.get("graph") or AgentsConfig().graph)
+    try:
+        graph = load_graph(args.graph or trained.get("graph") or AgentsConfig().graph)
+    except ValueError as e:  # a GraphError names the file and field; say which flag chose the graph
+        raise ValueError(f"{'--graph' if args.graph else '--config'}: {e}") from None
     # the trained prompt set belongs to the trained graph; another --graph starts from its own first set
     prompts = args.prompts or (trained.get("prompts") if args.graph is None else None)
     try:

@@ -114,8 +114,8 @@ def model_policies(model: str | Path, graph: AgentGraph) -> dict[str, PolicySour
 def override_roles(
     sources: Mapping[str, PolicySource], overrides: Mapping[str, str]
 ) -> dict[str, PolicySource]:
-    """``--policy ROLE=DIR``: answer ``ROLE`` with another model (e.g. a trained Verifier beside an
-    untrained Solver)."""
+    """``--policy ROLE=DIR``: answer ``ROLE`` (a role of the graph, a key of ``sources``) with another
+    model (e.g. a trained judging role beside an untrained first role)."""
     out = dict(sources)
     for role_name, folder in overrides.items():
         if role_name not in sources:
