@@ -579,7 +579,7 @@ class EvalConfig(Section):
         min=1,
         max=MAX_TOKENS,
     )
-    solver_retries: int | None = _field(
+    start_retries: int | None = _field(
         None,
         "Inference loop: extra runs of the first step after a truncated solution (at most 1 + this many); "
         "null = the graph's loop.start_retries (MarsRL: 3).",

@@ -1,8 +1,8 @@
-"""Verdict parsing and bug-report extraction from Verifier outputs."""
+"""Verdict parsing (the ``correctness`` and ``yes_no`` readers) and bug-report extraction."""
 
 import pytest
 
-from mars_megatron.agents.verdict import bug_report, parse_verdict
+from mars_megatron.agents.verdict import bug_report, parse_verdict, parse_yes_no, read_verdict
 
 REPORT = (
     "**Final Verdict**: The solution is invalid.\n\n"
@@ -85,3 +85,48 @@ def test_bug_report_is_text_before_last_correctness_section() -> None:
 def test_bug_report_without_section_is_whole_visible_text() -> None:
     assert bug_report("<think>x</think>  Step 1 is a Justification Gap. ") == "Step 1 is a Justification Gap."
     assert bug_report("<think>never closed") == ""
+
+
+def test_bug_report_of_a_report_without_a_correctness_verdict_is_whole() -> None:
+    """A report whose role reads no Correctness section (a verification log judged by another role) is
+    handed on whole: "correctness" in a finding is no section to cut at."""
+    log = "Step 2: Critical Error.\nThe correctness of step 3 depends on it.\nStep 4: fine."
+    assert bug_report(log) == "Step 2: Critical Error.\nThe"  # the correctness reader cuts at the word
+    assert bug_report("<think>x</think>" + log, None) == log
+    assert bug_report(log, "yes_no") == log
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Yes", True),
+        ("yes.", True),
+        ("No", False),
+        ("NO, there is a critical error.", False),
+        ("**Yes**", True),
+        ("> No.", False),
+        ("`yes`", True),
+        ("(No)", False),
+        ("\n\n  Yes, the report finds no issue.", True),
+        ("<think>no... wait</think>Yes", True),
+        ("<think>Yes</think>", None),  # only thinking
+        ("<think>yes", None),  # truncated while thinking
+        ("", None),
+        ("Yeah", None),
+        ("Nope", None),
+        ("Noted: no issues.", None),
+        ("Not really", None),
+        ("The answer is yes", None),  # only a leading word counts
+        ("Yés", None),
+    ],
+)
+def test_yes_no_reads_the_leading_word(text: str, expected: bool | None) -> None:
+    assert parse_yes_no(text) is expected
+
+
+def test_read_verdict_by_reader_name() -> None:
+    assert read_verdict("yes_no", "no") is False
+    assert read_verdict("correctness", REPORT) is False
+    assert read_verdict("correctness", "Yes") is None
+    with pytest.raises(ValueError, match="unknown verdict reader 'score'"):
+        read_verdict("score", "Yes")

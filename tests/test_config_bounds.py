@@ -320,7 +320,7 @@ def test_sampling_params_take_numpy_numbers() -> None:
         ({"top_k": 2**40}, f"--top-k: expected int <= {INT_MAX} (2**31 - 1), got {2**40}"),
         ({"top_k": 0}, "--top-k: must be -1 (off) or >= 1, got 0"),
         ({"seed": 2**31}, f"--seed: expected int <= {INT_MAX}, got {2**31}"),
-        ({"solver_retries": -1}, "--solver-retries: expected int >= 0, got -1"),
+        ({"start_retries": -1}, "--start-retries: expected int >= 0, got -1"),
     ],
 )
 def test_mars_eval_flags_are_checked_by_the_evaluation_section(kwargs: dict[str, Any], message: str) -> None:

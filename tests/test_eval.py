@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from mars_megatron.agents.graph import load_graph
 from mars_megatron.config import EvalConfig
 from mars_megatron.evaluation import sampling
 from mars_megatron.evaluation.data import Problem, load_problems
@@ -90,6 +91,9 @@ TEXTS = {
     2: "**Correctness**: Correct",
     3: "**Correctness**: Wrong",
     4: "fixed \\boxed{5}",
+    5: "Log: step 1 recomputed.",
+    6: "Yes.",
+    7: "No.",
 }
 
 
@@ -133,12 +137,14 @@ class ExactChecker:
 
 
 PROBLEMS = [Problem("a", "2+2?", "4", 1), Problem("b", "2+3?", 5, 2)]
+MARSRL = load_graph("marsrl")
+ROLES = list(MARSRL.roles)
 
 
 def run_scripted(engine, codec=None, **kwargs):
     records = []
     runner = EvalRunner(
-        engine, codec or ScriptedCodec(), ExactChecker(), on_result=records.append,
+        engine, codec or ScriptedCodec(), ExactChecker(), on_result=records.append, graph=MARSRL,
         config=EvalConfig(accept_after=2, give_up_after=2, max_tokens=8), **kwargs,
     )  # fmt: skip
     jobs = [(p, s) for p in PROBLEMS for s in range(2)]
@@ -192,13 +198,11 @@ class RoleEngine(ScriptedEngine):
 def test_each_role_is_answered_by_its_own_engine_and_codec() -> None:
     """algorithm.policies=per_role: every request goes to its role's engine (one call per engine and
     round), outputs are decoded by that role's codec, and the results equal a single engine's."""
-    from mars_megatron.agents.roles import Role
-
-    engines = {role: RoleEngine() for role in Role}
-    codecs = {role: ScriptedCodec() for role in Role}
+    engines = {role: RoleEngine() for role in ROLES}
+    codecs = {role: ScriptedCodec() for role in ROLES}
     runner, records, jobs = run_scripted(engines, codec=codecs)
     assert runner.run(jobs) == 4
-    assert {role.value: e.roles for role, e in engines.items()} == {r.value: {r.value} for r in Role}
+    assert {role: e.roles for role, e in engines.items()} == {r: {r} for r in ROLES}
     single, reference, _ = run_scripted(ScriptedEngine())
     single.run(jobs)
 
@@ -207,13 +211,12 @@ def test_each_role_is_answered_by_its_own_engine_and_codec() -> None:
 
     assert sorted(records, key=key) == sorted(reference, key=key)
     with pytest.raises(ValueError, match="no engine or codec for role"):
-        EvalRunner({"solver": ScriptedEngine()}, ScriptedCodec(), ExactChecker())
+        EvalRunner({"solver": ScriptedEngine()}, ScriptedCodec(), ExactChecker(), graph=MARSRL)
 
 
 def test_the_loop_speaks_the_prompt_set_it_is_given() -> None:
     """A model trained on the compact prompts is evaluated with them: every role's messages come from the
     set given to the runner, not from the marsrl texts."""
-    from mars_megatron.agents.prompts import PROMPT_SETS
 
     class Recording(ScriptedCodec):
         def __init__(self) -> None:
@@ -225,11 +228,9 @@ def test_the_loop_speaks_the_prompt_set_it_is_given() -> None:
             return super().encode(messages)
 
     codec = Recording()
-    runner, _, jobs = run_scripted(ScriptedEngine(), codec=codec, prompts=PROMPT_SETS["compact"])
+    runner, _, jobs = run_scripted(ScriptedEngine(), codec=codec, prompts="compact")
     runner.run(jobs)
-    compact = PROMPT_SETS["compact"]
-    first = codec.seen[0]
-    assert first == compact.solver_messages("2+2?")
+    assert codec.seen[0] == [{"role": "user", "content": "2+2?\n\nAnswer in \\boxed{}."}]
     verifier = next(m for m in codec.seen if "Correctness: Correct or Wrong" in m[-1]["content"])
     assert verifier[0]["role"] == "user"  # compact has no system message; marsrl's Verifier has one
     assert not any("meticulous reviewer" in m["content"] for msgs in codec.seen for m in msgs)
@@ -266,7 +267,7 @@ def test_role_accuracy_scores_each_verdict_against_what_it_judged() -> None:
         },
         {"steps": []},  # a line from before solutions were checked: left out
     ]
-    got = role_accuracy(records)
+    got = role_accuracy(records, MARSRL)
     assert got["verifier"] == {
         "acc_on_right": 1 / 2, "acc_on_wrong": 2 / 3, "calls_on_right": 2, "calls_on_wrong": 3,
     }  # fmt: skip
@@ -276,6 +277,160 @@ def test_role_accuracy_scores_each_verdict_against_what_it_judged() -> None:
         "calls_on_wrong": 2,
         "calls_on_right": 1,
     }
+
+
+MARSRL_SUMMARY_KEYS = [
+    "problems", "samples", "results", "missing_results", "solver_acc", "system_acc", "pass@k",
+    "accepted_rate", "roles", "stop_reasons", "tokens", "prompts_too_long", "checker",
+]  # fmt: skip
+MARSRL_EVAL_KEYS = [
+    "eval/solver_acc", "eval/system_acc", "eval/solver_pass@2", "eval/system_pass@2", "eval/accepted_rate",
+    "eval/verifier_acc_on_right", "eval/verifier_acc_on_wrong", "eval/corrector_fix_rate", "eval/time",
+]  # fmt: skip
+"""The names MarsRL's evaluation persisted before agent graphs (summary.json, eval.jsonl): unchanged."""
+
+
+def test_marsrl_summary_and_curve_names_are_unchanged() -> None:
+    from mars_megatron.evaluation.metrics import summarize
+    from mars_megatron.rl.evaluate import eval_metrics
+
+    runner, records, jobs = run_scripted(ScriptedEngine())
+    runner.run(jobs)
+    summary = summarize(records, ["a", "b"], 2, MARSRL)
+    assert list(summary) == MARSRL_SUMMARY_KEYS
+    assert list(summary["pass@k"]) == ["solver", "system"] and list(summary["roles"]) == [
+        "verifier",
+        "corrector",
+    ]
+    assert list(summary["tokens"]) == ["solver", "verifier", "corrector"]
+    # a0 accepted right; a1 rejected its right 4, the correction broke it; b0 accepted a wrong 4; b1 fixed
+    assert summary["solver_acc"] == 0.5 and summary["system_acc"] == 0.5
+    assert summary["roles"]["verifier"] == {
+        "acc_on_right": 4 / 5, "acc_on_wrong": 1 / 5, "calls_on_right": 5, "calls_on_wrong": 5,
+    }  # fmt: skip
+    assert summary["roles"]["corrector"] == {
+        "fix_rate": 1.0, "break_rate": 1.0, "calls_on_wrong": 1, "calls_on_right": 1,
+    }  # fmt: skip
+    metrics = eval_metrics(summary, 1.5, MARSRL)
+    assert list(metrics) == MARSRL_EVAL_KEYS and metrics["eval/verifier_acc_on_right"] == 4 / 5
+
+
+class ImoEngine:
+    """The IMO pipeline on scripted outputs: the Solver answers 4, the Verifier writes a log, the Judge says
+    no on its first call for sample 1 (then the Corrector answers 5), else yes."""
+
+    def generate(self, requests):
+        outputs = []
+        for r in requests:
+            _pid, sample, step, role = r.request_id.split("/")
+            ids = {"solver": [1], "verifier": [5], "corrector": [4]}.get(role)
+            if ids is None:
+                ids = [7] if (sample, step) == ("1", "2") else [6]
+            outputs.append(GenerationOutput(r.request_id, ids, [0.0] * len(ids), "stop"))
+        return outputs
+
+
+def test_the_imo_pipeline_runs_and_is_scored_by_role_kind() -> None:
+    """Any graph's loop runs: the Judge's yes/no decides, the Verifier's log is reported on (no verdict
+    of its own, so no accuracy), the Corrector is scored by its fix rate, and the curve is named after
+    the graph's roles."""
+    from mars_megatron.evaluation.metrics import summarize
+    from mars_megatron.rl.evaluate import eval_metrics
+
+    imo = load_graph("imo_refine")
+    records: list[dict] = []
+    config = EvalConfig(accept_after=2, give_up_after=2, max_tokens=8)
+    runner = EvalRunner(ImoEngine(), ScriptedCodec(), ExactChecker(), graph=imo, config=config,
+                        prompts="compact", on_result=records.append)  # fmt: skip
+    assert runner.run([(p, s) for p in PROBLEMS for s in range(2)]) == 4
+    by_key = {(r["problem_id"], r["sample"]): r for r in records}
+    corrected = by_key[("b", 1)]
+    assert [s["role"] for s in corrected["steps"]] == [
+        "solver", "verifier", "judge", "corrector", "verifier", "judge", "verifier", "judge",
+    ]  # fmt: skip
+    assert [s["verdict"] for s in corrected["steps"] if s["role"] == "judge"] == [False, True, True]
+    assert [s["solution"] for s in corrected["steps"]] == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert corrected["system_correct"] and not corrected["solver_correct"] and set(corrected) == RECORD_FIELDS
+    summary = summarize(records, ["a", "b"], 2, imo)
+    assert list(summary["roles"]) == ["judge", "corrector"] and list(summary["tokens"]) == list(imo.roles)
+    # as MarsRL's Verifier above: a1's right 4 rejected and broken, b0's wrong 4 accepted, b1's fixed
+    assert summary["roles"]["judge"] == {
+        "acc_on_right": 4 / 5, "acc_on_wrong": 1 / 5, "calls_on_right": 5, "calls_on_wrong": 5,
+    }  # fmt: skip
+    assert summary["roles"]["corrector"]["fix_rate"] == 1.0 and summary["tokens"]["judge"]["calls"] == 10
+    assert summary["tokens"]["verifier"]["calls"] == 10 and summary["system_acc"] == 0.5
+    assert list(eval_metrics(summary, 0.0, imo)) == [
+        "eval/solver_acc", "eval/system_acc", "eval/solver_pass@2", "eval/system_pass@2",
+        "eval/accepted_rate", "eval/judge_acc_on_right", "eval/judge_acc_on_wrong",
+        "eval/corrector_fix_rate", "eval/time",
+    ]  # fmt: skip
+
+
+def test_eval_takes_the_graph_and_prompts_of_the_trained_run(tmp_path: Path) -> None:
+    """--graph defaults to --config's agents.graph (with its prompt set), else the default graph; a
+    prompt set the graph lacks is refused naming the flag."""
+    import argparse
+
+    from mars_megatron.evaluation.command import add_arguments, settings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--data", "d", "--model", "m", "--engine", "transformers", "--samples", "1", "--out", "o"]
+    config = tmp_path / "run.yaml"
+    config.write_text("agents:\n  graph: imo_refine\n  prompts: compact\n")
+    chosen = settings(parser.parse_args([*base, "--config", str(config)]))
+    assert (chosen.graph.name, chosen.prompts) == ("imo_refine", "compact")
+    chosen = settings(parser.parse_args([*base, "--config", str(config), "--graph", "marsrl"]))
+    assert (chosen.graph.name, chosen.prompts) == ("marsrl", "marsrl")
+    assert settings(parser.parse_args(base)).graph.name == "marsrl"
+    with pytest.raises(ValueError, match=r"--prompts: .*graph 'imo_refine' has no prompt set 'marsrl'"):
+        settings(parser.parse_args([*base, "--graph", "imo_refine", "--prompts", "marsrl"]))
+    with pytest.raises(
+        ValueError, match=r"--graph: agents\.graph: no shipped graph 'nope'; shipped: .*imo_refine"
+    ):
+        settings(parser.parse_args([*base, "--graph", "nope"]))
+    budgets = sampling.record(chosen.evaluation, load_graph("imo_refine"))["system"]
+    assert budgets == {"start_retries": 3, "max_iterations": 30, "accept_after": 5, "give_up_after": 10}
+
+
+def test_checkpoint_policies_route_each_role_of_the_graph(tmp_path: Path) -> None:
+    """--checkpoint: a shared policy answers every role, one per role its own, and a graph's grouping
+    (algorithm.policies=graph) each role its group's; other names are refused naming the grouping."""
+    import shutil
+
+    from mars_megatron.evaluation.policies import PolicyError, checkpoint_policies
+
+    folder = tmp_path / "grouped"
+    shutil.copytree(REPO / "mars_megatron" / "agents" / "graphs" / "imo_refine", folder)
+    text = (folder / "graph.yaml").read_text()
+    grouped = text.replace(
+        "  shared: [solver, verifier, judge, corrector]",
+        "  writer: [solver, corrector]\n  critic: [verifier, judge]",
+    )
+    assert grouped != text
+    (folder / "graph.yaml").write_text(grouped.replace("name: imo_refine", "name: grouped"))
+    graph = load_graph(str(folder))
+
+    def step(policies: list[str]) -> Path:
+        path = tmp_path / "-".join(policies) / "step_000001"
+        path.mkdir(parents=True)
+        state = {"format": "mars-trainer-state-v1", "state": {"policies": policies}}
+        (path / "trainer_state.json").write_text(json.dumps(state))
+        for name in policies:
+            (path / name).mkdir()
+            (path / name / "mars_checkpoint.json").write_text("{}")
+        return path
+
+    def routing(policies: list[str]) -> dict[str, str]:
+        return {role: source.name for role, source in checkpoint_policies(step(policies), graph)[1].items()}
+
+    assert routing(["shared"]) == dict.fromkeys(graph.roles, "shared")
+    assert routing(["judge", "solver", "verifier", "corrector"]) == {r: r for r in graph.roles}
+    assert routing(["writer", "critic"]) == {
+        "solver": "writer", "verifier": "critic", "judge": "critic", "corrector": "writer",
+    }  # fmt: skip
+    with pytest.raises(PolicyError, match=r"nor graph 'grouped''s grouping \['critic', 'writer'\]"):
+        routing(["writer"])
 
 
 def test_runner_limits_concurrency_and_keeps_results_finished_before_an_engine_failure():
@@ -351,6 +506,41 @@ def test_cli_end_to_end_writes_one_line_per_problem_and_sample(whole_run):
         s["output_tokens"] for r in records for s in r["steps"] if s["role"] == "solver"
     )
     assert run["results_new"] == 6 and run["results_resumed"] == 0
+
+
+def test_cli_runs_the_imo_graph_on_the_tiny_model(model_dir, tmp_path):
+    """`mars eval --graph imo_refine` runs that graph's loop on a real engine; --policy names its roles.
+    (The random tiny model's outputs seldom end within the budget, so its loop mostly stops at the start
+    step; the scripted engine above walks the whole loop.)"""
+    out = tmp_path / "imo"
+    extra = ("--graph", "imo_refine", "--prompts", "compact", "--max-iterations", 2, "--limit", 1,
+             "--samples", 1, "--policy", f"judge={model_dir}")  # fmt: skip
+    proc = mars(*eval_args(model_dir, out, *extra))
+    assert proc.returncode == 0, proc.stderr
+    (record,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    roles = [s["role"] for s in record["steps"]]
+    assert roles[0] == "solver" and set(roles) <= {"solver", "verifier", "judge", "corrector"}
+    assert record["stop_reason"] in {"accepted", "gave_up", "max_iterations", "solver_truncated"}
+    if record["stop_reason"] != "solver_truncated":
+        assert roles.count("judge") == 2 or record["stop_reason"] != "max_iterations"
+    config = json.loads((out / "config.json").read_text())
+    assert config["graph"] == "imo_refine" and config["prompts"] == "compact"
+    assert config["system"] == {
+        "start_retries": 3,
+        "max_iterations": 2,
+        "accept_after": 5,
+        "give_up_after": 10,
+    }
+    assert set(config["model"]) == {"solver", "verifier", "judge", "corrector"}
+    summary, _ = without_run(out / "summary.json")
+    assert set(summary["roles"]) == {"judge", "corrector"} and "solver_acc" in summary
+    proc = mars(
+        *eval_args(model_dir, tmp_path / "bad", "--graph", "imo_refine", "--policy", f"critic={model_dir}")
+    )
+    assert (
+        proc.returncode == 2
+        and "--policy critic=...: unknown role; valid roles: solver, verifier, judge" in (proc.stderr)
+    )
 
 
 def test_killed_run_resumes_to_the_same_summary(whole_run, model_dir, tmp_path):
@@ -458,10 +648,9 @@ def test_cli_counts_bad_data_lines_and_reports_an_unreachable_endpoint(model_dir
 
 
 def test_chat_codec_refuses_or_truncates_long_prompts(model_dir):
-    from mars_megatron.agents.prompts import solver_messages
     from mars_megatron.rollout.chat import ChatCodec
 
-    messages = solver_messages("x " * 200)
+    messages = [{"role": "user", "content": "x " * 200 + "\n\nAnswer in \\boxed{}."}]
     full = ChatCodec.from_pretrained(model_dir).encode(messages)
     with pytest.raises(
         PromptTooLongError, match=f"prompt has {len(full)} tokens, more than max_input_tokens=64"
@@ -506,16 +695,14 @@ def test_served_model_names_per_role_for_an_openai_endpoint() -> None:
     per-role checkpoint is served as solver/verifier/corrector); anything else is refused."""
     import argparse
 
-    from mars_megatron.agents.roles import Role
     from mars_megatron.evaluation.command import _served_names
     from mars_megatron.evaluation.policies import PolicySource
 
-    per_role = {r: PolicySource(r.value, Path(r.value)) for r in Role}
-    one = dict.fromkeys(Role, PolicySource("model", Path("m")))
+    per_role = {r: PolicySource(r, Path(r)) for r in ROLES}
+    one = dict.fromkeys(ROLES, PolicySource("model", Path("m")))
 
     def names(served: list[str], sources: dict, model: str | None = None) -> dict[str, str]:
-        got = _served_names(argparse.Namespace(served_model=served, model=model), sources)
-        return {r.value: n for r, n in got.items()}
+        return _served_names(argparse.Namespace(served_model=served, model=model), sources)
 
     assert names([], per_role) == {"solver": "solver", "verifier": "verifier", "corrector": "corrector"}
     assert names([], one, model="ckpt/x") == dict.fromkeys(["solver", "verifier", "corrector"], "ckpt/x")

@@ -20,7 +20,7 @@ from mars_megatron.rewards import (
     answer_rewards,
     extract_boxed,
     normalize_reference,
-    verifier_reward,
+    verdict_reward,
 )
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
@@ -92,8 +92,8 @@ def test_normalize_reference():
         (None, False, 0.0),
     ],
 )
-def test_verifier_reward_truth_table(verdict, truth, reward):
-    assert verifier_reward(verdict, truth) == reward
+def test_verdict_reward_truth_table(verdict, truth, reward):
+    assert verdict_reward(verdict, truth) == reward
 
 
 # --- AnswerChecker with real math-verify ----------------------------------------------------------------

@@ -16,7 +16,7 @@ from mars_megatron.agents.verdict import bug_report, parse_verdict
 from mars_megatron.config import ConfigError
 from mars_megatron.evaluation.data import Problem, load_problems
 from mars_megatron.models.tokenizer import build_tiny_tokenizer
-from mars_megatron.rewards import AnswerChecker, CheckerConfig, answer_rewards, verifier_reward
+from mars_megatron.rewards import AnswerChecker, CheckerConfig, answer_rewards, verdict_reward
 from mars_megatron.rollout.chat import ChatCodec
 from mars_megatron.tasks.arith import arith_problems, operand_pairs, operands, problem_text, write_jsonl
 from mars_megatron.tasks.demos import CARELESS_REPORT, DemoConfig, build_demos, encode_demo
@@ -202,7 +202,7 @@ def test_rewarded_flags_match_the_real_rewards() -> None:
         )
     assert [d.rewarded for d in answers] == [r == 1.0 for r in paid]
     paid_v = [
-        verifier_reward(parse_verdict(d.response), t == 1.0) for d, t in zip(verifiers, truth, strict=True)
+        verdict_reward(parse_verdict(d.response), t == 1.0) for d, t in zip(verifiers, truth, strict=True)
     ]
     assert [d.rewarded for d in verifiers] == [r == 1.0 for r in paid_v]
     assert all(d.rewarded for d in demos if d.careful)

@@ -828,7 +828,7 @@ class LoopBudgets:
 
         e = evaluation
         return cls(
-            start_retries=pick(e.solver_retries if e else None, loop.start_retries),
+            start_retries=pick(e.start_retries if e else None, loop.start_retries),
             max_iterations=pick(e.max_iterations if e else None, loop.max_iterations),
             accept_after=pick(e.accept_after if e else None, loop.accept_after),
             give_up_after=pick(e.give_up_after if e else None, loop.give_up_after),

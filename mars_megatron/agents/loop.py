@@ -1,45 +1,58 @@
-"""The V–C inference loop (evaluation) as a state machine the caller drives.
+"""An agent graph's inference loop (``graph.loop``; ``mars eval``) as a state machine the caller drives.
 
 The caller asks :meth:`InferenceLoop.next_request` for the next (role, messages), runs it on any
 engine, and hands the text back with :meth:`InferenceLoop.observe`. Keeping engines out makes every
 branch of the loop testable with scripted outputs, and lets a driver batch many loops at once.
 
-Flow: Solver (re-run while its output is truncated, at most ``1 + solver_retries`` times), then up
-to ``max_iterations`` iterations of {Verifier; if the verdict is an error, Corrector}.
+Flow: the start step writes the first solution (re-run while its output is truncated, at most
+``1 + start_retries`` times); then each step's role speaks and the loop goes to the step's ``next``,
+or, after a role that decides, to ``on_pass`` or ``on_fail``. Only verdicts count: each is one
+iteration; ``accept_after`` consecutive passes accept the current solution, ``give_up_after``
+consecutive failures give up, and ``max_iterations`` verdicts end the loop.
+
+What each kind of output does: a ``solution`` (complete, not truncated) becomes the current solution
+(a truncated one after the start is dropped, and the previous solution goes on); a ``report`` becomes
+the latest report, which later prompts read as ``report`` and ``bug_report``; a verdict (read from a
+deciding role's output; a truncated output has none, and no verdict is a failure) counts for the
+current solution.
 """
 
-from dataclasses import dataclass
-from enum import Enum
-from typing import Literal
+from __future__ import annotations
 
-from mars_megatron.agents.prompts import PROMPT_SETS, PromptSet, strip_thinking
-from mars_megatron.agents.roles import Message, Role
-from mars_megatron.agents.verdict import bug_report, parse_verdict
+from dataclasses import dataclass
+
+from mars_megatron.agents.graph import AgentGraph, LoopBudgets, LoopStepSpec, prompt_set_of
+from mars_megatron.agents.prompts import strip_thinking
+from mars_megatron.agents.roles import Message
+from mars_megatron.agents.verdict import bug_report, read_verdict
 from mars_megatron.config import EvalConfig
 
-StopReason = Literal["accepted", "gave_up", "max_iterations", "solver_truncated"]
+ACCEPTED, GAVE_UP, MAX_ITERATIONS = "accepted", "gave_up", "max_iterations"
+TRUNCATED_SUFFIX = "_truncated"
+"""A loop whose start step never wrote a complete solution stops with ``<start role>_truncated``
+(MarsRL: ``solver_truncated``)."""
 
 
 @dataclass(frozen=True)
 class Request:
-    """One agent call for the engine: which role speaks and the chat it continues."""
+    """One agent call for the engine: which role (a graph role name) speaks and the chat it continues."""
 
-    role: Role
+    role: str
     messages: list[Message]
 
 
 @dataclass(frozen=True)
 class LoopStep:
-    """One observed output. ``verdict`` is set for the Verifier only (None there means unparseable)."""
+    """One observed output. ``verdict`` is set for a deciding role only (None there means unreadable)."""
 
-    role: Role
+    role: str
     text: str
     truncated: bool = False
     verdict: bool | None = None
     solution: int | None = None
-    """Index into :attr:`LoopResult.solutions`: for the Solver and Corrector the solution this output
-    became (None when it was dropped, truncated), for the Verifier the solution it judged; so an
-    evaluation can score the Verifier against the truth of what it saw, not of the final answer."""
+    """Index into :attr:`LoopResult.solutions`: for a solution step the solution this output became
+    (None when it was dropped, truncated), for any other step the solution it judged or reported on;
+    so an evaluation can score a verdict against the truth of what it saw, not of the final answer."""
 
 
 @dataclass(frozen=True)
@@ -49,10 +62,12 @@ class LoopResult:
     solution: str
     """Visible text (thinking stripped) of the chosen solution."""
     accepted: bool
-    stop_reason: StopReason
+    stop_reason: str
+    """``accepted``, ``gave_up``, ``max_iterations`` or ``<start role>_truncated``."""
     correct_votes: int
-    """How many times the chosen solution was judged ``Correct``."""
-    calls: dict[Role, int]
+    """How many passing verdicts the chosen solution got."""
+    calls: dict[str, int]
+    """Calls per role, every role of the graph in its order."""
     history: tuple[LoopStep, ...]
     solutions: tuple[str, ...] = ()
     """Visible text of every complete solution, in the order they were made."""
@@ -60,122 +75,145 @@ class LoopResult:
     """Index of ``solution`` in :attr:`solutions`."""
 
 
-class _Phase(Enum):
-    SOLVE = "solve"
-    VERIFY = "verify"
-    CORRECT = "correct"
-    DONE = "done"
-
-
 class InferenceLoop:
-    """Runs one problem through the V–C system; see the module docstring for the flow."""
+    """Runs one problem through ``graph``'s loop; see the module docstring for the flow."""
 
     def __init__(
-        self, problem: str, config: EvalConfig | None = None, prompts: PromptSet | None = None
+        self,
+        problem: str,
+        graph: AgentGraph,
+        config: EvalConfig | None = None,
+        prompts: str | None = None,
     ) -> None:
-        """``config``: the loop's budgets (``solver_retries``, ``max_iterations``, ``accept_after``,
-        ``give_up_after``) from the ``evaluation`` section; defaults are MarsRL's evaluation settings.
-        ``prompts``: the prompt set the roles were trained with (default ``"marsrl"``); a model trained
-        on ``compact`` prompts must be evaluated with them, or it answers text it never saw."""
+        """``config``: the ``evaluation`` section, whose loop settings override the graph's
+        (:class:`LoopBudgets`). ``prompts``: the graph's prompt set the roles were trained with (None:
+        its first); a model trained on ``compact`` prompts must be evaluated with them, or it answers
+        text it never saw."""
         self.problem = problem
-        self.config = config or EvalConfig()
-        self.prompts = prompts or PROMPT_SETS["marsrl"]
-        self._phase = _Phase.SOLVE
+        self.graph = graph
+        self.budgets = LoopBudgets.of(graph, config)
+        self.prompts = prompt_set_of(graph, prompts)
+        self._step: LoopStepSpec | None = graph.loop.steps[graph.loop.start]
         self._history: list[LoopStep] = []
         self._solutions: list[str] = []  # visible text of every complete solution, in order
-        self._votes: list[int] = []  # Correct verdicts per solution
-        self._solver_runs = 0
+        self._votes: list[int] = []  # passing verdicts per solution
+        self._start_runs = 0
         self._iterations = 0
-        self._streak_correct = 0
-        self._streak_errors = 0
-        self._last_report = ""
-        self._stop_reason: StopReason | None = None
+        self._streak_pass = 0
+        self._streak_fail = 0
+        self._report = ""  # the latest report's visible text
+        self._bug_report = ""  # and what of it a revision reads (verdict.bug_report)
+        self._stop_reason: str | None = None
 
     @property
     def done(self) -> bool:
-        return self._phase is _Phase.DONE
+        return self._step is None
+
+    def variables(self) -> dict[str, str]:
+        """What the next prompt may use: the problem, the current solution, the latest report and its
+        bug report (the last two empty until a report is written)."""
+        return {
+            "problem": self.problem.strip(),
+            "solution": strip_thinking(self._solutions[-1]) if self._solutions else "",
+            "report": self._report,
+            "bug_report": self._bug_report,
+        }
 
     def next_request(self) -> Request | None:
         """The next agent call, or None once the loop has finished."""
-        if self._phase is _Phase.SOLVE:
-            return Request(Role.SOLVER, self.prompts.solver_messages(self.problem))
-        if self._phase is _Phase.VERIFY:
-            return Request(Role.VERIFIER, self.prompts.verifier_messages(self.problem, self._solutions[-1]))
-        if self._phase is _Phase.CORRECT:
-            messages = self.prompts.corrector_messages(self.problem, self._solutions[-1], self._last_report)
-            return Request(Role.CORRECTOR, messages)
-        return None
+        if self._step is None:
+            return None
+        role = self.graph.roles[self._step.role]
+        return Request(role.name, role.messages(self.prompts, self.variables()))
 
     def observe(self, output_text: str, truncated: bool = False) -> None:
         """Feed the output of the request last returned by :meth:`next_request`."""
-        if self._phase is _Phase.DONE:
+        step = self._step
+        if step is None:
             raise RuntimeError("InferenceLoop.observe called after the loop finished")
-        if self._phase is _Phase.SOLVE:
-            self._observe_solver(output_text, truncated)
-        elif self._phase is _Phase.VERIFY:
-            self._observe_verifier(output_text, truncated)
+        role = self.graph.roles[step.role]
+        if step.name == self.graph.loop.start:
+            self._observe_start(step, output_text, truncated)
+        elif role.verdict is not None:
+            self._observe_verdict(step, output_text, truncated)
+        elif role.output == "solution":
+            # A truncated revision is dropped: the previous solution goes on to the next step.
+            kept = None if truncated else len(self._solutions)
+            self._history.append(LoopStep(role.name, output_text, truncated, solution=kept))
+            if not truncated:
+                self._add_solution(output_text)
+            self._step = self._go(step.next)
         else:
-            self._observe_corrector(output_text, truncated)
+            self._history.append(LoopStep(role.name, output_text, truncated, solution=self._judged()))
+            if role.output == "report":
+                self._keep_report(output_text, role.verdict)
+            self._step = self._go(step.next)
 
-    def _observe_solver(self, text: str, truncated: bool) -> None:
-        self._solver_runs += 1
-        last_try = self._solver_runs > self.config.solver_retries
+    def _observe_start(self, step: LoopStepSpec, text: str, truncated: bool) -> None:
+        self._start_runs += 1
+        last_try = self._start_runs > self.budgets.start_retries
         kept = len(self._solutions) if not truncated or last_try else None
-        self._history.append(LoopStep(Role.SOLVER, text, truncated, solution=kept))
+        self._history.append(LoopStep(step.role, text, truncated, solution=kept))
         if not truncated:
             self._add_solution(text)
-            self._phase = _Phase.VERIFY
+            self._step = self._go(step.next)
         elif last_try:
-            # Nothing complete to verify: answer with what the last run made visible (often "").
+            # Nothing complete to judge: answer with what the last run made visible (often "").
             self._add_solution(text)
-            self._finish("solver_truncated")
+            self._finish(step.role + TRUNCATED_SUFFIX)
 
-    def _observe_verifier(self, text: str, truncated: bool) -> None:
-        # A truncated report never reached a deliberate verdict, whatever its text happens to say.
-        verdict = None if truncated else parse_verdict(text)
-        self._history.append(LoopStep(Role.VERIFIER, text, truncated, verdict, len(self._solutions) - 1))
+    def _observe_verdict(self, step: LoopStepSpec, text: str, truncated: bool) -> None:
+        role = self.graph.roles[step.role]
+        # A truncated output never reached a deliberate verdict, whatever its text happens to say.
+        verdict = None if truncated or role.verdict is None else read_verdict(role.verdict, text)
+        self._history.append(LoopStep(role.name, text, truncated, verdict, self._judged()))
+        if role.output == "report":
+            self._keep_report(text, role.verdict)
         self._iterations += 1
         if verdict is True:
             self._votes[-1] += 1
-            self._streak_correct += 1
-            self._streak_errors = 0
-            if self._streak_correct >= self.config.accept_after:
-                return self._finish("accepted")
+            self._streak_pass += 1
+            self._streak_fail = 0
+            if self._streak_pass >= self.budgets.accept_after:
+                return self._finish(ACCEPTED)
         else:
-            self._streak_correct = 0
-            self._streak_errors += 1
-            if self._streak_errors >= self.config.give_up_after:
-                return self._finish("gave_up")
-        if self._iterations >= self.config.max_iterations:
-            # A correction made now could never be verified, so it is not requested.
-            return self._finish("max_iterations")
-        if verdict is not True:
-            self._last_report = bug_report(text)
-            self._phase = _Phase.CORRECT
+            self._streak_pass = 0
+            self._streak_fail += 1
+            if self._streak_fail >= self.budgets.give_up_after:
+                return self._finish(GAVE_UP)
+        if self._iterations >= self.budgets.max_iterations:
+            # A correction made now could never be judged, so it is not requested.
+            return self._finish(MAX_ITERATIONS)
+        self._step = self._go(step.on_pass if verdict is True else step.on_fail)
 
-    def _observe_corrector(self, text: str, truncated: bool) -> None:
-        kept = None if truncated else len(self._solutions)
-        self._history.append(LoopStep(Role.CORRECTOR, text, truncated, solution=kept))
-        if not truncated:
-            self._add_solution(text)
-        # A truncated revision is dropped: the previous solution is verified again next iteration.
-        self._phase = _Phase.VERIFY
+    def _keep_report(self, text: str, reader: str | None) -> None:
+        self._report = strip_thinking(text)
+        self._bug_report = bug_report(text, reader)
+
+    def _go(self, name: str | None) -> LoopStepSpec:
+        if name is None:  # validate() gives every step somewhere to go
+            raise RuntimeError(f"graph {self.graph.name!r}: a loop step has no next step")
+        return self.graph.loop.steps[name]
+
+    def _judged(self) -> int:
+        """The current solution: what a report or a verdict is about."""
+        return len(self._solutions) - 1
 
     def _add_solution(self, text: str) -> None:
         self._solutions.append(strip_thinking(text))
         self._votes.append(0)
 
-    def _finish(self, reason: StopReason) -> None:
+    def _finish(self, reason: str) -> None:
         self._stop_reason = reason
-        self._phase = _Phase.DONE
+        self._step = None
 
     def result(self) -> LoopResult:
         """The answer: the accepted solution, else :func:`choose_fallback`'s pick."""
         if self._stop_reason is None:
             raise RuntimeError("InferenceLoop.result called before the loop finished")
-        accepted = self._stop_reason == "accepted"
+        accepted = self._stop_reason == ACCEPTED
         index = len(self._solutions) - 1 if accepted else choose_fallback(self._votes)
-        calls = {role: sum(step.role is role for step in self._history) for role in Role}
+        calls = {role: sum(step.role == role for step in self._history) for role in self.graph.roles}
         return LoopResult(
             solution=self._solutions[index],
             accepted=accepted,
@@ -189,9 +227,9 @@ class InferenceLoop:
 
 
 def choose_fallback(correct_votes: list[int]) -> int:
-    """Index of the solution judged ``Correct`` most often; ties go to the latest.
+    """Index of the solution that passed most often; ties go to the latest.
 
-    With no ``Correct`` verdict at all this is the last solution, the one most revised.
+    With no passing verdict at all this is the last solution, the one most revised.
     """
     if not correct_votes:
         raise ValueError("choose_fallback needs at least one solution")

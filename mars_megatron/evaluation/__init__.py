@@ -1,5 +1,6 @@
-"""Evaluation of the V–C reasoning system: ``mars eval`` (MARSRL.md §1).
+"""Evaluation of an agent graph's inference loop: ``mars eval`` (MARSRL.md §1 for the default graph).
 
-``data`` reads problems, ``runner`` drives many inference loops on one engine, ``metrics`` computes
-accuracies and pass@k, ``results`` owns the output directory and ``command`` wires them to the CLI.
+``data`` reads problems, ``runner`` drives many inference loops on the engines of the graph's roles,
+``metrics`` computes accuracies and pass@k, ``results`` owns the output directory and ``command`` wires
+them to the CLI.
 """

@@ -1,11 +1,12 @@
-"""``mars eval``: load problems, resolve which model answers each role, build the engines, run the V–C
-system over every problem × sample, write ``results.jsonl`` as loops finish and ``summary.json`` at the
-end (see :mod:`.results`).
+"""``mars eval``: load problems, resolve which model answers each role, build the engines, run an agent
+graph's inference loop over every problem × sample, write ``results.jsonl`` as loops finish and
+``summary.json`` at the end (see :mod:`.results`).
 
 What is evaluated is what training made: an HF model or mars checkpoint folder (``--model``, one model
-for every role), or a ``mars train`` checkpoint (``--checkpoint``: its shared policy, or each role's own
-under ``algorithm.policies=per_role``), with the prompt set and agent budgets of the run that trained it
-(``--config``, e.g. the ``config.yaml`` a run writes into its run directory, or ``--prompts``).
+for every role), or a ``mars train`` checkpoint (``--checkpoint``: its shared policy, each role's own, or
+the graph's grouping), with the graph, prompt set and agent budgets of the run that trained it
+(``--config``, e.g. the ``config.yaml`` a run writes into its run directory, or ``--graph`` and
+``--prompts``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.prompts import PROMPT_SETS
-from mars_megatron.agents.roles import Role
-from mars_megatron.config import ConfigError, EvalConfig, RolloutConfig
+from mars_megatron.agents.graph import AgentGraph, load_graph, prompt_set_of
+from mars_megatron.config import AgentsConfig, ConfigError, EvalConfig, RolloutConfig
 from mars_megatron.evaluation import sampling
 from mars_megatron.rollout.chat import MAX_INPUT_TOKENS
 
@@ -40,27 +40,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--checkpoint",
         default=None,
         help="a `mars train` checkpoint (step_N folder, or its checkpoint.save_dir for the newest): each "
-        "role is answered by its policy (shared, or its own with algorithm.policies=per_role)",
+        "role is answered by its policy (shared, its own, or its group's in the graph)",
     )
     p.add_argument(
         "--policy",
         action="append",
         default=[],
         metavar="ROLE=DIR",
-        help="answer ROLE (solver|verifier|corrector) with another model; repeatable",
+        help="answer ROLE (a role of the graph) with another model; repeatable",
+    )
+    p.add_argument(
+        "--graph",
+        default=None,
+        metavar="NAME|PATH",
+        help="the agent graph whose inference loop runs: a shipped graph or a graph.yaml (default: "
+        f"--config's agents.graph, else {AgentsConfig().graph})",
     )
     p.add_argument(
         "--config",
         default=None,
-        help="the training config of the model (e.g. RUN_DIR/config.yaml): its prompt set "
-        "(agents.prompts), response and input budgets (rollout.max_response_tokens, "
+        help="the training config of the model (e.g. RUN_DIR/config.yaml): its graph and prompt set "
+        "(agents.graph, agents.prompts), response and input budgets (rollout.max_response_tokens, "
         "rollout.max_input_tokens) and dtype become the defaults",
     )
     p.add_argument(
         "--prompts",
         default=None,
-        choices=sorted(PROMPT_SETS),
-        help="prompt set (default: --config's, else marsrl)",
+        help="a prompt set of the graph (default: --config's, else the graph's first)",
     )
     p.add_argument("--engine", required=True, choices=ENGINES)
     p.add_argument("--endpoint", default=None, help="server URL for --engine openai")
@@ -79,8 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     defaults = EvalConfig(max_tokens=RolloutConfig().max_response_tokens)
     for name, flag in OPTIONS.items():
         default = getattr(defaults, name)
-        kind = "V–C loop; " if name in sampling.LOOP_FIELDS else ""
-        p.add_argument(f"--{flag}", type=type(default), default=None, help=f"{kind}default {default}")
+        if name in sampling.LOOP_FIELDS:
+            p.add_argument(f"--{flag}", type=int, default=None, help="inference loop; default: the graph's")
+        else:
+            p.add_argument(f"--{flag}", type=type(default), default=None, help=f"default {default}")
     p.add_argument(
         "--max-input-tokens", type=int, default=None, help=f"agent input cap (default {MAX_INPUT_TOKENS})"
     )
@@ -101,9 +109,11 @@ class EvalSettings:
     """Everything that shapes the results, resolved from flags over ``--config`` over defaults (so a
     resumed run can be checked against the first, and the summary says what produced it)."""
 
+    graph: AgentGraph
     prompts: str
+    """A prompt set of ``graph``."""
     evaluation: EvalConfig
-    """Sampling and V–C loop budgets (``max_tokens`` resolved)."""
+    """Sampling and overrides of the loop's budgets (``max_tokens`` resolved)."""
     max_input_tokens: int
     dtype: str
 
@@ -128,13 +138,25 @@ def settings(args: argparse.Namespace) -> EvalSettings:
             raise FileNotFoundError(f"--config {args.config}: no such file")
         cfg = load_config(args.config)
         trained = {
+            "graph": cfg.agents.graph,
             "prompts": cfg.agents.prompts,
             "rollout": cfg.rollout,
             "max_input_tokens": cfg.rollout.max_input_tokens,
             "dtype": cfg.model.dtype,
         }
+    try:
+        graph = load_graph(args.graph or trained.get("graph") or AgentsConfig().graph)
+    except ValueError as e:  # a GraphError names the file and field; say which flag chose the graph
+        raise ValueError(f"{'--graph' if args.graph else '--config'}: {e}") from None
+    # the trained prompt set belongs to the trained graph; another --graph starts from its own first set
+    prompts = args.prompts or (trained.get("prompts") if args.graph is None else None)
+    try:
+        prompts = prompt_set_of(graph, prompts)
+    except ValueError as e:
+        raise ValueError(f"--prompts: {e}") from None
     return EvalSettings(
-        prompts=args.prompts or trained.get("prompts", "marsrl"),
+        graph=graph,
+        prompts=prompts,
         evaluation=evaluation_section(args, trained.get("rollout")),
         max_input_tokens=args.max_input_tokens or trained.get("max_input_tokens", MAX_INPUT_TOKENS),
         dtype=args.dtype or trained.get("dtype", "float32"),
@@ -160,34 +182,34 @@ def evaluation_section(args: argparse.Namespace, rollout: RolloutConfig | None) 
     return sampling.with_response_budget(evaluation, rollout)
 
 
-def _sources(args: argparse.Namespace) -> dict[Role, Any]:
+def _sources(args: argparse.Namespace, graph: AgentGraph) -> dict[str, Any]:
     from mars_megatron.evaluation.policies import checkpoint_policies, model_policies, override_roles
 
     if args.checkpoint is not None:
-        sources = checkpoint_policies(args.checkpoint)[1]
+        sources = checkpoint_policies(args.checkpoint, graph)[1]
     else:
-        sources = model_policies(args.model)
+        sources = model_policies(args.model, graph)
     return override_roles(sources, _key_values(args.policy, "--policy"))
 
 
-def _served_names(args: argparse.Namespace, sources: dict[Role, Any]) -> dict[Role, str]:
+def _served_names(args: argparse.Namespace, sources: dict[str, Any]) -> dict[str, str]:
     """``--served-model``: one NAME for every role and/or ``ROLE=NAME`` per role; else the policy's name
     (``--model``'s path when one model answers every role)."""
     plain = [n for n in args.served_model if "=" not in n]
     per = _key_values([n for n in args.served_model if "=" in n], "--served-model")
-    unknown = sorted(set(per) - {r.value for r in Role})
+    unknown = sorted(set(per) - set(sources))
     if len(plain) > 1 or unknown:
         raise ValueError(f"--served-model: give one NAME and/or ROLE=NAME per role, got {args.served_model}")
     default = {r: args.model if args.model and s.name == "model" else s.name for r, s in sources.items()}
-    return {r: per.get(r.value, plain[0] if plain else default[r]) for r in Role}
+    return {r: per.get(r, plain[0] if plain else default[r]) for r in sources}
 
 
 def _engines(
-    args: argparse.Namespace, hf: dict[Role, Path], served: dict[Role, str], max_model_len: int, dtype: str
-) -> dict[Role, Any]:
+    args: argparse.Namespace, hf: dict[str, Path], served: dict[str, str], max_model_len: int, dtype: str
+) -> dict[str, Any]:
     """One engine per distinct model (roles sharing a policy share its engine)."""
     batch = max(1, min(args.max_concurrent, 64))
-    key = {r: (str(hf[r]), served[r]) for r in Role}
+    key = {r: (str(hf[r]), served[r]) for r in hf}
     distinct = list(dict.fromkeys(key.values()))
     built: dict[tuple[str, str], Any] = {}
     for model_dir, name in distinct:
@@ -208,12 +230,11 @@ def _engines(
             from mars_megatron.rollout.openai_engine import OpenAIEngine
 
             built[(model_dir, name)] = OpenAIEngine(args.endpoint, name, max_concurrency=batch)
-    return {r: built[key[r]] for r in Role}
+    return {r: built[key[r]] for r in hf}
 
 
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     """The ``mars eval`` job; returns the summary it wrote."""
-    from mars_megatron.agents.prompts import prompt_set
     from mars_megatron.evaluation.data import load_problems
     from mars_megatron.evaluation.metrics import summarize
     from mars_megatron.evaluation.policies import convert_with_mars, describe, hf_dirs
@@ -239,19 +260,21 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data}: no such file")
     chosen = settings(args)  # every flag checked before OUT is touched
-    sources = _sources(args)
+    graph = chosen.graph
+    sources = _sources(args, graph)
     served = _served_names(args, sources) if args.engine == "openai" else {}
     config = {
         "data": str(Path(args.data).resolve()),
         "data_sha256": file_sha256(args.data),  # --resume against changed data is refused
         "model": describe(sources),
         "engine": args.engine,
-        "served_model": {r.value: n for r, n in served.items()},
+        "served_model": served,
         "samples": args.samples,
+        "graph": graph.name,
         "prompts": chosen.prompts,
         "max_input_tokens": chosen.max_input_tokens,
         "truncate_long_prompts": args.truncate_long_prompts,
-        **sampling.record(chosen.evaluation),
+        **sampling.record(chosen.evaluation, graph),
     }
     dataset = load_problems(args.data, args.limit)
     if not dataset.problems and args.limit != 0:
@@ -274,15 +297,16 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
             }
             codecs = {role: loaded[path] for role, path in hf.items()}
             max_len = chosen.max_input_tokens + chosen.evaluation.max_tokens
-            engines = _engines(args, hf, served or {r: "" for r in Role}, max_len, chosen.dtype)
+            engines = _engines(args, hf, served or dict.fromkeys(hf, ""), max_len, chosen.dtype)
             checker = AnswerChecker(CheckerConfig(num_workers=args.checker_workers))
             _run_jobs(
                 EvalRunner(
                     engines,
                     codecs,
                     checker,
+                    graph=graph,
                     config=chosen.evaluation,
-                    prompts=prompt_set(chosen.prompts),
+                    prompts=chosen.prompts,
                     max_concurrent=args.max_concurrent,
                 ),
                 jobs,
@@ -292,7 +316,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         out.close()
     summary = {
-        **summarize(out.records, [p.problem_id for p in dataset.problems], args.samples),
+        **summarize(out.records, [p.problem_id for p in dataset.problems], args.samples, graph),
         "skipped_lines": len(dataset.skipped),
         "skipped": dataset.skipped,
         "config": config,
@@ -304,8 +328,9 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     path = out.write_summary(summary)
+    first = f"{graph.start_role}_acc"
     print(
-        f"solver_acc={summary['solver_acc']} system_acc={summary['system_acc']} "
+        f"{first}={summary[first]} system_acc={summary['system_acc']} "
         f"({summary['results']} results, {len(dataset.skipped)} skipped lines) -> {path}",
         file=sys.stderr,
     )

@@ -1,11 +1,12 @@
 """What ``mars eval`` evaluates: which model answers each role, as an HF directory the engines can load.
 
-A training run leaves its policies in a ``mars train`` checkpoint (one ``shared`` policy folder, or one
-per role with ``algorithm.policies=per_role``). Each policy folder is a mars Megatron checkpoint: model
-weights in Megatron's distributed format and the tokenizer under ``hf/``. Inference engines (transformers,
-vLLM) load HF safetensors, so a policy without HF weights is converted once (``mars convert mcore-to-hf``,
-in child processes) into ``<out>/models/<policy>/`` and reused by ``--resume``. An SFT output's ``hf/`` is
-a complete HF model already and is used as it is.
+A training run leaves its policies in a ``mars train`` checkpoint (one ``shared`` policy folder, one per
+role with ``algorithm.policies=per_role``, or one per policy of the graph's grouping with
+``algorithm.policies=graph``); the agent graph says which role each folder answers. Each policy folder
+is a mars Megatron checkpoint: model weights in Megatron's distributed format and the tokenizer under
+``hf/``. Inference engines (transformers, vLLM) load HF safetensors, so a policy without HF weights is
+converted once (``mars convert mcore-to-hf``, in child processes) into ``<out>/models/<policy>/`` and
+reused by ``--resume``. An SFT output's ``hf/`` is a complete HF model already and is used as it is.
 
 Pure path logic stays apart from the conversion, so the routing (which role reads which folder) is
 checked before anything heavy starts.
@@ -18,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import AgentGraph
 from mars_megatron.json_file import read_json
 
 SHARED = "shared"
@@ -67,9 +68,10 @@ def checkpoint_step(checkpoint: str | Path) -> Path:
     return latest
 
 
-def checkpoint_policies(checkpoint: str | Path) -> tuple[Path, dict[Role, PolicySource]]:
-    """The step folder of ``checkpoint`` and, for every role, the policy folder that answers it (the
-    ``shared`` one, or the role's own under ``algorithm.policies=per_role``)."""
+def checkpoint_policies(checkpoint: str | Path, graph: AgentGraph) -> tuple[Path, dict[str, PolicySource]]:
+    """The step folder of ``checkpoint`` and, for every role of ``graph``, the policy folder that answers
+    it (the ``shared`` one, the role's own under ``algorithm.policies=per_role``, or its group's under
+    ``algorithm.policies=graph``)."""
     from mars_megatron.checkpoint.store import CheckpointStore
 
     step = checkpoint_step(checkpoint)
@@ -81,12 +83,13 @@ def checkpoint_policies(checkpoint: str | Path) -> tuple[Path, dict[Role, Policy
         raise PolicyError(
             f"--checkpoint {step}: field 'policies' of its trainer state is {names!r}, not names"
         )
-    if names == [SHARED]:
-        routing = dict.fromkeys(Role, SHARED)
-    elif sorted(names) == sorted(r.value for r in Role):
-        routing = {r: r.value for r in Role}
-    else:
-        raise PolicyError(f"--checkpoint {step}: policies {names} are neither ['shared'] nor one per role")
+    modes = [m for m in ("shared", "per_role", "graph") if sorted(names) == sorted(graph.policy_names(m))]
+    if not modes:
+        raise PolicyError(
+            f"--checkpoint {step}: policies {names} are neither ['shared'] nor one per role nor graph "
+            f"{graph.name!r}'s grouping {sorted(graph.policies)}"
+        )
+    routing = {role: graph.policy_of(role, graph.policy_names(modes[0])) for role in graph.roles}
     sources = {}
     for role, name in routing.items():
         folder = step / name
@@ -96,7 +99,7 @@ def checkpoint_policies(checkpoint: str | Path) -> tuple[Path, dict[Role, Policy
     return step, sources
 
 
-def model_policies(model: str | Path) -> dict[Role, PolicySource]:
+def model_policies(model: str | Path, graph: AgentGraph) -> dict[str, PolicySource]:
     """One model (an HF directory or a mars checkpoint folder) for every role."""
     path = Path(model)
     if not path.is_dir():
@@ -105,38 +108,36 @@ def model_policies(model: str | Path) -> dict[Role, PolicySource]:
         raise PolicyError(
             f"--model {path}: neither an HF model (config.json and *.safetensors) nor a mars checkpoint"
         )
-    return dict.fromkeys(Role, PolicySource("model", path))
+    return dict.fromkeys(graph.roles, PolicySource("model", path))
 
 
 def override_roles(
-    sources: Mapping[Role, PolicySource], overrides: Mapping[str, str]
-) -> dict[Role, PolicySource]:
-    """``--policy ROLE=DIR``: answer ``ROLE`` with another model (e.g. a trained Verifier beside an
-    untrained Solver)."""
+    sources: Mapping[str, PolicySource], overrides: Mapping[str, str]
+) -> dict[str, PolicySource]:
+    """``--policy ROLE=DIR``: answer ``ROLE`` (a role of the graph, a key of ``sources``) with another
+    model (e.g. a trained judging role beside an untrained first role)."""
     out = dict(sources)
     for role_name, folder in overrides.items():
-        try:
-            role = Role(role_name)
-        except ValueError:
-            valid = ", ".join(r.value for r in Role)
-            raise PolicyError(f"--policy {role_name}=...: unknown role; valid roles: {valid}") from None
+        if role_name not in sources:
+            valid = ", ".join(sources)
+            raise PolicyError(f"--policy {role_name}=...: unknown role; valid roles: {valid}")
         path = Path(folder)
         if not (_is_hf_model(path) or _is_mars_checkpoint(path)):
             raise PolicyError(f"--policy {role_name}={path}: neither an HF model nor a mars checkpoint")
-        out[role] = PolicySource(role_name, path)
+        out[role_name] = PolicySource(role_name, path)
     return out
 
 
-def describe(sources: Mapping[Role, PolicySource]) -> dict[str, str]:
+def describe(sources: Mapping[str, PolicySource]) -> dict[str, str]:
     """``{role: path}``, for config.json and logs (what answered each role)."""
-    return {role.value: str(source.path.resolve()) for role, source in sources.items()}
+    return {role: str(source.path.resolve()) for role, source in sources.items()}
 
 
 Convert = Callable[[Path, Path], None]
 """``convert(mcore_dir, hf_out)``: write an HF model of a mars checkpoint (atomically)."""
 
 
-def hf_dirs(sources: Mapping[Role, PolicySource], cache: Path, convert: Convert) -> dict[Role, Path]:
+def hf_dirs(sources: Mapping[str, PolicySource], cache: Path, convert: Convert) -> dict[str, Path]:
     """An HF directory per role: HF models as they are, an SFT output's complete ``hf/``, else a
     conversion under ``cache`` (made once per distinct folder, reused when already complete)."""
     made: dict[Path, Path] = {}

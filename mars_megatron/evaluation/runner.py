@@ -1,14 +1,16 @@
-"""Drives many V–C inference loops (one per problem × sample) concurrently.
+"""Drives many inference loops of an agent graph (one per problem × sample) concurrently.
 
 Each round collects the next request of every active loop, sends them in one ``generate`` call per
 engine and feeds the outputs back; loops that finish are checked against the reference (every solution
-the loop made, so the Verifier can be scored against what it judged; the chosen one is the system's
-answer, the loop's first Solver output the Solver-alone answer) and handed to ``on_result`` at once, so a
-crash loses only unfinished loops. Every agent call has its own seed, derived from (base seed,
-problem, sample, step), so results do not depend on batching order or on a run being resumed.
+the loop made, so each verdict can be scored against what it judged; the chosen one is the system's
+answer, the loop's first output of its start role the answer of that role alone) and handed to
+``on_result`` at once, so a crash loses only unfinished loops. Every agent call has its own seed,
+derived from (base seed, problem, sample, step), so results do not depend on batching order or on a run
+being resumed.
 
-Roles may be answered by different models (``algorithm.policies=per_role``): ``engine`` and ``codec``
-are then mappings from role to that role's engine and tokenizer, and a round calls the distinct engines
+Roles may be answered by different models (``algorithm.policies``: per role, or the graph's grouping):
+``engine`` and ``codec`` are then mappings from the graph's role names to that role's engine and
+tokenizer, and a round calls the distinct engines
 side by side (threads: an engine call is I/O or native code that releases the GIL).
 """
 
@@ -21,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mars_megatron.agents.graph import AgentGraph
 from mars_megatron.agents.loop import InferenceLoop, LoopResult
-from mars_megatron.agents.prompts import PromptSet
-from mars_megatron.agents.roles import Message, Role
+from mars_megatron.agents.roles import Message
 from mars_megatron.config import EvalConfig
 from mars_megatron.evaluation import sampling
 from mars_megatron.evaluation.data import Problem
@@ -39,18 +41,18 @@ class Codec(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
 
-PerRole = Mapping[Role, Any]
-"""Role -> what answers it (an engine or a codec)."""
+PerRole = Mapping[str, Any]
+"""Role name -> what answers it (an engine or a codec)."""
 
 
-def per_role(value: Any) -> dict[Role, Any]:
-    """``value`` for every role, or the mapping given (which must name every role)."""
+def per_role(value: Any, roles: Sequence[str]) -> dict[str, Any]:
+    """``value`` for every role of ``roles``, or the mapping given (which must name every one)."""
     if isinstance(value, Mapping):
-        missing = [r.value for r in Role if r not in value]
+        missing = [r for r in roles if r not in value]
         if missing:
             raise ValueError(f"no engine or codec for role(s) {', '.join(missing)}")
-        return {r: value[r] for r in Role}
-    return dict.fromkeys(Role, value)
+        return {r: value[r] for r in roles}
+    return dict.fromkeys(roles, value)
 
 
 class Checker(Protocol):
@@ -76,7 +78,7 @@ class _Slot:
 
 
 class EvalRunner:
-    """Runs (problem, sample) jobs through the V–C loop; see the module docstring."""
+    """Runs (problem, sample) jobs through ``graph``'s loop; see the module docstring."""
 
     def __init__(
         self,
@@ -84,18 +86,20 @@ class EvalRunner:
         codec: Codec | PerRole,
         checker: Checker,
         *,
+        graph: AgentGraph,
         config: EvalConfig | None = None,
-        prompts: PromptSet | None = None,
+        prompts: str | None = None,
         max_concurrent: int = 256,
         on_result: Callable[[dict[str, Any]], None] = lambda record: None,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-        self.engines: dict[Role, RolloutEngine] = per_role(engine)
-        self.codecs: dict[Role, Codec] = per_role(codec)
+        self.graph = graph
+        self.engines: dict[str, RolloutEngine] = per_role(engine, list(graph.roles))
+        self.codecs: dict[str, Codec] = per_role(codec, list(graph.roles))
         self.checker = checker
-        # the evaluation section: sampling and the V–C loop's budgets; a null max_tokens is the default
-        # rollout's response budget (callers that have a run's rollout resolve it first)
+        # the evaluation section: sampling and overrides of the loop's budgets; a null max_tokens is the
+        # default rollout's response budget (callers that have a run's rollout resolve it first)
         self.config = sampling.with_response_budget(config or EvalConfig())
         self.prompts = prompts
         self.max_concurrent = max_concurrent
@@ -110,7 +114,7 @@ class EvalRunner:
             while pending or active:
                 while pending and len(active) < self.max_concurrent:
                     problem, sample = pending.popleft()
-                    loop = InferenceLoop(problem.text, self.config, self.prompts)
+                    loop = InferenceLoop(problem.text, self.graph, self.config, self.prompts)
                     active.append(_Slot(problem, sample, loop))
                 requests, waiting = self._requests(active)
                 if requests:
@@ -127,7 +131,7 @@ class EvalRunner:
         return handed_out
 
     def _generate(
-        self, pool: ThreadPoolExecutor, requests: list[GenerationRequest], waiting: list[tuple[_Slot, Role]]
+        self, pool: ThreadPoolExecutor, requests: list[GenerationRequest], waiting: list[tuple[_Slot, str]]
     ) -> list[Any]:
         """One ``generate`` call per distinct engine (side by side), outputs back in request order."""
         groups: dict[int, list[int]] = {}
@@ -139,11 +143,11 @@ class EvalRunner:
         except Exception as e:
             raise EngineFailure(f"engine failed: {type(e).__name__}: {e}") from e
 
-    def _requests(self, active: list[_Slot]) -> tuple[list[GenerationRequest], list[tuple[_Slot, Role]]]:
+    def _requests(self, active: list[_Slot]) -> tuple[list[GenerationRequest], list[tuple[_Slot, str]]]:
         """The next request of every active loop; a prompt over the input budget is observed as an
         empty truncated output at once (the agent could not run), which may finish its loop."""
         requests: list[GenerationRequest] = []
-        waiting: list[tuple[_Slot, Role]] = []
+        waiting: list[tuple[_Slot, str]] = []
         for slot in active:
             while (request := slot.loop.next_request()) is not None:
                 step = len(slot.calls)
@@ -162,14 +166,14 @@ class EvalRunner:
                     )
                     slot.loop.observe("", truncated=True)
                     continue
-                request_id = f"{slot.problem.problem_id}/{slot.sample}/{step}/{request.role.value}"
+                request_id = f"{slot.problem.problem_id}/{slot.sample}/{step}/{request.role}"
                 requests.append(GenerationRequest(request_id, prompt_ids, sampling.params(self.config, seed)))
                 waiting.append((slot, request.role))
                 break
         return requests, waiting
 
     def _records(self, finished: list[_Slot]) -> list[dict[str, Any]]:
-        """Check every solution of each finished loop and its first Solver output in one batch."""
+        """Check every solution of each finished loop and its start role's first output in one batch."""
         if not finished:
             return []
         results = [slot.loop.result() for slot in finished]
@@ -177,12 +181,12 @@ class EvalRunner:
         spans: list[tuple[int, int]] = []
         for slot, result in zip(finished, results, strict=True):
             start = len(pairs)
-            pairs.append((_first_solver_text(result), slot.problem.reference))
+            pairs.append((first_text(result, self.graph.start_role), slot.problem.reference))
             pairs += [(text, slot.problem.reference) for text in result.solutions]
             spans.append((start, len(pairs)))
         checks = self.checker.check_many(pairs)
         return [
-            _record(slot, result, checks[start], checks[start + 1 : end])
+            _record(slot, result, self.graph.start_role, checks[start], checks[start + 1 : end])
             for slot, result, (start, end) in zip(finished, results, spans, strict=True)
         ]
 
@@ -214,19 +218,20 @@ def _call(request: GenerationRequest, output_tokens: int, finish_reason: str) ->
     }
 
 
-def _first_solver_text(result: LoopResult) -> str:
-    return next(step.text for step in result.history if step.role is Role.SOLVER)
+def first_text(result: LoopResult, start_role: str) -> str:
+    """The loop's first output of its start role (truncated or not): that role's answer alone."""
+    return next(step.text for step in result.history if step.role == start_role)
 
 
 def _record(
-    slot: _Slot, result: LoopResult, solver: CheckResult, solutions: Sequence[CheckResult]
+    slot: _Slot, result: LoopResult, start_role: str, first: CheckResult, solutions: Sequence[CheckResult]
 ) -> dict[str, Any]:
     """One results.jsonl line: every agent output in order (with the index of the solution it made or
-    judged), the answer, and the checks of the Solver's first output, of every solution and of the
-    system's answer."""
+    judged), the answer, and the checks of the start role's first output (fields named after the role:
+    ``solver_correct`` in MarsRL), of every solution and of the system's answer."""
     steps = [
         {
-            "role": step.role.value,
+            "role": step.role,
             "text": step.text,
             "truncated": step.truncated,
             "verdict": step.verdict,
@@ -250,7 +255,7 @@ def _record(
         "correct_votes": result.correct_votes,
         "system_correct": system.correct,
         "system_check": system.status,
-        "solver_answer": extract_boxed(_first_solver_text(result)),
-        "solver_correct": solver.correct,
-        "solver_check": solver.status,
+        f"{start_role}_answer": extract_boxed(first_text(result, start_role)),
+        f"{start_role}_correct": first.correct,
+        f"{start_role}_check": first.status,
     }

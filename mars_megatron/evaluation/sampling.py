@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mars_megatron.agents.graph import AgentGraph, LoopBudgets
 from mars_megatron.config import EvalConfig, RolloutConfig
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 """Fields of the ``evaluation`` section that shape every agent call's sampling."""
-LOOP_FIELDS = ("solver_retries", "max_iterations", "accept_after", "give_up_after")
-"""Fields of the ``evaluation`` section that bound the V–C loop (read by the InferenceLoop)."""
+LOOP_FIELDS = ("start_retries", "max_iterations", "accept_after", "give_up_after")
+"""Fields of the ``evaluation`` section that override the graph's loop budgets (:class:`LoopBudgets`)."""
 
 
 def with_response_budget(evaluation: EvalConfig, rollout: RolloutConfig | None = None) -> EvalConfig:
@@ -26,12 +27,19 @@ def with_response_budget(evaluation: EvalConfig, rollout: RolloutConfig | None =
     return dataclasses.replace(evaluation, max_tokens=budget)
 
 
-def record(evaluation: EvalConfig) -> dict[str, dict[str, Any]]:
-    """The settings a run writes beside its results (``sampling`` and ``system``), so a resumed run can be
-    checked against the first one."""
+def record(evaluation: EvalConfig, graph: AgentGraph) -> dict[str, dict[str, Any]]:
+    """The settings a run writes beside its results (``sampling``, and in ``system`` the loop budgets
+    ``graph``'s loop ran with, under the ``evaluation`` fields' names), so a resumed run can be checked
+    against the first one."""
+    budgets = LoopBudgets.of(graph, evaluation)
     return {
         "sampling": {name: getattr(evaluation, name) for name in SAMPLING_FIELDS},
-        "system": {name: getattr(evaluation, name) for name in LOOP_FIELDS},
+        "system": {
+            "start_retries": budgets.start_retries,
+            "max_iterations": budgets.max_iterations,
+            "accept_after": budgets.accept_after,
+            "give_up_after": budgets.give_up_after,
+        },
     }
 
 

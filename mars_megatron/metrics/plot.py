@@ -89,7 +89,7 @@ def plot_rewards(
         raise ValueError("no reward/* metrics to plot")
     colours = {key: f"C{i}" for i, key in enumerate(keys)}
 
-    held_out = [(key, name) for key, name in _EVAL_CURVES if _series(evals or [], key)[0]]
+    held_out = [(key, name) for key, name in _eval_curves(evals or []) if _series(evals or [], key)[0]]
     fig = Figure(figsize=(8, 7.5 if held_out else 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(2, 1, 1) if held_out else fig.add_subplot()
@@ -128,7 +128,16 @@ def plot_rewards(
     return out_png
 
 
-_EVAL_CURVES = (("eval/system_acc", "V–C system"), ("eval/solver_acc", "Solver alone"))
+def _eval_curves(evals: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The system's held-out accuracy and its first solution's alone (``eval/<start role>_acc``)."""
+    alone = sorted({k for r in evals for k in r if k.startswith("eval/") and k.endswith("_acc")} - {SYSTEM})
+    return [
+        (SYSTEM, "system"),
+        *((k, f"{k.removeprefix('eval/').removesuffix('_acc')} alone") for k in alone),
+    ]
+
+
+SYSTEM = "eval/system_acc"
 
 
 def _plot_held_out(ax: Any, evals: Sequence[dict[str, Any]], curves: Sequence[tuple[str, str]]) -> None:

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-ROLES = ("solver", "verifier", "corrector")
-
 
 @dataclass(frozen=True)
 class RewardRise:
@@ -32,13 +30,17 @@ def _mean(records: Sequence[dict[str, Any]], key: str) -> float:
 
 
 def reward_rise(records: Sequence[dict[str, Any]], window: int = 10) -> list[RewardRise]:
-    """Mean ``reward/<role>`` over the first and the last ``window`` steps, per role."""
+    """Mean ``reward/<role>`` over the first and the last ``window`` steps, per role (the roles of the run's
+    agent graph: every ``reward/<role>`` key the records hold, in the order first logged)."""
     if window < 1 or len(records) < 2 * window:
         raise ValueError(
             f"reward_rise: need at least {2 * window} steps, got {len(records)} (window {window})"
         )
     head, tail = records[:window], records[-window:]
-    return [RewardRise(role, _mean(head, f"reward/{role}"), _mean(tail, f"reward/{role}")) for role in ROLES]
+    roles = list(
+        dict.fromkeys(k.removeprefix("reward/") for r in records for k in r if k.startswith("reward/"))
+    )
+    return [RewardRise(role, _mean(head, f"reward/{role}"), _mean(tail, f"reward/{role}")) for role in roles]
 
 
 def training_seconds(records: Sequence[dict[str, Any]]) -> float:

@@ -22,7 +22,7 @@ from mars_megatron.agents.trajectory import PromptInputs
 from mars_megatron.agents.verdict import read_verdict
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.scheduler import Batch, Scheduler, SegmentJob, shared_rewards
-from mars_megatron.rewards.agent_rewards import Checker, answer_rewards, verifier_reward
+from mars_megatron.rewards.agent_rewards import Checker, answer_rewards, verdict_reward
 from mars_megatron.rl.rollout import role_metrics
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
 
@@ -36,7 +36,8 @@ def prompt_builder(
     def prompt_fn(position: str, problem: Problem, inputs: PromptInputs) -> list[int]:
         role = graph.role_of(position)
         solution, report = (q.text if q is not None else None for q in (inputs.solution, inputs.report))
-        variables = prompt_variables(problem.text, solution, report)
+        reader = graph.roles[inputs.report.role].verdict if inputs.report is not None else None
+        variables = prompt_variables(problem.text, solution, report, reader)
         if inputs.call is not None:
             variables["purpose"], variables["tool_output"] = inputs.call
         return list(encode(role.messages(prompt_set, variables)))
@@ -163,7 +164,7 @@ def score_requests(
     for i, r in enumerate(requests):
         if r.reward == "verdict":
             verdict = out[i][2]
-            out[i] = (r.sample_id, verifier_reward(verdict, r.judged_right), verdict)
+            out[i] = (r.sample_id, verdict_reward(verdict, r.judged_right), verdict)
     return out
 
 

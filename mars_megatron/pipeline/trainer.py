@@ -455,10 +455,10 @@ def _line(step: int, total: int, m: Mapping[str, float], roles: Sequence[str]) -
     )
 
 
-def _eval_line(step: int, m: Mapping[str, float]) -> str:
+def _eval_line(step: int, m: Mapping[str, float], start_role: str) -> str:
     acc = "  ".join(
         f"{name} {m[key]:.3f}"
-        for name, key in (("solver", "eval/solver_acc"), ("system", "eval/system_acc"))
+        for name, key in ((start_role, f"eval/{start_role}_acc"), ("system", "eval/system_acc"))
         if key in m
     )
     return f"eval {step:4d}  held-out {acc}  ({m.get('eval/time', 0.0):.1f}s)"
@@ -472,7 +472,7 @@ def _log_eval(trainer: MarsRLTrainer, sink: Any) -> dict[str, float]:
     evaluated = trainer.evaluate()
     if evaluated:
         sink.log_eval(trainer.step, evaluated)
-        tqdm.write(_eval_line(trainer.step, evaluated))
+        tqdm.write(_eval_line(trainer.step, evaluated, trainer.graph.start_role))
     return evaluated
 
 

@@ -1,5 +1,6 @@
-"""Held-out evaluation during training (``evaluation.*``): the V–C system and its Solver alone on problems
-the run never trains on, on the run's own rollout engines right after a weight push.
+"""Held-out evaluation during training (``evaluation.*``): the run's agent graph (its inference loop) and
+its start role alone on problems the run never trains on, on the run's own rollout engines right after a
+weight push.
 
 Why on the training engines: they already hold the newest weights (no conversion, no second copy of the
 model), and between updates they are idle in the synchronous loop. In the agentic pipeline the calls queue
@@ -19,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.prompts import prompt_set
-from mars_megatron.agents.roles import Role
+from mars_megatron.agents.graph import AgentGraph, graph_for, prompt_set_of
 from mars_megatron.config import EvalConfig, MarsConfig
 from mars_megatron.evaluation import sampling
 from mars_megatron.evaluation.data import Problem
+from mars_megatron.evaluation.metrics import deciding_roles, revising_roles
 from mars_megatron.evaluation.runner import generate_shares
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, RolloutEngine
 
@@ -55,21 +56,28 @@ def settings(cfg: MarsConfig) -> EvalConfig:
     return sampling.with_response_budget(cfg.evaluation, cfg.rollout)
 
 
-def eval_metrics(summary: Mapping[str, Any], seconds: float) -> dict[str, float]:
-    """The scalars a summary puts on the training curve (``eval/*``); unmeasured ones are left out."""
+def eval_metrics(summary: Mapping[str, Any], seconds: float, graph: AgentGraph) -> dict[str, float]:
+    """The scalars a summary puts on the training curve (``eval/*``, named after the graph's roles:
+    MarsRL's ``eval/solver_acc``, ``eval/verifier_acc_on_right``, ``eval/corrector_fix_rate``, …);
+    unmeasured ones are left out."""
     k = str(summary["samples"])
+    first = graph.start_role
     roles = summary["roles"]
     values = {
-        "eval/solver_acc": summary["solver_acc"],
+        f"eval/{first}_acc": summary[f"{first}_acc"],
         "eval/system_acc": summary["system_acc"],
-        f"eval/solver_pass@{k}": summary["pass@k"]["solver"].get(k),
+        f"eval/{first}_pass@{k}": summary["pass@k"][first].get(k),
         f"eval/system_pass@{k}": summary["pass@k"]["system"].get(k),
         "eval/accepted_rate": summary["accepted_rate"],
-        "eval/verifier_acc_on_right": roles["verifier"]["acc_on_right"],
-        "eval/verifier_acc_on_wrong": roles["verifier"]["acc_on_wrong"],
-        "eval/corrector_fix_rate": roles["corrector"]["fix_rate"],
-        "eval/time": seconds,
     }
+    deciding, revising = set(deciding_roles(graph)), set(revising_roles(graph))
+    for role in graph.roles:  # graph order
+        if role in deciding:
+            values[f"eval/{role}_acc_on_right"] = roles[role]["acc_on_right"]
+            values[f"eval/{role}_acc_on_wrong"] = roles[role]["acc_on_wrong"]
+        elif role in revising:
+            values[f"eval/{role}_fix_rate"] = roles[role]["fix_rate"]
+    values["eval/time"] = seconds
     return {key: float(v) for key, v in values.items() if v is not None}
 
 
@@ -81,6 +89,8 @@ class HeldOutEval:
         from mars_megatron.rollout.chat import ChatCodec
 
         self.cfg, self.problems = cfg, list(problems)
+        self.graph = graph_for(cfg)
+        self.prompts = prompt_set_of(self.graph, cfg.agents.prompts)
         self.settings = settings(cfg)
         self.codec = ChatCodec.from_pretrained(tokenizer_dir, max_input_tokens=cfg.rollout.max_input_tokens)
         self.checker = AnswerChecker(CheckerConfig(num_workers=1))
@@ -91,7 +101,8 @@ class HeldOutEval:
         interval = self.cfg.evaluation.interval
         return bool(interval) and (step % interval == 0 or step == self.cfg.train.steps)
 
-    def run(self, engines: Mapping[Role, RolloutEngine], step: int) -> dict[str, float]:
+    def run(self, engines: Mapping[str, RolloutEngine], step: int) -> dict[str, float]:
+        """Evaluate with ``engines`` (graph role name -> the engine answering it) after ``step`` updates."""
         from mars_megatron.checkpoint.store import checkpoint_name
         from mars_megatron.evaluation.metrics import summarize
         from mars_megatron.evaluation.results import OutputDir
@@ -105,25 +116,29 @@ class HeldOutEval:
             "step": step,
             "problems": len(self.problems),
             "samples": self.cfg.evaluation.samples,
+            "graph": self.graph.name,
             "prompts": self.cfg.agents.prompts,
-            **sampling.record(self.settings),
+            **sampling.record(self.settings, self.graph),
         }
         out = OutputDir(folder, config, resume=False)
         runner = EvalRunner(
             dict(engines),
             self.codec,
             self.checker,
+            graph=self.graph,
             config=self.settings,
-            prompts=prompt_set(self.cfg.agents.prompts),
+            prompts=self.prompts,
             on_result=out.append,
         )
         try:
             runner.run([(p, s) for p in self.problems for s in range(self.cfg.evaluation.samples)])
         finally:
             out.close()
-        summary = summarize(out.records, [p.problem_id for p in self.problems], self.cfg.evaluation.samples)
+        summary = summarize(
+            out.records, [p.problem_id for p in self.problems], self.cfg.evaluation.samples, self.graph
+        )
         out.write_summary({**summary, "config": config})
-        return eval_metrics(summary, time.perf_counter() - started)
+        return eval_metrics(summary, time.perf_counter() - started, self.graph)
 
     def close(self) -> None:
         self.checker.close()

@@ -31,10 +31,13 @@ def _load_state(ws: Workspace, state: bytes | None) -> Any:
 
 
 def _eval_checkpoint(ws: Workspace, state: bytes | None) -> Any:
-    """``mars eval --checkpoint``'s reading of the step folder (which policy answers each role)."""
+    """``mars eval --checkpoint``'s reading of the step folder (which policy answers each role of the
+    default graph)."""
+    from mars_megatron.agents.graph import load_graph
+    from mars_megatron.config import AgentsConfig
     from mars_megatron.evaluation.policies import checkpoint_policies
 
-    return checkpoint_policies(_step(ws, state))
+    return checkpoint_policies(_step(ws, state), load_graph(AgentsConfig().graph))
 
 
 def _resolve(ws: Workspace, resume: Any) -> Any:

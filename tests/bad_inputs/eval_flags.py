@@ -101,7 +101,7 @@ FLAG_CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("max-iterations-zero", {"max_iterations": "0"}, ("--max-iterations",)),
     ("accept-after-zero", {"accept_after": "0"}, ("--accept-after",)),
     ("give-up-after-zero", {"give_up_after": "0"}, ("--give-up-after",)),
-    ("solver-retries-negative", {"solver_retries": "-1"}, ("--solver-retries",)),
+    ("start-retries-negative", {"start_retries": "-1"}, ("--start-retries",)),
     ("max-input-tokens-zero", {"max_input_tokens": "0"}, ("--max-input-tokens",)),
     ("max-input-tokens-one", {"max_input_tokens": "1"}, ("--max-input-tokens",)),
     ("max-input-tokens-absurd", {"max_input_tokens": str(10**15)}, ("--max-input-tokens",)),
