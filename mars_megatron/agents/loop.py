@@ -10,6 +10,11 @@ or, after a role that decides, to ``on_pass`` or ``on_fail``. Only verdicts coun
 iteration; ``accept_after`` consecutive passes accept the current solution, ``give_up_after``
 consecutive failures give up, and ``max_iterations`` verdicts end the loop.
 
+A role with a tool serves its calls inside its step (``ToolSpec`` in agents/graph.py): a turn that ends
+with a call (and calls left) runs the tool here, asks the tool's distiller for a digest (a request of its
+own), and asks the role to go on after its turn and the observation (:attr:`Request.continuation`); the
+step's output is its turns and observations in order.
+
 What each kind of output does: a ``solution`` (complete, not truncated) becomes the current solution
 (a truncated one after the start is dropped, and the previous solution goes on); a ``report`` becomes
 the latest report, which later prompts read as ``report`` and ``bug_report``; a verdict (read from a
@@ -21,13 +26,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mars_megatron.agents.graph import AgentGraph, LoopBudgets, LoopStepSpec, prompt_set_of
+from mars_megatron.agents.graph import (
+    AgentGraph,
+    LoopBudgets,
+    LoopStepSpec,
+    RoleSpec,
+    ToolSpec,
+    prompt_set_of,
+)
 from mars_megatron.agents.prompts import strip_thinking
 from mars_megatron.agents.roles import Message
+from mars_megatron.agents.tools import observation, parse_call, run_tool
 from mars_megatron.agents.verdict import bug_report, read_verdict
 from mars_megatron.config import EvalConfig
 
-ACCEPTED, GAVE_UP, MAX_ITERATIONS = "accepted", "gave_up", "max_iterations"
+ACCEPTED, GAVE_UP, MAX_ITERATIONS, ENDED = "accepted", "gave_up", "max_iterations", "ended"
+"""Stop reasons; ``ended``: the loop reached a step with nowhere to go (a graph without a verdict, e.g. a
+single tool-using step), and its latest solution is the answer."""
 TRUNCATED_SUFFIX = "_truncated"
 """A loop whose start step never wrote a complete solution stops with ``<start role>_truncated``
 (MarsRL: ``solver_truncated``)."""
@@ -39,6 +54,10 @@ class Request:
 
     role: str
     messages: list[Message]
+    continuation: tuple[tuple[str, bool], ...] = ()
+    """A role going on after a served tool call: ``(text, is_turn)`` pieces that follow the chat's
+    generation prompt, in order: its own turns (each followed by the end-of-turn token) and the
+    observations between them."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +82,7 @@ class LoopResult:
     """Visible text (thinking stripped) of the chosen solution."""
     accepted: bool
     stop_reason: str
-    """``accepted``, ``gave_up``, ``max_iterations`` or ``<start role>_truncated``."""
+    """``accepted``, ``gave_up``, ``max_iterations``, ``ended`` or ``<start role>_truncated``."""
     correct_votes: int
     """How many passing verdicts the chosen solution got."""
     calls: dict[str, int]
@@ -104,6 +123,8 @@ class InferenceLoop:
         self._report = ""  # the latest report's visible text
         self._bug_report = ""  # and what of it a revision reads (verdict.bug_report)
         self._stop_reason: str | None = None
+        self._pieces: list[tuple[str, bool]] = []  # a tool-using step so far: its turns and observations
+        self._call: tuple[str, str] | None = None  # (purpose, tool output) awaiting the distiller's digest
 
     @property
     def done(self) -> bool:
@@ -124,7 +145,14 @@ class InferenceLoop:
         if self._step is None:
             return None
         role = self.graph.roles[self._step.role]
-        return Request(role.name, role.messages(self.prompts, self.variables()))
+        if self._call is not None:  # the step's role waits for the digest of its call
+            assert role.tool is not None
+            distiller = self.graph.roles[role.tool.distiller]
+            purpose, output = self._call
+            return Request(
+                distiller.name, distiller.messages(self.prompts, {"purpose": purpose, "tool_output": output})
+            )
+        return Request(role.name, role.messages(self.prompts, self.variables()), tuple(self._pieces))
 
     def observe(self, output_text: str, truncated: bool = False) -> None:
         """Feed the output of the request last returned by :meth:`next_request`."""
@@ -132,6 +160,35 @@ class InferenceLoop:
         if step is None:
             raise RuntimeError("InferenceLoop.observe called after the loop finished")
         role = self.graph.roles[step.role]
+        if self._call is not None:  # a digest: it goes back to the caller as an observation
+            assert role.tool is not None
+            self._history.append(
+                LoopStep(role.tool.distiller, output_text, truncated, solution=self._judged())
+            )
+            self._pieces.append((observation(output_text), False))
+            self._call = None
+            return
+        if role.tool is not None:
+            output_text = self._serve(role.tool, output_text, truncated)
+            if self._call is not None:
+                return
+        self._observe_output(step, role, output_text, truncated)
+
+    def _serve(self, tool: ToolSpec, text: str, truncated: bool) -> str:
+        """A turn of a tool-using role: a call is served (the tool runs here; the distiller is asked
+        next) when the turn ended by itself and calls are left; otherwise the turns and observations so
+        far, in order, are the step's output."""
+        calls = sum(not turn for _, turn in self._pieces)
+        call = None if truncated or calls >= tool.max_calls else parse_call(text)
+        self._pieces.append((text, True))
+        if call is not None:
+            self._call = (call.purpose, run_tool(call, allowed=[tool.name]))
+            return text
+        whole = "".join(piece for piece, _ in self._pieces)
+        self._pieces = []
+        return whole
+
+    def _observe_output(self, step: LoopStepSpec, role: RoleSpec, output_text: str, truncated: bool) -> None:
         if step.name == self.graph.loop.start:
             self._observe_start(step, output_text, truncated)
         elif role.verdict is not None:
@@ -190,9 +247,10 @@ class InferenceLoop:
         self._report = strip_thinking(text)
         self._bug_report = bug_report(text, reader)
 
-    def _go(self, name: str | None) -> LoopStepSpec:
-        if name is None:  # validate() gives every step somewhere to go
-            raise RuntimeError(f"graph {self.graph.name!r}: a loop step has no next step")
+    def _go(self, name: str | None) -> LoopStepSpec | None:
+        if name is None:  # a step with nowhere to go ends the loop (validate() allows it after no verdict)
+            self._finish(ENDED)
+            return None
         return self.graph.loop.steps[name]
 
     def _judged(self) -> int:

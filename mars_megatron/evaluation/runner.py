@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mars_megatron.agents.graph import AgentGraph
-from mars_megatron.agents.loop import InferenceLoop, LoopResult
+from mars_megatron.agents.loop import InferenceLoop, LoopResult, Request
 from mars_megatron.agents.roles import Message
 from mars_megatron.config import EvalConfig
 from mars_megatron.evaluation import sampling
@@ -39,6 +39,12 @@ class Codec(Protocol):
     def encode(self, messages: Sequence[Message]) -> tuple[int, ...]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    # Only graphs whose roles call tools need these (:func:`prompt_tokens`).
+    def encode_text(self, text: str) -> tuple[int, ...]: ...
+
+    @property
+    def end_of_turn(self) -> int: ...
 
 
 PerRole = Mapping[str, Any]
@@ -153,7 +159,7 @@ class EvalRunner:
                 step = len(slot.calls)
                 seed = step_seed(self.config.seed, slot.problem.problem_id, slot.sample, step)
                 try:
-                    prompt_ids = self.codecs[request.role].encode(request.messages)
+                    prompt_ids = prompt_tokens(self.codecs[request.role], request)
                 except PromptTooLongError as e:
                     slot.calls.append(
                         {
@@ -189,6 +195,18 @@ class EvalRunner:
             _record(slot, result, self.graph.start_role, checks[start], checks[start + 1 : end])
             for slot, result, (start, end) in zip(finished, results, spans, strict=True)
         ]
+
+
+def prompt_tokens(codec: Codec, request: Request) -> tuple[int, ...]:
+    """The engine prompt of ``request``: its chat, then (a role going on after a served tool call) its own
+    turns, each closed by the end-of-turn token, and the observations between them, as training lays a
+    served call out (``ToolSpec`` in agents/graph.py)."""
+    ids = list(codec.encode(request.messages))
+    for text, turn in request.continuation:
+        ids += codec.encode_text(text)
+        if turn:
+            ids.append(codec.end_of_turn)
+    return tuple(ids)
 
 
 def generate_shares(

@@ -104,6 +104,11 @@ class ChatCodec:
         tail = self.max_input_tokens // 4
         return tuple(ids[: self.max_input_tokens - tail] + ids[len(ids) - tail :])
 
+    @property
+    def end_of_turn(self) -> int:
+        """The token that ends an assistant turn (where the engines stop)."""
+        return int(self.tokenizer.eos_token_id)
+
     def encode_text(self, text: str) -> tuple[int, ...]:
         """Plain text as tokens, no chat template, no special tokens: what a tool's observation adds to a
         response after the turn that called it."""
