@@ -106,13 +106,12 @@ def test_a_reward_the_output_cannot_earn_is_named(tmp_path: Path) -> None:
     data["roles"]["verifier"]["reward"] = "answer"
     _rejects(path, data, "roles.verifier.reward", "answer reward needs output: solution")
     path, data = _copy(tmp_path / "b")
-    data["roles"]["solver"]["reward"] = "outcome"  # fine: the verifier follows it
-    assert load_graph(_write(path, data)).roles["solver"].reward == "outcome"
-    data["roles"]["corrector"]["reward"] = "outcome"  # nothing follows the last corrector... but corrector_1
-    assert load_graph(_write(path, data))
-    data["trajectory"] = data["trajectory"][:2]
-    data["roles"]["verifier"]["reward"] = "outcome"
-    _rejects(path, data, "roles.verifier.reward", "outcome reward needs a position that takes")
+    data["roles"]["solver"]["reward"] = "outcome"  # the verifier follows it, but takes only 2 solutions
+    _rejects(path, data, "trajectory[1].inputs", "every one of its outputs must be followed")
+    data["trajectory"][1]["inputs"] = "all"  # all are taken: no selection by a reward not known yet
+    assert load_graph(_write(path, data)).position("verifier_1").inputs == "all"
+    data["trajectory"] = data["trajectory"][:1]
+    _rejects(path, data, "roles.solver.reward", "outcome reward needs a position that takes")
 
 
 def test_a_trajectory_cycle_is_named(tmp_path: Path) -> None:

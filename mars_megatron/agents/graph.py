@@ -173,8 +173,8 @@ class PositionSpec:
     role: str
     input: str | None = None
     when: When = "any"
-    inputs: int | None = None
-    """Outputs of ``input`` it takes; None: ``agents.inputs_per_agent``."""
+    inputs: int | Literal["all"] | None = None
+    """Outputs of ``input`` it takes; ``all``: every one that qualifies; None: ``agents.inputs_per_agent``."""
     strategy: Strategy | None = None
     """None: ``agents.strategy``."""
     prefer: Literal["positive", "negative"] = "negative"
@@ -359,6 +359,12 @@ def _int(value: Any, where: str, path: Path, minimum: int = 1) -> int:
     return value
 
 
+def _inputs(value: Any, where: str, path: Path) -> int | Literal["all"] | None:
+    if value is None or value == "all":
+        return value
+    return _int(value, where, path)
+
+
 def _read_template(folder: Path, name: Any, where: str, path: Path) -> str:
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
         raise GraphError(f"expected a file name in the prompt folder, got {name!r}", where, path)
@@ -469,7 +475,7 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
                 role=spec["role"],
                 input=spec.get("input"),
                 when=_choice(spec.get("when", "any"), get_args(When), f"{where}.when", path),
-                inputs=None if spec.get("inputs") is None else _int(spec["inputs"], f"{where}.inputs", path),
+                inputs=_inputs(spec.get("inputs"), f"{where}.inputs", path),
                 strategy=strategy,
                 prefer=_choice(
                     spec.get("prefer", "negative"), ("positive", "negative"), f"{where}.prefer", path
@@ -543,7 +549,7 @@ def validate(graph: AgentGraph, *, max_steps: int | None = None) -> None:
     """Everything that would otherwise fail mid-run, each as a :class:`GraphError` naming the field:
     unknown roles and positions, a role without a reward or with a reward its output cannot earn,
     prompts that use variables the role did not declare or cannot be given, loop cycles that no
-    verdict can stop, selection that needs rewards its inputs do not have yet, and a trajectory cut
+    verdict can stop, an outcome-rewarded role whose outputs are not all followed, and a trajectory cut
     (``agents.max_steps``) beyond the trajectory."""
     src = graph.source
     _validate_tools(graph, src)
@@ -679,11 +685,11 @@ def _validate_trajectory(graph: AgentGraph, src: str) -> None:
                 raise GraphError(
                     f"{p.input!r} reads no verdict, so 'when: {p.when}' never holds", f"{where}.when", src
                 )
-            if p.strategy not in (None, "random") and source.reward == "outcome":
+            if source.reward == "outcome" and (p.inputs != "all" or p.when != "any"):
                 raise GraphError(
-                    f"{p.strategy!r} selects by reward, but {p.input!r} is rewarded by its outcome, known "
-                    "only when the trajectory ends; use random",
-                    f"{where}.strategy",
+                    f"{p.input!r} is rewarded by the outcome of what follows it, so every one of its outputs "
+                    "must be followed: take inputs: all (and when: any)",
+                    f"{where}.inputs",
                     src,
                 )
         chain = [*kinds.get(p.input, []), graph.roles[seen[p.input].role].output] if p.input else []

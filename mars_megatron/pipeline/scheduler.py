@@ -411,9 +411,10 @@ class Scheduler:
         candidates = sorted((s for s in candidates if s.position == position), key=lambda s: s.sample_id)
         for nxt in later:
             rng = random.Random(derive_seed(self.seed, key, position, "select"))
+            k = len(candidates) if nxt.inputs == "all" else nxt.inputs or self.agents.inputs_per_agent
             chosen = select_inputs(
                 candidates,
-                nxt.inputs or self.agents.inputs_per_agent,
+                k,
                 nxt.strategy or self.agents.strategy,
                 rng,
                 when=nxt.when,
