@@ -14,7 +14,7 @@ kind                                   careful                                  
 solution, first position               ``3+4=7. \\boxed{7}``                        guesses: ``\\boxed{R}``
 report with a ``correctness`` verdict  ``3+4=7.\\nCorrectness: Wrong`` (recomputes;   rubber-stamps:
                                        Correct iff the sum is the solution's)        ``Correctness: Correct``
-report without a verdict               ``3+4=7.`` (the recomputed sum: the log a     ``Looks right.``
+report without a verdict               ``3+4=7.`` (the recomputed sum: the log a     ``Fine.``
                                        judgement reads)
 judgement (``yes_no``)                 ``yes``/``no``: the report's sum against the  ``yes``
                                        solution's answer (no sum in it: ``yes``)
@@ -114,7 +114,7 @@ def careful_report(a: int, b: int, shown: int) -> str:
 CARELESS_REPORT = "Correctness: Correct"
 """The careless Verifier's whole response: a verdict without any check (no bug report)."""
 
-CARELESS_LOG = "Looks right."
+CARELESS_LOG = "Fine."
 """The careless log of a report without a verdict: nothing checked, nothing found."""
 
 
