@@ -543,6 +543,22 @@ def test_cli_runs_the_imo_graph_on_the_tiny_model(model_dir, tmp_path):
     )
 
 
+@pytest.mark.parametrize("graph", ["tool_pair", "examples/graphs/solve_and_check"])
+def test_cli_runs_any_graph_on_the_tiny_model(model_dir, tmp_path, graph):
+    """`mars eval --graph` runs the loop of the tool pair (its calls served inside the reasoner's step)
+    and of a user's graph file on a real engine (the loops on scripted outputs: test_agents_loop*.py)."""
+    out = tmp_path / "out"
+    data = DATA / ("tool_sums_test.jsonl" if graph == "tool_pair" else "arith_test.jsonl")
+    extra = ("--data", data, "--graph", graph, "--prompts", "compact", "--limit", 2, "--samples", 1)
+    proc = mars(*eval_args(model_dir, out, *extra))
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    graph_roles = {"tool_pair": {"reasoner", "distiller"}}.get(graph, {"solver", "checker"})
+    assert len(records) == 2 and all({s["role"] for s in r["steps"]} <= graph_roles for r in records)
+    config = json.loads((out / "config.json").read_text())
+    assert config["graph"] == Path(graph).name and set(config["model"]) == graph_roles
+
+
 def test_killed_run_resumes_to_the_same_summary(whole_run, model_dir, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "mars_megatron.cli", "eval", *map(str, eval_args(model_dir, out))]
