@@ -300,3 +300,18 @@ def test_limits_from_the_config() -> None:
     )
     assert dict(agentic.max_staleness) == {"solver": 2, "verifier": 0, "corrector": 2}
     assert (agentic.segment_tokens, agentic.batch_groups, agentic.whole_trajectories) == (16, 5, True)
+
+
+def test_a_saved_schedule_resumes_only_under_its_own_graph() -> None:
+    """The checkpoint records its agent graph: its rollouts name that graph's positions and roles."""
+    from mars_megatron.pipeline.scheduler import restore_scheduler, scheduler_state
+
+    s = scheduler(1, segment=4)
+    drive(s, random.Random(3), updates=1)
+    state = scheduler_state(s)
+    assert state["graph"] == "marsrl"
+    other = load_graph("imo_refine")
+    limits = Limits(64, 4, dict.fromkeys(other.roles, 1), 2, 4)
+    fresh = Scheduler(s.agents, limits, s.prompt_fn, other, seed=s.seed)
+    with pytest.raises(ValueError, match=r"graph 'marsrl', this run's agents\.graph is 'imo_refine'"):
+        restore_scheduler(fresh, state)
