@@ -107,6 +107,15 @@ def _pack_samples() -> tuple[list[Sample], MicroBatch]:
     return samples, MicroBatch.from_pack(pack)
 
 
+def test_tokens_the_policy_did_not_write_are_not_compared() -> None:
+    """A tool's observation inside a response (loss_mask 0) has no engine log-prob of its own."""
+    samples, mb = _pack_samples()
+    assert mb.pack is not None
+    samples[2].loss_mask = [1, 0, 1, 1, 1]  # sample 2's second response token was an observation
+    _, owner = engine_layout(samples, mb.pack)
+    assert owner[0].tolist() == [-1, -1, 0, 0, -1, -1, -1, -1, -1, -1, -1, 2, -1, 2, -1, -1]
+
+
 def test_tally_reads_a_pack_and_any_context_parallel_split_of_it() -> None:
     samples, mb = _pack_samples()
     assert mb.pack is not None and mb.pack.sample_spans == ((0, 5), (5, 10), (10, 15))  # truncated to 5

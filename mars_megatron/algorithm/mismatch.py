@@ -110,7 +110,8 @@ def mismatch_metrics(sums: Mapping[str, Sequence[float]]) -> dict[str, float]:
 def engine_layout(samples: Sequence[Sample], pack: PackedSequence) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's log-probs laid out like the trainer's log-probs of ``pack`` (``[1, T]`` float64), and
     each position's sequence (its index into ``samples``), ``-1`` where nothing is compared: prompts,
-    padding, tokens cut off by truncation, samples without engine log-probs."""
+    padding, tokens cut off by truncation, samples without engine log-probs, and tokens the policy did not
+    write (``loss_mask`` 0: a tool's observation has no engine log-prob)."""
     engine = torch.zeros(1, pack.length, dtype=torch.float64)
     owner = torch.full((1, pack.length), -1, dtype=torch.long)
     for index, (start, end) in zip(pack.sample_ids, pack.sample_spans, strict=True):
@@ -121,7 +122,8 @@ def engine_layout(samples: Sequence[Sample], pack: PackedSequence) -> tuple[torc
         if count <= 0:
             continue
         engine[0, first : first + count] = torch.as_tensor(sample.behaviour_logprobs[:count])
-        owner[0, first : first + count] = index
+        written = torch.as_tensor(sample.loss_mask[:count] if sample.loss_mask is not None else [1] * count)
+        owner[0, first : first + count] = torch.where(written.bool(), index, -1)
     return engine, owner
 
 
