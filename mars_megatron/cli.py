@@ -99,7 +99,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output: a mars Megatron checkpoint whose hf/ is an HF model")
     _add_layout(p)
 
-    p = sub.add_parser("train", help="MarsRL: train Solver, Verifier and Corrector jointly with RL")
+    p = sub.add_parser(
+        "train",
+        help="train every role of an agent graph jointly with RL (default graph: MarsRL's V–C system)",
+    )
     p.add_argument("config", help="YAML config (see examples/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.add_argument("--nproc", type=int, default=None, help="trainer ranks (default: the layout's minimum)")

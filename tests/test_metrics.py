@@ -220,11 +220,12 @@ def test_plot_helpers_by_hand() -> None:
         {"step": 1, "reward/extra": 1, "reward/corrector": 0, "loss": 2},
         {"step": 2, "reward/solver": 1},
     ]
+    # in the order first logged: a run logs its graph's roles in the graph's order
     assert reward_keys(records, [{"step": 1, "reward/verifier": 0}]) == [
+        "reward/extra",
+        "reward/corrector",
         "reward/solver",
         "reward/verifier",
-        "reward/corrector",
-        "reward/extra",
     ]
 
 

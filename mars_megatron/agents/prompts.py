@@ -14,7 +14,7 @@ def strip_thinking(text: str) -> str:
     """The visible part of a model output: everything after the last ``</think>``, stripped.
 
     Why the dangling case matters: a truncated output may open ``<think>`` and never close it; all
-    of its text is then reasoning, so the visible solution is empty (the Verifier must not judge
+    of its text is then reasoning, so the visible solution is empty (a judge must not judge
     half a thought). A ``</think>`` without an opening tag (templates that pre-fill ``<think>``)
     still marks the end of the reasoning.
     """

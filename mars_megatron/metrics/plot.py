@@ -1,11 +1,11 @@
 """``rewards.png``: each agent's mean reward against the training step, optionally beside other runs.
 
-One line per ``reward/<role>`` metric (solver, verifier, corrector first, in a fixed colour each, then any
-other ``reward/*``). Rewards are noisy from step to step, so with more than a few points the raw values are
+One line per ``reward/<role>`` metric, in the order the run logs its graph's roles, in a fixed colour each.
+Rewards are noisy from step to step, so with more than a few points the raw values are
 drawn faint and a trailing moving average solid. Other runs (``compare``; e.g. the
 ``algorithm.reward=shared`` ablation) reuse the role colours with dashed, dotted, … lines. When the run
-evaluated on held-out problems (``eval.jsonl``), a second panel draws the V–C system's accuracy against its
-Solver's alone: the paper's comparison, step by step.
+evaluated on held-out problems (``eval.jsonl``), a second panel draws the system's accuracy against its
+first solution's alone (MarsRL: the Solver's): the paper's comparison, step by step.
 
 matplotlib is imported inside the functions and drawn on an Agg canvas directly (no pyplot, no global
 backend switch), so this works headless, in threads and without slowing ``import mars_megatron``.
@@ -21,14 +21,14 @@ from typing import Any
 
 from mars_megatron.metrics.sink import METRICS_FILE, REWARD_PREFIX, read_metrics
 
-_ROLE_ORDER = ("reward/solver", "reward/verifier", "reward/corrector")
 _COMPARE_STYLES = ("--", ":", "-.")
 
 
 def reward_keys(*runs: Sequence[dict[str, Any]]) -> list[str]:
-    """The ``reward/*`` keys found in any record of ``runs``: the three roles first, then the rest sorted."""
-    found = {key for records in runs for record in records for key in record if key.startswith(REWARD_PREFIX)}
-    return [key for key in _ROLE_ORDER if key in found] + sorted(found - set(_ROLE_ORDER))
+    """The ``reward/*`` keys found in any record of ``runs``, in the order first logged (a run logs its
+    graph's roles in the graph's order)."""
+    found = (key for records in runs for record in records for key in record if key.startswith(REWARD_PREFIX))
+    return list(dict.fromkeys(found))
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:

@@ -261,7 +261,8 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------- rollouts
     def take_segments(self, limit: int | None = None, roles: Iterable[str] | None = None) -> list[SegmentJob]:
         """Up to ``limit`` segments to decode now (of ``roles`` only, e.g. one policy's): carried-over
-        sequences first, then later positions (they finish trajectories), then new Solver work; admits
+        sequences first, then later positions (they finish trajectories), then new work at the first
+        position; admits
         new problems first."""
         self._admit()
         started = self._group_first

@@ -93,7 +93,8 @@ class SimResult:
 
 def simple_prompts(lengths: Lengths) -> PromptFn:
     """Prompts of the right length for the simulation (placeholder ids: their content never matters): the
-    problem, plus the solution judged and, for a Corrector, the report, up to ``max_input_tokens``."""
+    problem, plus the solution judged and, for a revision, the report that judged it, up to
+    ``max_input_tokens``."""
 
     def prompt_fn(position: str, problem: Problem, inputs: PromptInputs) -> list[int]:
         carried = sum(len(q.response_ids) for q in (inputs.solution, inputs.report) if q is not None)

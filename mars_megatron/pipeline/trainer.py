@@ -1,8 +1,9 @@
 """``mars train``: the MarsRL loop, synchronous (``pipeline.mode=sync``) or agentic (``agentic``).
 
-A step is one update: problems → grouped agentic rollout on the engines (Solver → Verifier → Corrector …)
-→ agent-specific rewards → GRPO advantages per group → packed Megatron train step on every trainer rank
-→ weight sync into the engines → metrics (and a checkpoint when due).
+A step is one update: problems → grouped agentic rollout on the engines (the agent graph's positions;
+MarsRL: Solver → Verifier → Corrector …) → agent-specific rewards → GRPO advantages per group → packed
+Megatron train step on every trainer rank → weight sync into the engines → metrics (and a checkpoint when
+due).
 
 Both modes run the one schedule of :mod:`mars_megatron.pipeline` (:class:`~.scheduler.Scheduler` driven
 on Ray by :class:`~.driver.PipelineDriver`). ``sync`` sets every staleness bound to 0: an update trains

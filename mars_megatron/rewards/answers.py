@@ -1,6 +1,6 @@
 """Final-answer extraction and reference normalisation (pure: strings in, strings out).
 
-The Solver and Corrector are asked to put their final answer in ``\\boxed{...}``. Reward checking only looks
+Roles that write solutions are asked to put their final answer in ``\\boxed{...}``. Reward checking only looks
 at the last boxed expression of the visible answer, i.e. after the model's thinking, and hands math-verify
 that short expression rather than the whole response (parsing a long response is slow and may pick up
 intermediate results)."""
@@ -43,7 +43,7 @@ def extract_boxed(text: str) -> str | None:
     unterminated (a truncated answer is not silently replaced by an earlier, intermediate one), when the
     thinking never ended, or when the box is empty.
     """
-    # One definition of "visible" for the whole system: what the Verifier judges is what is rewarded.
+    # One definition of "visible" for the whole system: what a judge reads is what is rewarded.
     visible = strip_thinking(text)
     last = None
     for last in _BOX_OPEN.finditer(visible):  # noqa: B007 — we want the last match

@@ -26,7 +26,7 @@ _PARSE = re.compile(r"^Find (\d+)\+(\d+)\.$")
 
 
 def problem_text(a: int, b: int) -> str:
-    """The problem statement for ``a + b`` (what the Solver sees before the instruction)."""
+    """The problem statement for ``a + b`` (what the first role sees before its instruction)."""
     return _TEXT.format(a=a, b=b)
 
 

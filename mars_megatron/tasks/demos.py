@@ -101,18 +101,18 @@ def boxed(answer: int) -> str:
 
 
 def careful_solution(a: int, b: int) -> str:
-    """The careful Solver/Corrector response: the sum worked out, then boxed."""
+    """The careful solution (first or revised): the sum worked out, then boxed."""
     return f"{a}+{b}={a + b}. {boxed(a + b)}"
 
 
 def careful_report(a: int, b: int, shown: int) -> str:
-    """The careful Verifier response: the recomputed sum, then the verdict that follows from it."""
+    """The careful report with a Correctness verdict: the recomputed sum, then the verdict that follows."""
     verdict = "Correct" if a + b == shown else "Wrong"
     return f"{a}+{b}={a + b}.\nCorrectness: {verdict}"
 
 
 CARELESS_REPORT = "Correctness: Correct"
-"""The careless Verifier's whole response: a verdict without any check (no bug report)."""
+"""The careless report's whole text: a verdict without any check (no bug report)."""
 
 CARELESS_LOG = "Fine."
 """The careless log of a report without a verdict: nothing checked, nothing found."""
