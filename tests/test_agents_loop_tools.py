@@ -35,8 +35,15 @@ def test_a_call_is_served_and_the_answer_is_the_whole_response() -> None:
     result = loop.result()
     assert result.stop_reason == ENDED and not result.accepted
     assert result.solution == "use calc 372+45 for the sum\nRESULT the sum is 417.\n\\boxed{417}"
-    assert result.calls == {"reasoner": 1, "distiller": 1}
-    assert [s.role for s in result.history] == ["distiller", "reasoner"]
+    assert result.calls == {"reasoner": 2, "distiller": 1}  # engine calls: two turns and one digest
+    assert [(s.role, s.partial) for s in result.history] == [
+        ("reasoner", True),
+        ("distiller", False),
+        ("reasoner", False),
+    ]
+    assert (
+        result.history[0].text == "use calc 372+45 for the sum" and result.history[-1].text == result.solution
+    )
 
 
 def test_no_call_and_calls_beyond_max_calls_end_the_step() -> None:
@@ -48,7 +55,7 @@ def test_no_call_and_calls_beyond_max_calls_end_the_step() -> None:
     loop.observe("the sum is 417.")
     loop.observe("use calc 1+1 for more")  # max_calls 1: not served
     assert loop.done and loop.result().solution.endswith("use calc 1+1 for more")
-    assert loop.result().calls["distiller"] == 1
+    assert loop.result().calls == {"reasoner": 2, "distiller": 1}
 
 
 def test_a_truncated_continuation_is_retried_from_the_start() -> None:

@@ -72,6 +72,10 @@ class LoopStep:
     """Index into :attr:`LoopResult.solutions`: for a solution step the solution this output became
     (None when it was dropped, truncated), for any other step the solution it judged or reported on;
     so an evaluation can score a verdict against the truth of what it saw, not of the final answer."""
+    partial: bool = False
+    """A turn of a tool-using role that ended with a served call: the step's output is the later entry of
+    the same role that completes it (its turns and observations). The history has one entry per engine
+    call, in call order."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,8 @@ class InferenceLoop:
         self._pieces.append((text, True))
         if call is not None:
             self._call = (call.purpose, run_tool(call, allowed=[tool.name]))
+            assert self._step is not None
+            self._history.append(LoopStep(self._step.role, text, partial=True, solution=self._judged()))
             return text
         whole = "".join(piece for piece, _ in self._pieces)
         self._pieces = []

@@ -238,7 +238,7 @@ def _call(request: GenerationRequest, output_tokens: int, finish_reason: str) ->
 
 def first_text(result: LoopResult, start_role: str) -> str:
     """The loop's first output of its start role (truncated or not): that role's answer alone."""
-    return next(step.text for step in result.history if step.role == start_role)
+    return next(step.text for step in result.history if step.role == start_role and not step.partial)
 
 
 def _record(
