@@ -274,7 +274,7 @@ def _config(args: argparse.Namespace) -> None:
         return
     import yaml
 
-    from mars_megatron.agents.graph import graph_for
+    from mars_megatron.agents.graph_file import graph_for
     from mars_megatron.config import config_to_dict
 
     cfg = load_config(args.config, args.overrides)

@@ -523,7 +523,7 @@ class PipelineConfig(Section):
     )
 
     def validate(self) -> None:
-        # Role names are the agent graph's: agents/graph.py:graph_for checks them against it.
+        # Role names are the agent graph's: agents/graph_file.py:graph_for checks them against it.
         for role, bound in self.staleness_per_role.items():
             if not isinstance(bound, int) or bound < 0:
                 raise ConfigError(f"{role}: expected an int >= 0, got {bound!r}", "staleness_per_role")

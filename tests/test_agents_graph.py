@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from mars_megatron.agents.graph import SHIPPED, GraphError, LoopBudgets, graph_for, load_graph, shipped_graphs
+from mars_megatron.agents.graph import SHIPPED, GraphError, LoopBudgets
+from mars_megatron.agents.graph_file import graph_for, load_graph, shipped_graphs
 from mars_megatron.config import EvalConfig, MarsConfig
 
 

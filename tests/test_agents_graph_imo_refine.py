@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mars_megatron.agents.graph import GraphError, LoopBudgets, load_graph, shipped_graphs
+from mars_megatron.agents.graph import GraphError, LoopBudgets
+from mars_megatron.agents.graph_file import load_graph, shipped_graphs
 from mars_megatron.config import EvalConfig
 
 IMO = load_graph("imo_refine")

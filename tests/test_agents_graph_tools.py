@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from mars_megatron.agents.graph import SHIPPED, GraphError, ToolSpec, load_graph, shipped_graphs
+from mars_megatron.agents.graph import SHIPPED, GraphError, ToolSpec
+from mars_megatron.agents.graph_file import load_graph, shipped_graphs
 
 
 def test_tool_pair_loads_and_says_what_the_scheduler_needs() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.agents.loop import InferenceLoop, LoopResult, choose_fallback
 from mars_megatron.config import ConfigError, EvalConfig
 

@@ -3,7 +3,7 @@ step, and the engine prompt of its continuation is laid out as training lays out
 
 from __future__ import annotations
 
-from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.agents.loop import ENDED, InferenceLoop
 from mars_megatron.config import EvalConfig
 from mars_megatron.evaluation.runner import prompt_tokens

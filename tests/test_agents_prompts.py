@@ -2,7 +2,7 @@
 
 import pytest
 
-from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.agents.prompts import prompt_variables, strip_thinking
 from mars_megatron.agents.verdict import bug_report
 

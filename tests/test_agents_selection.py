@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.selection import select_inputs
 from mars_megatron.agents.trajectory import PromptInputs, chain, group_id

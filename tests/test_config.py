@@ -471,7 +471,8 @@ def test_ep1_requires_etp_equal_tp() -> None:
 )
 def test_role_keyed_settings_are_checked_against_the_agent_graph(override: str, message: str) -> None:
     """The config cannot know the roles (they are the graph's); ``graph_for`` checks them before a run."""
-    from mars_megatron.agents.graph import GraphError, graph_for
+    from mars_megatron.agents.graph import GraphError
+    from mars_megatron.agents.graph_file import graph_for
 
     cfg = load_config(None, [override])
     with pytest.raises(GraphError) as error:

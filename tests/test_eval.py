@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.config import EvalConfig
 from mars_megatron.evaluation import sampling
 from mars_megatron.evaluation.data import Problem, load_problems

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.agents.sample import Sample
 from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem

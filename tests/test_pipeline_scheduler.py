@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.config import AgentsConfig, load_config
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.scheduler import Batch, Limits, Scheduler, SeqState

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.algorithm.advantages import assign_advantages, balance_roles
 from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem

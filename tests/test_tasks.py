@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.agents.prompts import prompt_variables
 from mars_megatron.agents.verdict import bug_report, parse_verdict
 from mars_megatron.config import ConfigError

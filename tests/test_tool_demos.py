@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mars_megatron.agents.graph import AgentGraph, load_graph
+from mars_megatron.agents.graph import AgentGraph
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.agents.tools import parse_call, run_tool
 from mars_megatron.config import ConfigError
 from mars_megatron.models.tokenizer import build_tiny_tokenizer

@@ -5,7 +5,8 @@ Nothing here talks to an engine: prompts are built as chat messages, verdicts ar
 and the inference loop and the trajectory are pure state machines/functions driven by the caller.
 """
 
-from mars_megatron.agents.graph import AgentGraph, GraphError, graph_for, load_graph
+from mars_megatron.agents.graph import AgentGraph, GraphError
+from mars_megatron.agents.graph_file import graph_for, load_graph
 from mars_megatron.agents.loop import (
     InferenceLoop,
     LoopResult,

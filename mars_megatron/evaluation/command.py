@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.graph import AgentGraph, load_graph, prompt_set_of
+from mars_megatron.agents.graph import AgentGraph, prompt_set_of
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.config import AgentsConfig, ConfigError, EvalConfig, RolloutConfig
 from mars_megatron.evaluation import sampling
 from mars_megatron.rollout.chat import MAX_INPUT_TOKENS

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.graph import graph_for, prompt_set_of
+from mars_megatron.agents.graph import prompt_set_of
+from mars_megatron.agents.graph_file import graph_for
 from mars_megatron.config import ConfigError, MarsConfig, dump_config
 from mars_megatron.rl.data import ProblemStream
 from mars_megatron.rl.policies import policy_names, policy_of

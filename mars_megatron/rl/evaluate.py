@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.graph import AgentGraph, graph_for, prompt_set_of
+from mars_megatron.agents.graph import AgentGraph, prompt_set_of
+from mars_megatron.agents.graph_file import graph_for
 from mars_megatron.config import EvalConfig, MarsConfig
 from mars_megatron.evaluation import sampling
 from mars_megatron.evaluation.data import Problem

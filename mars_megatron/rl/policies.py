@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mars_megatron.agents.graph import AgentGraph, graph_for
+from mars_megatron.agents.graph import AgentGraph
+from mars_megatron.agents.graph_file import graph_for
 from mars_megatron.config import MarsConfig
 
 SHARED = "shared"

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.graph import Strategy, load_graph, prompt_set_of
+from mars_megatron.agents.graph import Strategy, prompt_set_of
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.config import (
     MAX_TOKENS,
     SEED_MAX,

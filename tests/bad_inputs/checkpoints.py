@@ -33,7 +33,7 @@ def _load_state(ws: Workspace, state: bytes | None) -> Any:
 def _eval_checkpoint(ws: Workspace, state: bytes | None) -> Any:
     """``mars eval --checkpoint``'s reading of the step folder (which policy answers each role of the
     default graph)."""
-    from mars_megatron.agents.graph import load_graph
+    from mars_megatron.agents.graph_file import load_graph
     from mars_megatron.config import AgentsConfig
     from mars_megatron.evaluation.policies import checkpoint_policies
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from common import REPO, mars, warm_start
 
-from mars_megatron.agents.graph import load_graph
+from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.metrics import read_metrics

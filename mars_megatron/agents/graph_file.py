@@ -1,0 +1,300 @@
+"""Reading an agent graph: where a graph file is (a shipped name or a path), parsing it (every key
+checked, each error naming the file and the field), validating it (:mod:`.graph_check`) and checking
+it against a run's config (:func:`graph_for`, the one check every command runs before anything
+starts). ``yaml.safe_load`` only, and prompt files only from the folders beside the graph file."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from mars_megatron.agents.graph import (
+    SHIPPED,
+    VARIABLES,
+    AgentGraph,
+    GraphError,
+    LoopSpec,
+    LoopStepSpec,
+    MessageRole,
+    OutputKind,
+    PositionSpec,
+    RewardKind,
+    RoleSpec,
+    Strategy,
+    Template,
+    ToolSpec,
+    Trigger,
+    VerdictReader,
+    When,
+)
+from mars_megatron.agents.graph_check import validate
+
+if TYPE_CHECKING:
+    from mars_megatron.config import MarsConfig
+
+
+def graph_path(name_or_path: str) -> Path:
+    """The ``graph.yaml`` of a shipped graph name, or the file ``name_or_path`` points to."""
+    shipped = SHIPPED / name_or_path / "graph.yaml"
+    if "/" not in name_or_path and not name_or_path.endswith((".yaml", ".yml")):
+        if not shipped.is_file():
+            names = ", ".join(shipped_graphs())
+            raise GraphError(f"no shipped graph {name_or_path!r}; shipped: {names}", "agents.graph")
+        return shipped
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "graph.yaml"
+    if not path.is_file():
+        raise GraphError(f"file {str(path)!r} not found", "agents.graph")
+    return path
+
+
+def shipped_graphs() -> list[str]:
+    return sorted(p.parent.name for p in SHIPPED.glob("*/graph.yaml"))
+
+
+def load_graph(name_or_path: str, *, max_steps: int | None = None) -> AgentGraph:
+    """Read and validate a graph (:func:`validate`); ``max_steps`` (``agents.max_steps``) is checked
+    against its trajectory. Every error names the file and the field."""
+    import yaml
+
+    path = graph_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise GraphError(f"not valid YAML: {err}", "graph", path) from None
+    graph = parse_graph(data, path)
+    validate(graph, max_steps=max_steps)
+    return graph
+
+
+def _mapping(value: Any, where: str, path: Path) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise GraphError(f"expected a mapping, got {type(value).__name__}", where, path)
+    return value
+
+
+def _choice(value: Any, options: tuple[str, ...], where: str, path: Path) -> Any:
+    if value not in options:
+        raise GraphError(f"{value!r} is not one of {', '.join(map(str, options))}", where, path)
+    return value
+
+
+_ROLE_KEYS = {"output", "reward", "verdict", "variables", "messages", "tool"}
+_SELECTION_KEYS = ("when", "inputs", "strategy", "prefer", "positive_share")
+_POSITION_KEYS = {"name", "role", "input", "trigger", *_SELECTION_KEYS}
+_TOOL_KEYS = {"name", "distiller", "max_calls"}
+_LOOP_KEYS = {"start", "steps", "accept_after", "give_up_after", "max_iterations", "start_retries"}
+_TOP_KEYS = {"name", "description", "prompts", "roles", "trajectory", "loop", "policies", "balance"}
+
+
+def _unknown(data: Mapping[str, Any], allowed: set[str], where: str, path: Path) -> None:
+    extra = sorted(str(k) for k in set(data) - allowed)
+    if extra:
+        prefix = f"{where}." if where else ""
+        # YAML reads a bare on/off/yes/no key as a boolean
+        hint = " (a bare on/off/yes/no key is read as a boolean)" if extra[0] in ("True", "False") else ""
+        raise GraphError(
+            f"unknown key{hint} (allowed: {', '.join(sorted(allowed))})", prefix + extra[0], path
+        )
+
+
+def _int(value: Any, where: str, path: Path, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise GraphError(f"expected an integer >= {minimum}, got {value!r}", where, path)
+    return value
+
+
+def _inputs(value: Any, where: str, path: Path) -> int | Literal["all"] | None:
+    if value is None or value == "all":
+        return value
+    return _int(value, where, path)
+
+
+def _read_template(folder: Path, name: Any, where: str, path: Path) -> str:
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+        raise GraphError(f"expected a file name in the prompt folder, got {name!r}", where, path)
+    file = folder / name
+    if not file.is_file():
+        raise GraphError(f"prompt file {str(file)!r} not found", where, path)
+    text = file.read_text(encoding="utf-8")
+    # A text file's last line ends with a newline that is not part of the template.
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _parse_tool(spec: Any, where: str, path: Path) -> ToolSpec | None:
+    if spec is None:
+        return None
+    spec = _mapping(spec, where, path)
+    _unknown(spec, _TOOL_KEYS, where, path)
+    for key in ("name", "distiller"):
+        if not isinstance(spec.get(key), str) or not spec[key]:
+            raise GraphError(f"expected a name, got {spec.get(key)!r}", f"{where}.{key}", path)
+    return ToolSpec(
+        spec["name"], spec["distiller"], _int(spec.get("max_calls", 1), f"{where}.max_calls", path)
+    )
+
+
+def parse_graph(data: Any, path: Path) -> AgentGraph:
+    """The graph of a parsed ``graph.yaml``: structure errors here, cross-checks in :func:`validate`."""
+    top = _mapping(data, "graph", path)
+    _unknown(top, _TOP_KEYS, "", path)
+    name = top.get("name") or path.parent.name
+    prompt_dirs = _mapping(top.get("prompts"), "prompts", path)
+    if not prompt_dirs:
+        raise GraphError("declare at least one prompt set (name: folder)", "prompts", path)
+    folders = {}
+    for set_name, folder in prompt_dirs.items():
+        where = f"prompts.{set_name}"
+        if not isinstance(folder, str) or folder.startswith("/") or ".." in Path(folder).parts:
+            raise GraphError(f"expected a folder beside the graph file, got {folder!r}", where, path)
+        if not (path.parent / folder).is_dir():
+            raise GraphError(f"folder {str(path.parent / folder)!r} not found", where, path)
+        folders[str(set_name)] = path.parent / folder
+    roles: dict[str, RoleSpec] = {}
+    for role_name, spec in _mapping(top.get("roles"), "roles", path).items():
+        where = f"roles.{role_name}"
+        spec = _mapping(spec, where, path)
+        _unknown(spec, _ROLE_KEYS, where, path)
+        output = _choice(spec.get("output"), get_args(OutputKind), f"{where}.output", path)
+        if "reward" not in spec:
+            raise GraphError(
+                "every role needs a reward (answer, verdict or outcome)", f"{where}.reward", path
+            )
+        reward = _choice(spec["reward"], get_args(RewardKind), f"{where}.reward", path)
+        verdict = spec.get("verdict")
+        if verdict is not None:
+            verdict = _choice(verdict, get_args(VerdictReader), f"{where}.verdict", path)
+        variables = spec.get("variables", ["problem"])
+        if not isinstance(variables, list) or not all(isinstance(v, str) for v in variables):
+            raise GraphError(f"expected a list of names, got {variables!r}", f"{where}.variables", path)
+        for v in variables:
+            _choice(v, VARIABLES, f"{where}.variables", path)
+        messages = spec.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise GraphError("expected a list of {system|user|assistant: file}", f"{where}.messages", path)
+        prompts: dict[str, tuple[Template, ...]] = {}
+        for set_name, folder in folders.items():
+            templates = []
+            for i, message in enumerate(messages):
+                mwhere = f"{where}.messages[{i}]"
+                if not isinstance(message, dict) or len(message) != 1:
+                    raise GraphError("expected one {system|user|assistant: file}", mwhere, path)
+                ((speaker, file_name),) = message.items()
+                _choice(speaker, get_args(MessageRole), mwhere, path)
+                text = _read_template(folder, file_name, mwhere, path)
+                templates.append(Template(speaker, text, f"{folder.name}/{file_name}"))
+            prompts[set_name] = tuple(templates)
+        tool = _parse_tool(spec.get("tool"), f"{where}.tool", path)
+        roles[str(role_name)] = RoleSpec(
+            str(role_name), output, reward, verdict, tuple(variables), prompts, tool
+        )
+    positions = []
+    trajectory = top.get("trajectory")
+    if not isinstance(trajectory, list) or not trajectory:
+        raise GraphError("expected a list of positions", "trajectory", path)
+    for i, spec in enumerate(trajectory):
+        where = f"trajectory[{i}]"
+        spec = _mapping(spec, where, path)
+        _unknown(spec, _POSITION_KEYS, where, path)
+        for key in ("name", "role"):
+            if not isinstance(spec.get(key), str):
+                raise GraphError(f"expected a name, got {spec.get(key)!r}", f"{where}.{key}", path)
+        strategy = spec.get("strategy")
+        if strategy is not None:
+            _choice(strategy, get_args(Strategy), f"{where}.strategy", path)
+        trigger = _choice(spec.get("trigger", "output"), get_args(Trigger), f"{where}.trigger", path)
+        if trigger == "tool_call":
+            for key in _SELECTION_KEYS:
+                if key in spec:
+                    raise GraphError(
+                        "a position spawned per tool call serves every call; it selects nothing",
+                        f"{where}.{key}",
+                        path,
+                    )
+        share = spec.get("positive_share", 0.5)
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise GraphError(f"expected a number in [0, 1], got {share!r}", f"{where}.positive_share", path)
+        positions.append(
+            PositionSpec(
+                name=spec["name"],
+                role=spec["role"],
+                input=spec.get("input"),
+                when=_choice(spec.get("when", "any"), get_args(When), f"{where}.when", path),
+                inputs=_inputs(spec.get("inputs"), f"{where}.inputs", path),
+                strategy=strategy,
+                prefer=_choice(
+                    spec.get("prefer", "negative"), ("positive", "negative"), f"{where}.prefer", path
+                ),
+                positive_share=float(share),
+                trigger=trigger,
+            )
+        )
+    loop = _mapping(top.get("loop"), "loop", path)
+    _unknown(loop, _LOOP_KEYS, "loop", path)
+    steps = {}
+    for step_name, spec in _mapping(loop.get("steps"), "loop.steps", path).items():
+        where = f"loop.steps.{step_name}"
+        spec = _mapping(spec, where, path)
+        _unknown(spec, {"role", "next", "on_pass", "on_fail"}, where, path)
+        steps[str(step_name)] = LoopStepSpec(
+            str(step_name),
+            spec.get("role", step_name),
+            spec.get("next"),
+            spec.get("on_pass"),
+            spec.get("on_fail"),
+        )
+    if not isinstance(loop.get("start"), str):
+        raise GraphError("expected the name of the first step", "loop.start", path)
+    loop_spec = LoopSpec(
+        start=loop["start"],
+        steps=steps,
+        accept_after=_int(loop.get("accept_after", 4), "loop.accept_after", path),
+        give_up_after=_int(loop.get("give_up_after", 10), "loop.give_up_after", path),
+        max_iterations=_int(loop.get("max_iterations", 10), "loop.max_iterations", path),
+        start_retries=_int(loop.get("start_retries", 3), "loop.start_retries", path, minimum=0),
+    )
+    policies = top.get("policies") or {"shared": list(roles)}
+    policies = {
+        str(k): tuple(v) if isinstance(v, list) else v
+        for k, v in _mapping(policies, "policies", path).items()
+    }
+    balance = top.get("balance") or []
+    if not isinstance(balance, list):
+        raise GraphError(f"expected a list of roles, got {balance!r}", "balance", path)
+    return AgentGraph(
+        name=str(name),
+        roles=roles,
+        positions=tuple(positions),
+        loop=loop_spec,
+        policies=policies,
+        prompt_sets=tuple(folders),
+        balance=tuple(balance),
+        source=str(path),
+    )
+
+
+# ------------------------------------------------------------------------------------------- the config
+def graph_for(cfg: MarsConfig) -> AgentGraph:
+    """The run's graph, loaded, validated and checked against the config's role-keyed settings
+    (``agents.prompts``, ``agents.max_steps``, ``pipeline.staleness_per_role``,
+    ``algorithm.role_weights``): the one check every command runs before anything starts."""
+    graph = load_graph(cfg.agents.graph, max_steps=cfg.agents.max_steps)
+    prompts = cfg.agents.prompts
+    if prompts is not None and prompts not in graph.prompt_sets:
+        raise GraphError(
+            f"graph {graph.name!r} has no prompt set {prompts!r}; it has {', '.join(graph.prompt_sets)}",
+            "agents.prompts",
+        )
+    for where, keyed in (
+        ("pipeline.staleness_per_role", cfg.pipeline.staleness_per_role),
+        ("algorithm.role_weights", cfg.algorithm.role_weights),
+    ):
+        for role in keyed:
+            if role not in graph.roles:
+                raise GraphError(
+                    f"graph {graph.name!r} has no role {role!r}; its roles: {', '.join(graph.roles)}",
+                    f"{where}.{role}",
+                )
+    return graph
