@@ -137,11 +137,41 @@ def _parse_tool(spec: Any, where: str, path: Path) -> ToolSpec | None:
 
 
 def parse_graph(data: Any, path: Path) -> AgentGraph:
-    """The graph of a parsed ``graph.yaml``: structure errors here, cross-checks in :func:`validate`."""
+    """The graph of a parsed ``graph.yaml``: structure errors here, cross-checks in
+    :func:`~mars_megatron.agents.graph_check.validate`."""
     top = _mapping(data, "graph", path)
     _unknown(top, _TOP_KEYS, "", path)
-    name = top.get("name") or path.parent.name
-    prompt_dirs = _mapping(top.get("prompts"), "prompts", path)
+    folders = _parse_prompt_sets(top.get("prompts"), path)
+    roles = {
+        str(name): _parse_role(str(name), spec, folders, path)
+        for name, spec in _mapping(top.get("roles"), "roles", path).items()
+    }
+    trajectory = top.get("trajectory")
+    if not isinstance(trajectory, list) or not trajectory:
+        raise GraphError("expected a list of positions", "trajectory", path)
+    policies = top.get("policies") or {"shared": list(roles)}
+    policies = {
+        str(k): tuple(v) if isinstance(v, list) else v
+        for k, v in _mapping(policies, "policies", path).items()
+    }
+    balance = top.get("balance") or []
+    if not isinstance(balance, list):
+        raise GraphError(f"expected a list of roles, got {balance!r}", "balance", path)
+    return AgentGraph(
+        name=str(top.get("name") or path.parent.name),
+        roles=roles,
+        positions=tuple(_parse_position(spec, f"trajectory[{i}]", path) for i, spec in enumerate(trajectory)),
+        loop=_parse_loop(top.get("loop"), path),
+        policies=policies,
+        prompt_sets=tuple(folders),
+        balance=tuple(balance),
+        source=str(path),
+    )
+
+
+def _parse_prompt_sets(value: Any, path: Path) -> dict[str, Path]:
+    """Prompt set name -> its folder, which must lie beside the graph file."""
+    prompt_dirs = _mapping(value, "prompts", path)
     if not prompt_dirs:
         raise GraphError("declare at least one prompt set (name: folder)", "prompts", path)
     folders = {}
@@ -152,86 +182,84 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
         if not (path.parent / folder).is_dir():
             raise GraphError(f"folder {str(path.parent / folder)!r} not found", where, path)
         folders[str(set_name)] = path.parent / folder
-    roles: dict[str, RoleSpec] = {}
-    for role_name, spec in _mapping(top.get("roles"), "roles", path).items():
-        where = f"roles.{role_name}"
-        spec = _mapping(spec, where, path)
-        _unknown(spec, _ROLE_KEYS, where, path)
-        output = _choice(spec.get("output"), get_args(OutputKind), f"{where}.output", path)
-        if "reward" not in spec:
-            raise GraphError(
-                "every role needs a reward (answer, verdict or outcome)", f"{where}.reward", path
-            )
-        reward = _choice(spec["reward"], get_args(RewardKind), f"{where}.reward", path)
-        verdict = spec.get("verdict")
-        if verdict is not None:
-            verdict = _choice(verdict, get_args(VerdictReader), f"{where}.verdict", path)
-        variables = spec.get("variables", ["problem"])
-        if not isinstance(variables, list) or not all(isinstance(v, str) for v in variables):
-            raise GraphError(f"expected a list of names, got {variables!r}", f"{where}.variables", path)
-        for v in variables:
-            _choice(v, VARIABLES, f"{where}.variables", path)
-        messages = spec.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise GraphError("expected a list of {system|user|assistant: file}", f"{where}.messages", path)
-        prompts: dict[str, tuple[Template, ...]] = {}
-        for set_name, folder in folders.items():
-            templates = []
-            for i, message in enumerate(messages):
-                mwhere = f"{where}.messages[{i}]"
-                if not isinstance(message, dict) or len(message) != 1:
-                    raise GraphError("expected one {system|user|assistant: file}", mwhere, path)
-                ((speaker, file_name),) = message.items()
-                _choice(speaker, get_args(MessageRole), mwhere, path)
-                text = _read_template(folder, file_name, mwhere, path)
-                templates.append(Template(speaker, text, f"{folder.name}/{file_name}"))
-            prompts[set_name] = tuple(templates)
-        tool = _parse_tool(spec.get("tool"), f"{where}.tool", path)
-        roles[str(role_name)] = RoleSpec(
-            str(role_name), output, reward, verdict, tuple(variables), prompts, tool
-        )
-    positions = []
-    trajectory = top.get("trajectory")
-    if not isinstance(trajectory, list) or not trajectory:
-        raise GraphError("expected a list of positions", "trajectory", path)
-    for i, spec in enumerate(trajectory):
-        where = f"trajectory[{i}]"
-        spec = _mapping(spec, where, path)
-        _unknown(spec, _POSITION_KEYS, where, path)
-        for key in ("name", "role"):
-            if not isinstance(spec.get(key), str):
-                raise GraphError(f"expected a name, got {spec.get(key)!r}", f"{where}.{key}", path)
-        strategy = spec.get("strategy")
-        if strategy is not None:
-            _choice(strategy, get_args(Strategy), f"{where}.strategy", path)
-        trigger = _choice(spec.get("trigger", "output"), get_args(Trigger), f"{where}.trigger", path)
-        if trigger == "tool_call":
-            for key in _SELECTION_KEYS:
-                if key in spec:
-                    raise GraphError(
-                        "a position spawned per tool call serves every call; it selects nothing",
-                        f"{where}.{key}",
-                        path,
-                    )
-        share = spec.get("positive_share", 0.5)
-        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
-            raise GraphError(f"expected a number in [0, 1], got {share!r}", f"{where}.positive_share", path)
-        positions.append(
-            PositionSpec(
-                name=spec["name"],
-                role=spec["role"],
-                input=spec.get("input"),
-                when=_choice(spec.get("when", "any"), get_args(When), f"{where}.when", path),
-                inputs=_inputs(spec.get("inputs"), f"{where}.inputs", path),
-                strategy=strategy,
-                prefer=_choice(
-                    spec.get("prefer", "negative"), ("positive", "negative"), f"{where}.prefer", path
-                ),
-                positive_share=float(share),
-                trigger=trigger,
-            )
-        )
-    loop = _mapping(top.get("loop"), "loop", path)
+    return folders
+
+
+def _parse_role(name: str, spec: Any, folders: Mapping[str, Path], path: Path) -> RoleSpec:
+    where = f"roles.{name}"
+    spec = _mapping(spec, where, path)
+    _unknown(spec, _ROLE_KEYS, where, path)
+    output = _choice(spec.get("output"), get_args(OutputKind), f"{where}.output", path)
+    if "reward" not in spec:
+        raise GraphError("every role needs a reward (answer, verdict or outcome)", f"{where}.reward", path)
+    reward = _choice(spec["reward"], get_args(RewardKind), f"{where}.reward", path)
+    verdict = spec.get("verdict")
+    if verdict is not None:
+        verdict = _choice(verdict, get_args(VerdictReader), f"{where}.verdict", path)
+    variables = spec.get("variables", ["problem"])
+    if not isinstance(variables, list) or not all(isinstance(v, str) for v in variables):
+        raise GraphError(f"expected a list of names, got {variables!r}", f"{where}.variables", path)
+    for v in variables:
+        _choice(v, VARIABLES, f"{where}.variables", path)
+    messages = spec.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise GraphError("expected a list of {system|user|assistant: file}", f"{where}.messages", path)
+    prompts = {
+        set_name: _parse_messages(messages, folder, where, path) for set_name, folder in folders.items()
+    }
+    tool = _parse_tool(spec.get("tool"), f"{where}.tool", path)
+    return RoleSpec(name, output, reward, verdict, tuple(variables), prompts, tool)
+
+
+def _parse_messages(messages: list[Any], folder: Path, where: str, path: Path) -> tuple[Template, ...]:
+    templates = []
+    for i, message in enumerate(messages):
+        mwhere = f"{where}.messages[{i}]"
+        if not isinstance(message, dict) or len(message) != 1:
+            raise GraphError("expected one {system|user|assistant: file}", mwhere, path)
+        ((speaker, file_name),) = message.items()
+        _choice(speaker, get_args(MessageRole), mwhere, path)
+        text = _read_template(folder, file_name, mwhere, path)
+        templates.append(Template(speaker, text, f"{folder.name}/{file_name}"))
+    return tuple(templates)
+
+
+def _parse_position(spec: Any, where: str, path: Path) -> PositionSpec:
+    spec = _mapping(spec, where, path)
+    _unknown(spec, _POSITION_KEYS, where, path)
+    for key in ("name", "role"):
+        if not isinstance(spec.get(key), str):
+            raise GraphError(f"expected a name, got {spec.get(key)!r}", f"{where}.{key}", path)
+    strategy = spec.get("strategy")
+    if strategy is not None:
+        _choice(strategy, get_args(Strategy), f"{where}.strategy", path)
+    trigger = _choice(spec.get("trigger", "output"), get_args(Trigger), f"{where}.trigger", path)
+    if trigger == "tool_call":
+        for key in _SELECTION_KEYS:
+            if key in spec:
+                raise GraphError(
+                    "a position spawned per tool call serves every call; it selects nothing",
+                    f"{where}.{key}",
+                    path,
+                )
+    share = spec.get("positive_share", 0.5)
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+        raise GraphError(f"expected a number in [0, 1], got {share!r}", f"{where}.positive_share", path)
+    return PositionSpec(
+        name=spec["name"],
+        role=spec["role"],
+        input=spec.get("input"),
+        when=_choice(spec.get("when", "any"), get_args(When), f"{where}.when", path),
+        inputs=_inputs(spec.get("inputs"), f"{where}.inputs", path),
+        strategy=strategy,
+        prefer=_choice(spec.get("prefer", "negative"), ("positive", "negative"), f"{where}.prefer", path),
+        positive_share=float(share),
+        trigger=trigger,
+    )
+
+
+def _parse_loop(value: Any, path: Path) -> LoopSpec:
+    loop = _mapping(value, "loop", path)
     _unknown(loop, _LOOP_KEYS, "loop", path)
     steps = {}
     for step_name, spec in _mapping(loop.get("steps"), "loop.steps", path).items():
@@ -247,31 +275,13 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
         )
     if not isinstance(loop.get("start"), str):
         raise GraphError("expected the name of the first step", "loop.start", path)
-    loop_spec = LoopSpec(
+    return LoopSpec(
         start=loop["start"],
         steps=steps,
         accept_after=_int(loop.get("accept_after", 4), "loop.accept_after", path),
         give_up_after=_int(loop.get("give_up_after", 10), "loop.give_up_after", path),
         max_iterations=_int(loop.get("max_iterations", 10), "loop.max_iterations", path),
         start_retries=_int(loop.get("start_retries", 3), "loop.start_retries", path, minimum=0),
-    )
-    policies = top.get("policies") or {"shared": list(roles)}
-    policies = {
-        str(k): tuple(v) if isinstance(v, list) else v
-        for k, v in _mapping(policies, "policies", path).items()
-    }
-    balance = top.get("balance") or []
-    if not isinstance(balance, list):
-        raise GraphError(f"expected a list of roles, got {balance!r}", "balance", path)
-    return AgentGraph(
-        name=str(name),
-        roles=roles,
-        positions=tuple(positions),
-        loop=loop_spec,
-        policies=policies,
-        prompt_sets=tuple(folders),
-        balance=tuple(balance),
-        source=str(path),
     )
 
 
