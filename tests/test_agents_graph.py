@@ -136,6 +136,18 @@ def test_a_position_beyond_the_trajectory_cap_is_named(tmp_path: Path) -> None:
         graph_for(MarsConfig(agents={"max_steps": 9}))  # type: ignore[arg-type]
 
 
+def test_a_cut_that_drops_what_a_kept_position_needs_is_named() -> None:
+    """agents.max_steps may not cut the position that makes a kept one's outcome reward, nor the digests
+    of a kept one's tool calls."""
+    with pytest.raises(GraphError, match=r"cuts position 'judge_1', what follows 'verifier_1'") as error:
+        load_graph("imo_refine", max_steps=2)
+    assert error.value.field == "agents.max_steps" and "keep at least 3 positions" in str(error.value)
+    with pytest.raises(GraphError, match=r"cuts position 'distiller', the digests of 'reasoner'"):
+        load_graph("tool_pair", max_steps=1)
+    assert [p.name for p in load_graph("imo_refine", max_steps=3).trajectory(3)][-1] == "judge_1"
+    assert load_graph("marsrl", max_steps=1)  # a solver alone needs nothing after it
+
+
 def test_prompt_variables_are_checked(tmp_path: Path) -> None:
     path, data = _copy(tmp_path)
     data["roles"]["verifier"]["variables"] = ["problem"]

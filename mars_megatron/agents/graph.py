@@ -257,7 +257,7 @@ class AgentGraph:
 
     def tool_positions(self, position: str, max_steps: int | None) -> list[PositionSpec]:
         """The positions spawned per tool call of ``position`` within the cut trajectory: their samples
-        (the distiller's digests) are trained; calls are served whether or not one is in the cut."""
+        are the distiller's digests (a cut that keeps ``position`` keeps them: graph_check)."""
         return [p for p in self.trajectory(max_steps) if p.input == position and p.trigger == "tool_call"]
 
     def distiller_roles(self) -> set[str]:

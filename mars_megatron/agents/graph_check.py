@@ -80,6 +80,30 @@ def validate(graph: AgentGraph, *, max_steps: int | None = None) -> None:
             f"is {max_steps}, beyond the {len(graph.positions)} positions of graph {graph.name!r}",
             "agents.max_steps",
         )
+    if max_steps is not None:
+        _validate_cut(graph, max_steps)
+
+
+def _validate_cut(graph: AgentGraph, max_steps: int) -> None:
+    """A cut trajectory keeps what its kept positions need: the position that digests a kept position's
+    tool calls, and the position that follows a kept position whose role is rewarded by its outcome."""
+    kept = {p.name for p in graph.trajectory(max_steps)}
+    for p in graph.positions:
+        if p.name in kept or p.input not in kept:
+            continue
+        source = graph.roles[graph.position(p.input).role]
+        needed = p.trigger == "tool_call" or source.reward == "outcome"
+        if needed:
+            what = (
+                f"the digests of {p.input!r}'s tool calls"
+                if p.trigger == "tool_call"
+                else f"what follows {p.input!r} and makes its outcome reward"
+            )
+            raise GraphError(
+                f"is {max_steps}, which cuts position {p.name!r}, {what} "
+                f"(keep at least {graph.positions.index(p) + 1} positions)",
+                "agents.max_steps",
+            )
 
 
 def _validate_tools(graph: AgentGraph, src: str) -> None:
