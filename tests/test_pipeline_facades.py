@@ -44,6 +44,26 @@ def test_trainer_group_splits_records_by_policy(names: list[str], expected: dict
     assert group.versions == dict.fromkeys(names, 0)
 
 
+def test_a_graph_grouping_trains_each_group_of_roles_as_one_policy() -> None:
+    """``algorithm.policies=graph``: the graph's ``policies`` section decides which model trains which
+    role (here a thinker model for solver and corrector, a judge model for the verifier)."""
+    import dataclasses
+
+    policies = {"thinker": ("solver", "corrector"), "judge": ("verifier",)}
+    grouped = dataclasses.replace(GRAPH, policies=policies)
+    names = grouped.policy_names("graph")
+    assert names == ["thinker", "judge"]
+    group = TrainerGroup(None, None, names, writer_rank=0, graph=grouped)  # type: ignore[arg-type]
+    split = group.split([_record("solver", "s"), _record("verifier_1", "v"), _record("corrector_2", "c")])
+    assert {name: [s.sample_id for s in batch] for name, batch in split.items()} == {
+        "thinker": ["s", "c"],
+        "judge": ["v"],
+    }
+    assert group.roles_of("thinker") == {"solver", "corrector"} and group.roles_of("judge") == {"verifier"}
+    assert [grouped.policy_of(r, grouped.policy_names(mode)) for mode in ("shared", "per_role")
+            for r in ("solver", "verifier")] == ["shared", "shared", "solver", "verifier"]  # fmt: skip
+
+
 def test_problem_feed_takes_one_update_of_problems_and_resumes() -> None:
     problems = [Problem(f"p{i}", f"q{i}", "1", i + 1) for i in range(5)]
     feed = ProblemFeed(ProblemStream(problems, seed=3), per_update=2)
