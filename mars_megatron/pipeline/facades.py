@@ -18,7 +18,6 @@ from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import ScoreRequest, score_requests
 from mars_megatron.pipeline.fleet import EngineFleet
 from mars_megatron.rl.data import ProblemStream
-from mars_megatron.rl.policies import policy_of
 
 
 class TrainerGroup:
@@ -43,7 +42,7 @@ class TrainerGroup:
         """The policy version each policy's engines hold."""
 
     def policy_of(self, role: str) -> str:
-        return policy_of(role, self.names, self.graph)
+        return self.graph.policy_of(role, self.names)
 
     def roles_of(self, name: str) -> set[str]:
         """The roles policy ``name`` serves."""

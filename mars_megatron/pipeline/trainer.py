@@ -27,7 +27,7 @@ from mars_megatron.agents.graph import prompt_set_of
 from mars_megatron.agents.graph_file import graph_for
 from mars_megatron.config import ConfigError, MarsConfig, dump_config
 from mars_megatron.rl.data import ProblemStream
-from mars_megatron.rl.policies import policy_names, policy_of
+from mars_megatron.rl.policies import policy_names
 from mars_megatron.rl.worker import PolicyWorker
 
 STATE_VERSION = 1
@@ -335,7 +335,7 @@ class MarsRLTrainer:
                 self.log(f"held-out evaluation skipped at step {self.step}: no engine of {name!r} is current")
                 return {}
             pools[name] = EnginePool(current)
-        routed = {role: pools[policy_of(role, self.names, self.graph)] for role in self.graph.roles}
+        routed = {role: pools[self.graph.policy_of(role, self.names)] for role in self.graph.roles}
         return self.held_out.run(routed, self.step)
 
     # ----------------------------------------------------------------------------------------- lifecycle

@@ -4,8 +4,6 @@ it in its own environment."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from mars_megatron.agents.graph import AgentGraph
 from mars_megatron.agents.graph_file import graph_for
 from mars_megatron.config import MarsConfig
@@ -16,8 +14,3 @@ SHARED = "shared"
 def policy_names(cfg: MarsConfig, graph: AgentGraph | None = None) -> list[str]:
     """``["shared"]``, one policy per role, or the graph's policies."""
     return (graph or graph_for(cfg)).policy_names(cfg.algorithm.policies)
-
-
-def policy_of(role: str, names: Sequence[str], graph: AgentGraph) -> str:
-    """The policy among ``names`` (from :func:`policy_names`) that serves ``role``."""
-    return graph.policy_of(role, names)

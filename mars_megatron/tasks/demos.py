@@ -153,7 +153,7 @@ class _Context:
         return self.cfg.careful_share(self.role)
 
 
-def _wrong(rng: random.Random, answer: int, max_answer: int) -> int:
+def wrong_answer(rng: random.Random, answer: int, max_answer: int) -> int:
     """A uniformly random integer in ``0..max(max_answer, 1)`` other than ``answer``."""
     while True:
         value = rng.randint(0, max(max_answer, 1))
@@ -219,31 +219,35 @@ def _solution_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
 
 
 def _report_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
-    a, b = operands(p)
-    right = rng.random() < c.cfg.input_accuracy
-    shown = a + b if right else _wrong(rng, a + b, c.top)
-    solution = _shown_solution(rng, a, b, shown)
-    careful = rng.random() < c.careful_share
-    response = careful_report(a, b, shown) if careful else CARELESS_REPORT
-    return Demo(c.role, p.problem_id, c.messages(p, solution), response, careful, careful or right)
+    return _judging_demo(p, c, rng, careful_report, CARELESS_REPORT)
 
 
 def _log_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
+    # Its reward is the outcome of the judgements of it: a careful log lets a careful judge be right.
+    return _judging_demo(p, c, rng, lambda a, b, shown: careful_log(a, b), CARELESS_LOG)
+
+
+def _judged(p: Problem, c: _Context, rng: random.Random) -> tuple[int, int, bool, int, str]:
+    """``(a, b, right, shown, solution)``: a solution to judge, right with ``input_accuracy``, in either
+    format."""
     a, b = operands(p)
     right = rng.random() < c.cfg.input_accuracy
-    shown = a + b if right else _wrong(rng, a + b, c.top)
-    solution = _shown_solution(rng, a, b, shown)
+    shown = a + b if right else wrong_answer(rng, a + b, c.top)
+    return a, b, right, shown, _shown_solution(rng, a, b, shown)
+
+
+def _judging_demo(
+    p: Problem, c: _Context, rng: random.Random, careful_text: Callable[[int, int, int], str], careless: str
+) -> Demo:
+    """A report on a solution: careful (``careful_text(a, b, shown)``) or the ``careless`` text."""
+    a, b, right, shown, solution = _judged(p, c, rng)
     careful = rng.random() < c.careful_share
-    response = careful_log(a, b) if careful else CARELESS_LOG
-    # Its reward is the outcome of the judgements of it: a careful log lets a careful judge be right.
+    response = careful_text(a, b, shown) if careful else careless
     return Demo(c.role, p.problem_id, c.messages(p, solution), response, careful, careful or right)
 
 
 def _judgement_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
-    a, b = operands(p)
-    right = rng.random() < c.cfg.input_accuracy
-    shown = a + b if right else _wrong(rng, a + b, c.top)
-    solution = _shown_solution(rng, a, b, shown)
+    a, b, right, shown, solution = _judged(p, c, rng)
     report = careful_log(a, b) if rng.random() < 0.5 else CARELESS_LOG
     careful = rng.random() < c.careful_share
     response = judge(report, shown) if careful else "yes"
@@ -253,7 +257,7 @@ def _judgement_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
 
 def _revision_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
     a, b = operands(p)
-    previous = _wrong(rng, a + b, c.top)
+    previous = wrong_answer(rng, a + b, c.top)
     report = careful_log(a, b)  # the careful report that rejected it, before its verdict
     # the rejected solution in either format: a careful first solution's slips reach it too
     solution = _shown_solution(rng, a, b, previous)

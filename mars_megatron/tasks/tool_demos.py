@@ -40,7 +40,7 @@ from mars_megatron.agents.tools import ToolCall, observation, run_tool
 from mars_megatron.config import ConfigError
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.tasks.arith import operands, problem_text, write_jsonl
-from mars_megatron.tasks.demos import DemoConfig
+from mars_megatron.tasks.demos import DemoConfig, boxed, wrong_answer
 
 PURPOSE = "the sum"
 """What the demos' calls say they need the value for."""
@@ -104,10 +104,6 @@ class ToolDemo:
         return "".join(parts)
 
 
-def boxed(answer: int) -> str:
-    return f"\\boxed{{{answer}}}"
-
-
 def careful_digest(purpose: str, value: int) -> str:
     """The careful distiller's digest: what the purpose asked for, and its value."""
     return f"{purpose} is {value}."
@@ -116,13 +112,6 @@ def careful_digest(purpose: str, value: int) -> str:
 def careless_digest(value: int) -> str:
     """The careless distiller's digest: a bare number (a wrong one in the demos)."""
     return f"{value}."
-
-
-def _wrong(rng: random.Random, answer: int, top: int) -> int:
-    while True:
-        value = rng.randint(0, max(top, 1))
-        if value != answer:
-            return value
 
 
 def build_tool_demos(
@@ -178,7 +167,7 @@ def _reasoner_demo(
     if rng.random() >= cfg.careful_share(role):
         guess = rng.randint(0, top)
         return ToolDemo(role, p.problem_id, messages, (boxed(guess),), (), False, guess == a + b)
-    value = a + b if rng.random() < cfg.input_accuracy else _wrong(rng, a + b, top)
+    value = a + b if rng.random() < cfg.input_accuracy else wrong_answer(rng, a + b, top)
     digest = careful_digest(PURPOSE, value) if rng.random() < 0.5 else careless_digest(value)
     call = ToolCall(tool.name, f"{a}+{b}", PURPOSE)
     turns = (call.text(), boxed(value))
@@ -199,7 +188,7 @@ def _distiller_demo(
     output = run_tool(ToolCall(tool.name, f"{a}+{b}", PURPOSE))
     messages = graph.roles[role].messages(prompt_set, {"purpose": PURPOSE, "tool_output": output})
     careful = rng.random() < cfg.careful_share(role)
-    value = a + b if careful else _wrong(rng, a + b, top)
+    value = a + b if careful else wrong_answer(rng, a + b, top)
     digest = careful_digest(PURPOSE, value) if careful else careless_digest(value)
     return ToolDemo(role, p.problem_id, messages, (digest,), (), careful, careful)
 
