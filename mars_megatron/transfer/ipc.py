@@ -12,6 +12,13 @@ communicator on one device, so the broadcast groups of :mod:`.group` cannot incl
 The same code runs on CPU with POSIX shared memory handles instead of CUDA IPC (the tests). Handles
 travel as JSON of plain fields, rebuilt with the storage constructors torch itself uses for IPC: nothing
 read from the store is unpickled.
+
+A CUDA handle names its GPU by UUID, never by device index: an index only means something inside one
+process. A trainer rank sees its GPU as ``cuda:0`` (``CUDA_VISIBLE_DEVICES`` narrowed to it), while
+vLLM's Ray workers (``RayExecutorV2``) leave ``CUDA_VISIBLE_DEVICES`` unset and see every GPU of the
+node, so index 0 in the trainer's handle is the node's first GPU in a worker: it would map the bucket
+through another GPU (an extra CUDA context there, copies over the bus, or failure without peer access).
+The opener finds the UUID among the devices it can see (:func:`local_device_index`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -60,6 +68,75 @@ def _b64(x: bytes) -> str:
     return base64.b64encode(x).decode("ascii")
 
 
+def gpu_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device ``index``: the one name of a GPU that every process on the
+    node shares, whatever devices it was given to see."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def visible_gpu_uuids() -> list[str]:
+    """The UUIDs of the CUDA devices this process sees, by local index."""
+    return [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+
+
+def _uuid_key(uuid: str) -> str:
+    # nvidia-smi and CUDA_VISIBLE_DEVICES write "GPU-<uuid>", torch the bare hex form
+    key = uuid.strip().lower()
+    return key[4:] if key.startswith("gpu-") else key
+
+
+def local_device_index(uuid: str, visible: Sequence[str]) -> int:
+    """This process's index of the GPU named ``uuid``, given the UUIDs of its visible devices by index
+    (:func:`visible_gpu_uuids`). Fails, naming the UUID, when this process cannot see that GPU."""
+    key = _uuid_key(uuid)
+    for index, candidate in enumerate(visible):
+        if _uuid_key(candidate) == key:
+            return index
+    seen = ", ".join(f"cuda:{i}={u}" for i, u in enumerate(visible)) or "none"
+    raise RuntimeError(
+        f"weight transfer: the bucket's GPU {uuid} is not visible to this process (it sees {seen}); a "
+        "colocated engine worker must see the GPU of the trainer rank it shares (CUDA_VISIBLE_DEVICES)"
+    )
+
+
+def cuda_fields(shared: Sequence[Any], uuid: str) -> dict[str, Any]:
+    """The JSON fields of a CUDA handle from ``storage._share_cuda_()`` on the GPU named ``uuid``. The
+    producer's device index (``shared[0]``) is left out on purpose: it means another GPU elsewhere."""
+    _, handle, size, offset, rc_handle, rc_offset, event, sync = shared
+    return {
+        "kind": "cuda",
+        "uuid": uuid,
+        "handle": _b64(handle),
+        "size": int(size),
+        "offset": int(offset),
+        "rc_handle": _b64(rc_handle),
+        "rc_offset": int(rc_offset),
+        "event": _b64(event),
+        "sync": bool(sync),
+    }
+
+
+def cuda_open_args(fields: Mapping[str, Any], visible: Sequence[str]) -> tuple[Any, ...]:
+    """The arguments of ``torch.UntypedStorage._new_shared_cuda`` for a handle's ``fields``
+    (:func:`cuda_fields`), opened on this process's own index of the handle's GPU."""
+    uuid = fields.get("uuid")
+    if not isinstance(uuid, str) or not uuid:
+        raise ValueError(
+            "weight transfer: a CUDA buffer handle without its GPU's uuid (from an older mars-megatron?); "
+            "the device index alone names different GPUs in different processes"
+        )
+    return (
+        local_device_index(uuid, visible),
+        base64.b64decode(fields["handle"]),
+        int(fields["size"]),
+        int(fields["offset"]),
+        base64.b64decode(fields["rc_handle"]),
+        int(fields["rc_offset"]),
+        base64.b64decode(fields["event"]),
+        bool(fields["sync"]),
+    )
+
+
 def handle_of(buffer: torch.Tensor) -> str:
     """The JSON handle of ``buffer`` (from :func:`share_buffer`)."""
     storage = buffer.untyped_storage()
@@ -67,24 +144,15 @@ def handle_of(buffer: torch.Tensor) -> str:
         manager, name, size = storage._share_filename_cpu_()
         fields: dict[str, Any] = {"kind": "shm", "manager": _b64(manager), "name": _b64(name), "size": size}
     else:
-        device, handle, size, offset, rc_handle, rc_offset, event, sync = storage._share_cuda_()
-        fields = {
-            "kind": "cuda",
-            "device": int(device),
-            "handle": _b64(handle),
-            "size": int(size),
-            "offset": int(offset),
-            "rc_handle": _b64(rc_handle),
-            "rc_offset": int(rc_offset),
-            "event": _b64(event),
-            "sync": bool(sync),
-        }
+        index = buffer.device.index if buffer.device.index is not None else torch.cuda.current_device()
+        fields = cuda_fields(storage._share_cuda_(), gpu_uuid(index))
     fields.update(byte_offset=buffer.storage_offset(), nbytes=buffer.numel())
     return json.dumps(fields)
 
 
 def open_handle(text: str) -> torch.Tensor:
-    """The buffer a handle from :func:`handle_of` names, mapped into this process (bytes, 1-D)."""
+    """The buffer a handle from :func:`handle_of` names, mapped into this process (bytes, 1-D); a CUDA
+    buffer on this process's index of the producer's GPU."""
     f = json.loads(text)
     if not isinstance(f, dict) or f.get("kind") not in ("shm", "cuda"):
         raise ValueError("weight transfer: malformed buffer handle in the store")
@@ -93,16 +161,7 @@ def open_handle(text: str) -> torch.Tensor:
             base64.b64decode(f["manager"]), base64.b64decode(f["name"]), int(f["size"])
         )
     else:
-        storage = torch.UntypedStorage._new_shared_cuda(
-            int(f["device"]),
-            base64.b64decode(f["handle"]),
-            int(f["size"]),
-            int(f["offset"]),
-            base64.b64decode(f["rc_handle"]),
-            int(f["rc_offset"]),
-            base64.b64decode(f["event"]),
-            bool(f["sync"]),
-        )
+        storage = torch.UntypedStorage._new_shared_cuda(*cuda_open_args(f, visible_gpu_uuids()))
     whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     return whole[int(f["byte_offset"]) : int(f["byte_offset"]) + int(f["nbytes"])]
 

@@ -1,0 +1,128 @@
+"""Colocated hand-off handles (:mod:`mars_megatron.transfer.ipc`): a CUDA handle names its GPU by UUID and
+opens on the opener's own index of that GPU, since a device index means different GPUs in a trainer rank
+(``cuda:0``, its one visible GPU) and a vLLM Ray worker (every GPU of the node, by physical index).
+
+The mapping is pure and tested here on CPU; the ``gpu`` tests open real CUDA IPC handles in another
+process (one GPU: equal bytes on the producer's GPU; two GPUs: the opener sees them in the other order).
+Check 4 of the device check (``tools/device_check/ipc_handoff.py``) runs the whole hand-off between two
+processes; its ``--cpu`` mode (shared memory handles) runs here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mars_megatron.transfer.ipc import (
+    cuda_fields,
+    cuda_open_args,
+    gpu_uuid,
+    handle_of,
+    local_device_index,
+    open_handle,
+    share_buffer,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+NODE = ["3f2a9c1e-0b6d-4e57-9a1c-5d8e7f6a4b30", "b71c0d2e-9f4a-4c3b-8e6d-1a2b3c4d5e6f"]
+"""Two GPU UUIDs of a node, in the form torch prints them."""
+
+
+def _share_tuple(producer_index: int) -> tuple:
+    """What ``storage._share_cuda_()`` returns (device index, IPC handle, sizes, ref counter, event)."""
+    return (producer_index, b"\x01handle\x00bytes", 4096, 512, b"/torch_rc_7", 3, b"\x00event\xff", True)
+
+
+def test_the_opener_finds_the_gpu_by_uuid_whatever_index_it_has_there() -> None:
+    # a trainer rank sees its GPU as cuda:0; a Ray worker of vLLM sees the node's GPUs by physical index
+    assert local_device_index(NODE[1], NODE) == 1
+    assert local_device_index(NODE[1], [NODE[1]]) == 0
+    assert local_device_index("GPU-" + NODE[0].upper(), NODE) == 0  # nvidia-smi's spelling
+    with pytest.raises(RuntimeError, match=NODE[1]):
+        local_device_index(NODE[1], [NODE[0]])
+    with pytest.raises(RuntimeError, match="sees none"):
+        local_device_index(NODE[1], [])
+
+
+def test_a_cuda_handle_carries_the_uuid_and_opens_on_the_local_index() -> None:
+    # produced on the producer's cuda:0 (a trainer rank), opened where that GPU is cuda:1 (a worker)
+    fields = json.loads(json.dumps(cuda_fields(_share_tuple(0), NODE[1])))
+    assert fields["uuid"] == NODE[1] and "device" not in fields  # no index that means another GPU elsewhere
+    args = cuda_open_args(fields, NODE)
+    assert args == (1, *_share_tuple(0)[1:])  # the rest byte for byte
+    assert cuda_open_args(fields, [NODE[1]])[0] == 0  # a process that sees only that GPU
+
+
+def test_a_cuda_handle_without_uuid_or_for_an_unseen_gpu_is_refused_by_name() -> None:
+    old = cuda_fields(_share_tuple(0), NODE[0])
+    del old["uuid"]
+    old["device"] = 0  # the handle format before the UUID
+    with pytest.raises(ValueError, match="uuid"):
+        cuda_open_args(old, NODE)
+    text = json.dumps({**cuda_fields(_share_tuple(0), NODE[0]), "byte_offset": 0, "nbytes": 16})
+    if not torch.cuda.is_available():  # this process sees no GPU at all
+        with pytest.raises(RuntimeError, match=NODE[0]):
+            open_handle(text)
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+_OPENER = """
+import hashlib, json, sys
+import torch
+from mars_megatron.transfer.ipc import gpu_uuid, open_handle
+view = open_handle(sys.stdin.read())
+index = view.device.index
+print(json.dumps({"index": index, "uuid": gpu_uuid(index), "visible": torch.cuda.device_count(),
+                  "sha256": hashlib.sha256(view.cpu().numpy().tobytes()).hexdigest()}))
+"""
+
+
+def _open_elsewhere(text: str, visible: list[str] | None) -> dict:
+    """Open handle ``text`` in a fresh process that sees the GPUs ``visible`` (UUIDs, in that order)."""
+    env = dict(os.environ)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join("GPU-" + u.removeprefix("GPU-") for u in visible)
+    done = subprocess.run(
+        [sys.executable, "-c", _OPENER], input=text, env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _filled(device: torch.device, nbytes: int = 3 << 20) -> tuple[torch.Tensor, str]:
+    buffer = share_buffer(nbytes, device)
+    g = torch.Generator().manual_seed(7)
+    buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g))
+    torch.cuda.synchronize(device)
+    return buffer, hashlib.sha256(buffer.cpu().numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.gpu
+def test_a_cuda_handle_opens_in_another_process_on_the_producers_gpu() -> None:
+    """One GPU: the other process maps the very bytes, on the GPU the handle names."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    buffer, digest = _filled(device)
+    got = _open_elsewhere(handle_of(buffer[1024:]), None)
+    assert got["sha256"] == hashlib.sha256(buffer[1024:].cpu().numpy().tobytes()).hexdigest() != digest
+    assert got["uuid"] == gpu_uuid(device.index)
+
+
+@pytest.mark.gpu
+def test_a_cuda_handle_opens_on_the_same_physical_gpu_where_indices_differ() -> None:
+    """Two GPUs: produced on this process's cuda:1, opened by a process that sees the two GPUs in the
+    other order (a Ray worker's physical indices against a trainer rank's): there it is cuda:0. The
+    handle of the old format opened it on the opener's cuda:1, the other GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    uuids = [gpu_uuid(0), gpu_uuid(1)]
+    buffer, digest = _filled(torch.device("cuda", 1))
+    got = _open_elsewhere(handle_of(buffer), [uuids[1], uuids[0]])
+    assert got == {"index": 0, "uuid": uuids[1], "visible": 2, "sha256": digest}
