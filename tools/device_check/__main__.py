@@ -1,0 +1,315 @@
+"""The device check's runner: every check in order, one table, ``device_check.md`` and ``device_check.json``.
+
+    python -m tools.device_check [--cpu] [--only NAME[,NAME]] [--out DIR] [--keep-workdir]
+
+(``scripts/device_check.sh`` installs megatron-core from ``.whl/`` first and runs this.) Each check is a
+module of this package with ``run(ctx) -> list[Row]``, each row one assertion on measured values. An
+exception in a check becomes a failed row naming it, a check module not written yet a failed row
+"not implemented"; the other checks run on. The exit status is 1 when any row failed, 2 when the run
+could not start (no usable GPU, bad arguments). Progress and each check's wall time go to stderr.
+
+Without ``--cpu`` it needs one CUDA GPU: NCCL, bf16, megatron's local layer spec (the machine has no
+Transformer Engine). ``--cpu``: gloo, fp32 and tiny shapes, the same assertions where they apply; CI runs
+it so the checks cannot rot between GPU loans. In both modes Ray, vLLM, Transformer Engine and
+math-verify are unimportable in every process of the run, as on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tools.device_check.common import ABSENT, ABSENT_ENV, Context, Row, block_absent, imported_absent
+
+CHECKS: tuple[tuple[str, str], ...] = (
+    ("1", "logprobs"),
+    ("2", "train_step"),
+    ("3", "export"),
+    ("4", "ipc_handoff"),
+    ("5", "roundtrip"),
+    ("6", "speed"),
+)
+"""(number, module) of every check, in the order they run."""
+
+ENV_DEFAULTS = {
+    # torch's deterministic algorithms need a fixed cuBLAS workspace (check 2's resumed steps)
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    # a world of one process on one host: loopback is the only interface it needs
+    "NCCL_SOCKET_IFNAME": "lo",
+    "GLOO_SOCKET_IFNAME": "lo",
+    # the GPU machine has no network: never let transformers or the hub try it
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+NO_CUDA = (
+    "device_check: torch sees no usable CUDA GPU (torch {torch}, built for CUDA {cuda}). PyPI's CUDA 13 "
+    "torch needs an NVIDIA driver R580 or newer (nvidia-smi shows the driver); run with --cpu for the CI "
+    "mode."
+)
+
+
+def _log(start: float) -> Any:
+    def log(message: str) -> None:
+        print(f"[device_check {time.monotonic() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def run_check(number: str, module: str, ctx: Context) -> list[Row]:
+    """One check's rows; never raises (a missing module, an exception or no rows is a failed row)."""
+    label = f"{number} {module}"
+    full = f"{__package__}.{module}"
+    try:
+        mod = importlib.import_module(full)
+    except ModuleNotFoundError as e:
+        if e.name == full:
+            return [Row(label, "check module", "not implemented", f"{full} exists", False)]
+        return [_failure(label, "import", e)]
+    except Exception as e:
+        return [_failure(label, "import", e)]
+    try:
+        rows = list(mod.run(ctx))
+    except Exception as e:
+        return [_failure(label, "run", e)]
+    if not rows:
+        rows = [Row(label, "rows reported", "none", "≥ 1", False)]
+    late = imported_absent()
+    if late:
+        rows.append(Row(label, f"imports none of {', '.join(ABSENT)}", f"imported {late}", "none", False))
+    return rows
+
+
+def _failure(label: str, stage: str, e: BaseException) -> Row:
+    text = traceback.format_exc()
+    print(text, file=sys.stderr, flush=True)
+    message = f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]
+    return Row(label, f"{stage} without an exception", message, "no exception", False, {"traceback": text})
+
+
+# ------------------------------------------------------------------------------------------ environment
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        return Path("/proc/driver/nvidia/version").read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def environment(cpu: bool) -> dict[str, Any]:
+    """What ran the check: device, driver, library versions, date (asked after the checks, so the
+    runner holds no CUDA context of its own while they run)."""
+    info: dict[str, Any] = {
+        "mode": "cpu" if cpu else "gpu",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "megatron_core": _version("megatron-core"),
+        "transformers": _version("transformers"),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    if cpu:
+        info["device"] = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+        return info
+    props = torch.cuda.get_device_properties(0)
+    info["device"] = props.name
+    info["device_memory_gib"] = round(props.total_memory / 2**30, 1)
+    info["gpus"] = torch.cuda.device_count()
+    info["driver"] = _driver()
+    try:
+        info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+    except Exception:
+        info["nccl"] = "unknown"
+    return info
+
+
+# ------------------------------------------------------------------------------------------------ output
+COLUMNS = ("check", "what", "value", "bound", "ok")
+
+
+def _cells(row: Row) -> tuple[str, ...]:
+    return (row.check, row.what, row.value, row.bound, "ok" if row.passed else "FAIL")
+
+
+def text_table(rows: list[Row]) -> str:
+    """The table as aligned text, for the terminal."""
+    cells = [COLUMNS, *(_cells(r) for r in rows)]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """The table in markdown (pipes in cells escaped), for device_check.md and the README."""
+
+    def cell(s: str) -> str:
+        return s.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(c) for c in _cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def header(env: dict[str, Any], wall: dict[str, float]) -> str:
+    driver = f", driver {env['driver']}" if "driver" in env else ""
+    nccl = f", NCCL {env['nccl']}" if "nccl" in env else ""
+    timing = ", ".join(f"{name} {s:.0f} s" for name, s in wall.items())
+    return (
+        f"Device check ({env['mode']} mode): {env['device']}{driver}; Python {env['python']}, torch "
+        f"{env['torch']} (CUDA {env['cuda']}{nccl}), megatron-core {env['megatron_core']}, transformers "
+        f"{env['transformers']}; {env['date']}. Wall time: {timing}; total {sum(wall.values()):.0f} s."
+    )
+
+
+def _plain(obj: Any) -> Any:
+    """JSON-safe: non-finite floats as strings, tuples as lists, anything else unknown as its repr."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    if obj is None or isinstance(obj, bool | int | str):
+        return obj
+    return repr(obj)
+
+
+def write_outputs(out: Path, env: dict[str, Any], results: list[tuple[str, str, float, list[Row]]]) -> None:
+    rows = [r for *_, rs in results for r in rs]
+    wall = {f"{n} {m}": s for n, m, s, _ in results}
+    (out / "device_check.md").write_text(header(env, wall) + "\n\n" + markdown_table(rows) + "\n")
+    doc = {
+        "environment": env,
+        "passed": all(r.passed for r in rows),
+        "wall_s": sum(wall.values()),
+        "checks": [
+            {
+                "number": n,
+                "module": m,
+                "wall_s": s,
+                "passed": all(r.passed for r in rs),
+                "rows": [asdict(r) for r in rs],
+            }
+            for n, m, s, rs in results
+        ],
+    }
+    (out / "device_check.json").write_text(json.dumps(_plain(doc), indent=1, ensure_ascii=False) + "\n")
+
+
+# -------------------------------------------------------------------------------------------------- main
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.device_check", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument("--cpu", action="store_true", help="gloo, fp32, tiny shapes (CI), no GPU needed")
+    names = [m for _, m in CHECKS]
+    parser.add_argument("--only", default="", help=f"comma-separated checks to run, of: {', '.join(names)}")
+    parser.add_argument(
+        "--out", default=os.environ.get("OUT") or None, help="folder for the table (default $OUT)"
+    )
+    parser.add_argument(
+        "--keep-workdir", action="store_true", help="keep the scratch folder (models, checkpoints)"
+    )
+    args = parser.parse_args(argv)
+    wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        parser.error(f"--only: unknown check(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+    args.checks = [(n, m) for n, m in CHECKS if not wanted or m in wanted]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    os.environ[ABSENT_ENV] = ",".join(ABSENT)  # spawned processes block them when they import the package
+    late = block_absent()
+    if late:
+        print(f"device_check: {late} were imported before the runner could block them", file=sys.stderr)
+        return 2
+    if not args.cpu and not torch.cuda.is_available():
+        print(NO_CUDA.format(torch=torch.__version__, cuda=torch.version.cuda), file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    log = _log(start)
+    workdir = Path(tempfile.mkdtemp(prefix="mars-device-check-"))
+    results: list[tuple[str, str, float, list[Row]]] = []
+    try:
+        for number, module in args.checks:
+            ctx = Context(
+                cpu=args.cpu,
+                device=torch.device("cpu") if args.cpu else torch.device("cuda", 0),
+                dtype=torch.float32 if args.cpu else torch.bfloat16,
+                workdir=workdir / module,
+                log=lambda m, label=f"{number} {module}": log(f"{label}: {m}"),
+            )
+            ctx.workdir.mkdir()
+            t0 = time.monotonic()
+            log(f"{number} {module}: start")
+            rows = run_check(number, module, ctx)
+            seconds = time.monotonic() - t0
+            failed = sum(not r.passed for r in rows)
+            log(f"{number} {module}: {seconds:.1f} s, {len(rows) - failed} passed, {failed} failed")
+            results.append((number, module, seconds, rows))
+    finally:
+        if args.keep_workdir:
+            log(f"scratch kept at {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    env = environment(args.cpu)
+    rows = [r for *_, rs in results for r in rs]
+    wall = {f"{n} {m}": s for n, m, s, _ in results}
+    print(header(env, wall) + "\n\n" + text_table(rows), flush=True)
+    if out is not None:
+        write_outputs(out, env, results)
+        log(f"wrote {out / 'device_check.md'} and {out / 'device_check.json'}")
+    return 0 if all(r.passed for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
