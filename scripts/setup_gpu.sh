@@ -4,7 +4,14 @@
 # package installed editable without dependencies. For GPU nodes and docker/Dockerfile. It needs no GPU, but
 # it needs Python 3.11 with its headers, a C++ compiler, CUDA 13's nvcc and headers (CUDA_HOME, else nvcc on
 # PATH, else /usr/local/cuda) and cudnn.h (the toolkit's, the system's or the nvidia-cudnn-cu13 wheel's).
-# These are checked before anything is installed.
+# These are checked before anything is installed. Running it (not building it) needs an NVIDIA driver R580
+# or newer: PyPI's torch 2.13 is built for CUDA 13 (an older driver leaves torch without the GPU); checked
+# when nvidia-smi is there.
+# cuDNN: torch loads the nvidia-cudnn-cu13 wheel's libcudnn, while Transformer Engine looks in CUDNN_HOME,
+# CUDNN_PATH, CUDA_HOME, /usr/local/cuda and the system's library path before Python packages, so a node
+# with its own cuDNN would get two in one process. The build uses the wheel's (CUDNN_HOME/CUDNN_PATH), and
+# the venv sets CUDNN_HOME to it for every process it runs (site-packages/mars_cudnn_home.pth; the
+# container sets the same in docker/Dockerfile); the final check fails if two cuDNNs are loaded.
 # Idempotent: a stamp of the requirement files skips everything when nothing changed.
 # Environment: PYTHON (python3), MARS_VENV (.venv), MARS_PIP_INDEX_URL (a PyPI mirror; otherwise pypi.org:
 # pip's configuration files, find-links, extra indexes and constraints are ignored so that no local CPU torch
@@ -32,6 +39,18 @@ fi
 # The binding's version is written once, as the comment line '# transformer-engine-torch==X.Y.Z' in $REQS.
 te_torch=$(sed -n 's/^# *\(transformer-engine-torch==[0-9][^ ]*\) *$/\1/p' "$REQS")
 [ -n "$te_torch" ] || die "$REQS has no '# transformer-engine-torch==VERSION' line"
+
+# --- driver (running needs it, building does not) ------------------------------------------------------
+MIN_DRIVER=580
+driver=""
+if command -v nvidia-smi >/dev/null; then
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true)
+fi
+driver_old() { [ -n "$driver" ] && [ "${driver%%.*}" -lt "$MIN_DRIVER" ] 2>/dev/null; }
+driver_msg="torch 2.13 from PyPI is built for CUDA 13 and needs an NVIDIA driver R$MIN_DRIVER or newer; this node has ${driver:-none}"
+if driver_old; then
+  log "warning: $driver_msg: the environment builds, but torch will not see this node's GPUs until the driver is upgraded"
+fi
 
 # --- toolchain, checked before anything is installed ---------------------------------------------------
 log "checking the build toolchain for $te_torch"
@@ -111,6 +130,18 @@ if [ -n "$wheel_incs" ]; then
   export CPATH="${CPATH:+$CPATH:}$wheel_incs"
   log "CPATH += $wheel_incs"
 fi
+# One cuDNN per process: the wheel's, which torch loads (see the top of this file).
+wheel_cudnn_home="$site/nvidia/cudnn"
+if compgen -G "$wheel_cudnn_home/lib/libcudnn.so*" >/dev/null; then
+  export CUDNN_HOME="$wheel_cudnn_home" CUDNN_PATH="$wheel_cudnn_home"
+  # A .pth line runs at every start of the venv's Python (Ray workers and vLLM's included); the path is
+  # written as a Python string literal, so nothing in it is evaluated.
+  pth_path=$("$VENV/bin/python" -c 'import json, sys; print(json.dumps(sys.argv[1]))' "$wheel_cudnn_home")
+  printf 'import os; os.environ["CUDNN_HOME"] = %s\n' "$pth_path" >"$site/mars_cudnn_home.pth"
+  log "CUDNN_HOME=$wheel_cudnn_home for the build and for every process of $VENV ($site/mars_cudnn_home.pth)"
+else
+  log "warning: no libcudnn in $wheel_cudnn_home/lib (torch's cuDNN wheel): Transformer Engine picks its cuDNN itself"
+fi
 
 log "building $te_torch from source (no build isolation, against $VENV's CUDA torch; MAX_JOBS=${MAX_JOBS:-all cores}); this takes a while"
 NVTE_PYTORCH_FORCE_BUILD=TRUE pip_pypi install --no-deps --no-build-isolation "$te_torch"
@@ -118,11 +149,18 @@ log "installing mars-megatron editable (--no-deps)"
 pip_pypi install -q --no-deps -e .
 
 # --- check --------------------------------------------------------------------------------------------
-check='import torch, megatron.core, transformer_engine, transformer_engine.pytorch, vllm, mars_megatron
+check='import os, sys, torch, megatron.core, transformer_engine, transformer_engine.pytorch, vllm, mars_megatron
 print("[setup-gpu] torch", torch.__version__, "CUDA", torch.version.cuda, "| megatron-core", megatron.core.__version__,
-      "| transformer-engine", transformer_engine.__version__, "| vllm", vllm.__version__)'
-log "checking: import torch, megatron.core, transformer_engine.pytorch, vllm, mars_megatron"
+      "| transformer-engine", transformer_engine.__version__, "| vllm", vllm.__version__)
+if torch.cuda.is_available():
+    torch.backends.cudnn.version()  # torch loads its cuDNN (TE loaded one at import)
+    with open("/proc/self/maps") as maps:
+        libs = {os.path.realpath(line.split()[-1]) for line in maps if "/libcudnn" in line}
+    if len({os.path.dirname(p) for p in libs}) > 1:
+        sys.exit("[setup-gpu] two cuDNNs in one process: " + ", ".join(sorted(libs)))'
+log "checking: import torch, megatron.core, transformer_engine.pytorch, vllm, mars_megatron; one cuDNN"
 if ! VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VENV/bin/python" -c "$check" >&2; then
+  driver_old && die "environment check failed: $driver_msg"
   command -v nvidia-smi >/dev/null && die "environment check failed"
   "$VENV/bin/python" -c "import torch, megatron.core, mars_megatron" >&2 || die "environment check failed"
   log "warning: the import check above failed on a machine without a GPU (no nvidia-smi; e.g. docker build)."

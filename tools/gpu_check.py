@@ -3,7 +3,8 @@
 time, the peak memory of every GPU and the trainer-vs-engine log-prob mismatch.
 
 Usage (from the repository root, after ``scripts/setup_gpu.sh`` or inside the container of
-``docker/Dockerfile``)::
+``docker/Dockerfile``; the node needs an NVIDIA driver R580 or newer, since PyPI's torch 2.13 is built for
+CUDA 13: :data:`MIN_DRIVER`)::
 
     scripts/gpu_check.sh                 # everything; the table also goes to runs/gpu_check/summary.md
     scripts/gpu_check.sh --skip-tests    # only the tiny run
@@ -133,6 +134,30 @@ def table(
     return "\n".join(rows)
 
 
+MIN_DRIVER = {13: 580}
+"""Lowest NVIDIA driver branch per CUDA major version of torch's build: PyPI's torch 2.13 is built for
+CUDA 13, which needs an R580 driver or newer (580.65.06+ on Linux); an older driver leaves
+``torch.cuda.is_available()`` False with no other sign."""
+
+
+def driver_problem(torch_cuda: str | None, driver: str | None) -> str | None:
+    """Why this torch cannot use this driver (``torch.version.cuda``, ``nvidia-smi``'s
+    ``driver_version``), or None when the driver is new enough or either version is unknown."""
+    if not torch_cuda or not driver:
+        return None
+    try:
+        cuda_major, driver_major = int(torch_cuda.split(".")[0]), int(driver.split(".")[0])
+    except ValueError:
+        return None
+    need = MIN_DRIVER.get(cuda_major)
+    if need is None or driver_major >= need:
+        return None
+    return (
+        f"torch built for CUDA {torch_cuda} needs an NVIDIA driver R{need} or newer; this node's driver "
+        f"is {driver}: upgrade the driver (or use a torch built for an older CUDA)"
+    )
+
+
 def ok(phases: dict[str, TestResults | str], run: dict[str, float | int] | str) -> bool:
     if isinstance(run, str) or run["updated"] != run["steps_wanted"]:
         return False
@@ -172,6 +197,15 @@ class MemorySampler:
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _driver_version() -> str | None:
+    """``nvidia-smi``'s driver version of the first GPU, None without nvidia-smi or GPUs."""
+    try:
+        lines = _smi("driver_version").split()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return lines[0] if lines else None
 
 
 def _pytest(marker: str, junit: Path) -> TestResults | str:
@@ -218,10 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
+        driver = _driver_version()
         print(
             "gpu_check: no CUDA GPU is visible to torch (torch.cuda.is_available() is False; torch "
-            f"{torch.__version__}, built for CUDA {torch.version.cuda}). Run it on a GPU node, in the "
-            "environment of scripts/setup_gpu.sh or the container of docker/Dockerfile.",
+            f"{torch.__version__}, built for CUDA {torch.version.cuda}; NVIDIA driver "
+            f"{driver or 'not found (no nvidia-smi)'}). "
+            + (driver_problem(torch.version.cuda, driver) or "")
+            + " Run it on a GPU node (CUDA 13 torch: driver R580+), in the environment of "
+            "scripts/setup_gpu.sh or the container of docker/Dockerfile.",
             file=sys.stderr,
         )
         return 2
@@ -239,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     total = dict(parse_smi(_smi("index,memory.total")))
     device = _smi("name").splitlines()[0].strip()
     text = (
-        f"GPU check: {gpus} x {device}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-        f"{time.strftime('%Y-%m-%d')}\n\n"
+        f"GPU check: {gpus} x {device}, driver {_driver_version()}, torch {torch.__version__} "
+        f"(CUDA {torch.version.cuda}), {time.strftime('%Y-%m-%d')}\n\n"
     )
     text += table(phases, run, memory, total)
     (out / "summary.md").write_text(text + "\n")

@@ -17,7 +17,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +38,75 @@ def use_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def cuda_device_index(
+    rank: int, world_size: int, device_count: int, env: Mapping[str, str], *, spawned: bool
+) -> int:
+    """The CUDA device (index among the visible ones) rank ``rank`` of ``world_size`` binds.
+
+    ``spawned``: the ranks are this machine's processes started by :func:`launch`, numbered from 0, so
+    rank *is* the local rank; a ``LOCAL_RANK`` in their environment was inherited from whatever started
+    the parent (torchrun, Slurm, a Ray trainer rank that sets it) and would put every child on the
+    parent's device. Otherwise (torchrun/Slurm started this process) ``LOCAL_RANK`` is trusted only
+    once it is consistent: an integer, not above the global rank (local ranks number the node's
+    processes in global-rank order), below ``LOCAL_WORLD_SIZE`` where that is set, and naming a visible
+    device. A launcher that binds one GPU per task (``CUDA_VISIBLE_DEVICES`` per process: Slurm's
+    ``--gpus-per-task``, Ray) leaves one visible device, which is then the rank's whatever its local
+    rank. Without ``LOCAL_RANK``: ``rank % device_count``, the single-node rule."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    where = f"{device_count} visible CUDA device(s)"
+    if visible:
+        where += f" (CUDA_VISIBLE_DEVICES={visible})"
+    if device_count < 1:
+        raise RuntimeError(f"rank {rank}: no CUDA device is visible to bind ({where})")
+    if spawned:
+        if world_size > device_count:
+            raise RuntimeError(
+                f"launch: {world_size} ranks on this machine but {where}: NCCL needs one device per rank"
+            )
+        return rank
+    raw = env.get("LOCAL_RANK")
+    if raw is None:
+        return rank % device_count
+    try:
+        local = int(raw)
+    except ValueError:
+        raise RuntimeError(f"LOCAL_RANK={raw!r} is not an integer (rank {rank})") from None
+    if not 0 <= local <= rank:
+        raise RuntimeError(
+            f"LOCAL_RANK={local} with RANK={rank}: a local rank lies in [0, RANK]; this LOCAL_RANK was "
+            "probably inherited from another launcher's environment"
+        )
+    raw_size = env.get("LOCAL_WORLD_SIZE")
+    if raw_size is not None:
+        try:
+            local_world = int(raw_size)
+        except ValueError:
+            raise RuntimeError(f"LOCAL_WORLD_SIZE={raw_size!r} is not an integer (rank {rank})") from None
+        if not local < local_world <= world_size:
+            raise RuntimeError(
+                f"LOCAL_RANK={local}, LOCAL_WORLD_SIZE={local_world}, WORLD_SIZE={world_size}: need "
+                "LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE"
+            )
+    if device_count == 1:
+        return 0
+    if local >= device_count:
+        raise RuntimeError(f"LOCAL_RANK={local} (rank {rank}) names no device: {where}")
+    return local
+
+
 def init_distributed(rank: int, world_size: int, store_path: str | None = None) -> None:
     """Start torch.distributed (NCCL on GPUs, gloo on CPU) unless it is already running.
 
-    With ``store_path`` the ranks meet through a file; otherwise the usual ``MASTER_ADDR``/``MASTER_PORT``
-    environment of torchrun or Slurm is used.
+    With ``store_path`` the ranks meet through a file (the processes :func:`launch` spawned on this
+    machine); otherwise the usual ``MASTER_ADDR``/``MASTER_PORT`` environment of torchrun or Slurm is
+    used. The device each rank binds: :func:`cuda_device_index`.
     """
     if dist.is_initialized():
         return
     if use_gpu():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        spawned = store_path is not None
+        device = cuda_device_index(rank, world_size, torch.cuda.device_count(), os.environ, spawned=spawned)
+        torch.cuda.set_device(device)
         backend = "nccl"
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -138,6 +197,9 @@ def _worker(
 ) -> None:
     try:
         torch.set_num_threads(threads)
+        # this machine's processes, numbered by rank: what torchrun would give them (an inherited
+        # LOCAL_RANK belongs to the parent's launcher)
+        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
         init_distributed(rank, world_size, store_path)
         out = fn(*args)
         results.put((rank, True, out))
