@@ -126,3 +126,21 @@ def test_a_cuda_handle_opens_on_the_same_physical_gpu_where_indices_differ() -> 
     buffer, digest = _filled(torch.device("cuda", 1))
     got = _open_elsewhere(handle_of(buffer), [uuids[1], uuids[0]])
     assert got == {"index": 0, "uuid": uuids[1], "visible": 2, "sha256": digest}
+
+
+# ------------------------------------------------------------------------------------- device check 4
+@pytest.mark.multiproc
+def test_device_check_4_hands_a_model_over_between_two_processes(tmp_path: Path) -> None:
+    """``--cpu`` mode of check 4: a sender process publishes a tiny MoE's buckets (shared memory), a
+    receiver maps, loads and acknowledges each; every row holds on the values measured."""
+    from tools.device_check import ipc_handoff
+    from tools.device_check.common import Context
+
+    ctx = Context(cpu=True, device=torch.device("cpu"), dtype=torch.float32, workdir=tmp_path, log=print)
+    rows = ipc_handoff.run(ctx)
+    assert [r.passed for r in rows] == [True] * 4, rows
+    exact, sender, receiver, freed = rows
+    assert exact.figures["differ_after"] == 0 and exact.figures["differed_before"] == exact.figures["loaded"]
+    assert exact.figures["loaded"] == exact.figures["sent"] > 10
+    assert 0 < receiver.figures["peak_bytes"] <= sender.figures["peak_bytes"]
+    assert freed.figures["published"] > 4 and freed.figures["left"] == []
