@@ -21,8 +21,10 @@ Rows (each a value the run measured):
   its value before the hand-off (a buffer a consumer still mapped would sit in torch's IPC "limbo",
   still allocated); ``--cpu``, none of the published shared-memory segments is left in ``/dev/shm``;
 - GPU only: the sender's allocator peak during the hand-off exceeds its resting value by at most two
-  buckets (rounded to the allocator's 512-byte blocks), the receiver's by nothing (it maps the sender's
-  memory); every handle names this GPU by UUID and opened on the receiver's own index of it.
+  buckets as the allocator counts them (each rounded to its 512-byte blocks, plus up to 1 MiB a cached
+  block is handed out whole; a third of the 3.4 MiB layer buckets would exceed it), the receiver's by nothing
+  (it maps the sender's memory); every handle names this GPU by UUID and opened on the receiver's own
+  index of it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ from tools.device_check.common import Context, Row, at_most, is_true
 CHECK = "4 ipc hand-off"
 TIMEOUT_S = 120.0
 ALLOCATOR_BLOCK = 512  # the CUDA caching allocator's size granularity
+ALLOCATOR_UNSPLIT = 1 << 20
+"""The most a large-pool block can exceed its request: the allocator hands out a cached block whole
+when less than 1 MiB (``kSmallSize``) would remain, and counts all of it as allocated."""
 CPU_MODEL: dict[str, Any] = {}
 GPU_MODEL = {
     "hidden_size": 512,
@@ -53,8 +58,8 @@ GPU_MODEL = {
     "moe_intermediate_size": 256,
     "num_hidden_layers": 4,
 }
-"""tiny-moe overrides on the GPU: ~8 M parameters, buckets of MiBs (the allocator's large pool, as real
-buckets are) instead of the tiny preset's KiBs."""
+"""tiny-moe overrides on the GPU: 8 M parameters, 16 MiB in bf16, five buckets of 2–3.4 MiB (the
+allocator's large pool, as real buckets are) instead of the tiny preset's KiBs."""
 BUCKET_BYTES = {"cpu": 256 * 1024, "gpu": 4 * 1024 * 1024}
 
 
@@ -279,11 +284,11 @@ def run(ctx: Context) -> list[Row]:
         return rows
     s_before, s_after = sender["before"], sender["after"]
     r_before, r_after = receiver["before"], receiver["after"]
-    rounded = 2 * (-(-largest // ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK)
+    rounded = 2 * (-(-largest // ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK + ALLOCATOR_UNSPLIT)
     rows += [
         at_most(CHECK, "buffers freed once acknowledged: sender's memory_allocated after − before (B)",
                 s_after["allocated"] - s_before["allocated"], 0, before=s_before, after=s_after),
-        at_most(CHECK, "sender: max_memory_allocated during − before (B), bound 2 buckets",
+        at_most(CHECK, "sender: max_memory_allocated during − before (B), bound 2 buckets + 2 MiB",
                 s_after["peak"] - s_before["allocated"], rounded, before=s_before, after=s_after),
         at_most(CHECK, "receiver: max_memory_allocated during − before (B): maps, never copies",
                 r_after["peak"] - r_before["allocated"], 0, before=r_before, after=r_after),

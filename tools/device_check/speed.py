@@ -21,10 +21,11 @@ Rows per model and pack length:
   packing, loss inputs, MarsRL objective and metrics may add at most 10 % to the bare loop — and the
   gradients of both sides equal within max |Δg| / max |g| ≤ 2e-2 (bf16 rounds the two losses'
   backward passes differently, by a few 2^-8 steps; a different objective differs by order 1).
-  ``--cpu``: ≤ 3.0 and 1e-5 (fp32). Tiny models on two shared cores take milliseconds per step, so the
-  trainer's fixed per-step host work (planning, pack building, loss inputs: the bench's breakdown) is a
-  large share and other processes' load moves single steps; the CPU row shows that the ratio is
-  computed from the same machinery and stays finite, not the GPU target.
+  ``--cpu``: the fastest step of each side (2 each), ≤ 3.0, and 1e-5 (fp32). Tiny models on two shared
+  cores take milliseconds per step, so the trainer's fixed per-step host work (planning, pack building,
+  loss inputs: the bench's breakdown) is a large share, and other processes' load moves single steps
+  (a median of two measured 2.7× once under a load of 5 on 2 cores, 1.0–1.2× without); the CPU row
+  shows that the ratio is computed from the same machinery and stays bounded, not the GPU target.
 - tokens/s and MFU of our step, reported. MFU = model FLOPs / (median step time × peak); model FLOPs =
   6 · (active matmul parameters: attention, dense MLP or the router and top-k experts, output layer;
   :attr:`~mars_megatron.launch.planner.ParamCounts.matmul_active`) · tokens + 6 · layers · heads ·
@@ -255,14 +256,16 @@ def shape_rows(
     label = f"{name} {shape.name}"
     t = got["times"]
     ours, bare = statistics.median(t["ours"]), statistics.median(t["bare"])
-    ratio = ours / bare
+    # CPU: the fastest step of each side, the one least disturbed by other processes on shared cores
+    ratio = min(t["ours"]) / min(t["bare"]) if ctx.cpu else ours / bare
     dgrad = got["grad_diff"] / got["grad_scale"] if got["grad_scale"] > 0 else math.inf
     tokens = sum(got["lengths"])
     common = {"ours_s": t["ours"], "bare_s": t["bare"], "tokens": tokens, "packs": got["packs"]}
     rows = [
         Row(
             CHECK,
-            f"{label}: ours/bare step time; same gradient (max|Δg|/max|g| ≤ {fmt(GRAD_RTOL[mode])})",
+            f"{label}: ours/bare step time ({'fastest' if ctx.cpu else 'median'}); same gradient "
+            f"(max|Δg|/max|g| ≤ {fmt(GRAD_RTOL[mode])})",
             f"{ratio:.3f}× (Δg {fmt(dgrad)})",
             f"≤ {RATIO_BOUND[mode]:.2f}×",
             bool(ratio <= RATIO_BOUND[mode] and dgrad <= GRAD_RTOL[mode]),
