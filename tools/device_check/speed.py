@@ -1,7 +1,7 @@
 """Check 6: speed and memory of the MarsRL train step on the card, beside a bare Megatron-Core loop.
 
-Per model and pack length one spawned process builds the trainer's ``PolicyWorker`` (megatron's local
-layer spec: no Transformer Engine on the GPU machine, so attention is the unfused
+Per model one spawned process (``--cpu``: one for both) builds the trainer's ``PolicyWorker``
+(megatron's local layer spec: no Transformer Engine on the GPU machine, so attention is the unfused
 ``DotProductAttention``, which materialises the scores) and times, alternately (ours, bare, bare,
 ours, ...), the machinery of ``tools/bench/train_step.py``: ``ours`` = ``PolicyWorker.train`` on a
 packed GRPO batch as the trainer calls it, ``bare`` = the same packs pre-built, megatron's
@@ -12,8 +12,10 @@ Models (GPU, bf16, random weights, Qwen3's 151,936-token vocabulary): ``dense``,
 2048, FFN 8192, 10 layers, 8 query / 4 KV heads of 128, tied embeddings as Qwen3-1.7B); ``moe``, 0.74 B
 parameters of which 0.39 B active (hidden 1024, 8 layers, 8 / 4 heads, 32 experts of FFN 512, top 4).
 Eight query heads and ten layers keep the local spec's score tensors within an H100 at 8k: each layer
-keeps 8 · s² scores (8k: 0.5 G elements) for its backward. Pack lengths 4096 and 8192, 16 samples of
-0.5–2k (4k) or 1–4k tokens (8k) per batch.
+keeps 8 · s² scores (8k: 0.5 G elements) for its backward, 6 bytes each in bf16 (the fp32 softmax
+output its backward needs, ``attention_softmax_in_fp32``, and the bf16 probabilities the PV matmul
+saves; counted with saved-tensor hooks on the same ops on CPU), where ``mars plan --no-flash-attention``
+counts 2. Pack lengths 4096 and 8192, 16 samples of 0.5–2k (4k) or 1–4k tokens (8k) per batch.
 
 Rows per model and pack length:
 
