@@ -147,9 +147,11 @@ def environment(cpu: bool) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "unimportable": list(ABSENT),
     }
     if cpu:
         info["device"] = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+        info["driver"] = "none (cpu mode)"
         return info
     props = torch.cuda.get_device_properties(0)
     info["device"] = props.name
@@ -192,7 +194,7 @@ def markdown_table(rows: list[Row]) -> str:
 
 
 def header(env: dict[str, Any], wall: dict[str, float]) -> str:
-    driver = f", driver {env['driver']}" if "driver" in env else ""
+    driver = f", driver {env['driver']}" if env["mode"] == "gpu" else ""
     nccl = f", NCCL {env['nccl']}" if "nccl" in env else ""
     timing = ", ".join(f"{name} {s:.0f} s" for name, s in wall.items())
     return (

@@ -6,7 +6,8 @@ spawned process computes per-token log-probs of the same sequences four ways: th
 (``MegatronEngine.logprobs``: padded micro-batches of two sequences), the trainer's packed path
 (``MegatronEngine.forward_logprobs`` on the packs ``plan``/``rank_packs`` build, block-diagonal causal
 mask), transformers in the check's dtype, and transformers in fp32 on the same device and weights (the
-truth both bf16 results approximate).
+truth both bf16 results approximate). transformers runs its default attention (SDPA) and, for the MoE,
+its eager per-expert loop.
 
 Bounds (GPU, bf16). Two implementations of one bf16 network differ by their rounding: bf16 keeps 8
 significant bits (relative step 2^-8 = 3.9e-3), every matmul, norm and residual add rounds, and the final
@@ -33,9 +34,11 @@ mean ≤ 1e-5, max ≤ 1e-4, and the truth row compares fp32 with fp32 (both err
 from __future__ import annotations
 
 import gc
+import json
 import random
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,7 +110,11 @@ def _hf_logprobs(model_dir: str, dtype: torch.dtype, seqs: list[list[int]]) -> l
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    # MoE: transformers' plain per-expert loop, the reference least likely to lack a kernel for a dtype
+    # (its default grouped_mm depends on the card, the torch version and the dtype)
+    kwargs = {"experts_implementation": "eager"} if "num_experts" in config else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device).eval()
     out = []
     with torch.no_grad():
         for s in seqs:
