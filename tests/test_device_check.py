@@ -180,6 +180,18 @@ def test_package_imports_without_ray_vllm_transformer_engine_math_verify() -> No
     assert "blocked ones: []" in proc.stdout
 
 
+def test_spawned_processes_of_a_run_cannot_import_what_the_gpu_machine_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The runner's block reaches the processes checks spawn (they import the package, which blocks)."""
+    from tools.device_check.common import ABSENT_ENV, spawn
+
+    monkeypatch.setenv(ABSENT_ENV, "ray")
+    assert spawn(exec, "import json", timeout_s=120) is None
+    with pytest.raises(RuntimeError, match=r"ModuleNotFoundError: import of ray halted"):
+        spawn(exec, "import ray", timeout_s=120)
+
+
 def _ctx(tmp_path: Path) -> Context:
     return Context(True, torch.device("cpu"), torch.float32, tmp_path, lambda _: None)
 

@@ -1,12 +1,13 @@
 """The device check's runner: every check in order, one table, ``device_check.md`` and ``device_check.json``.
 
-    python -m tools.device_check [--cpu] [--only NAME[,NAME]] [--out DIR] [--keep-workdir]
+    python -m tools.device_check [--cpu] [--only NAME[,NAME]] [--out DIR] [--budget-s S] [--keep-workdir]
 
 (``scripts/device_check.sh`` installs megatron-core from ``.whl/`` first and runs this.) Each check is a
 module of this package with ``run(ctx) -> list[Row]``, each row one assertion on measured values. An
 exception in a check becomes a failed row naming it, a check module not written yet a failed row
 "not implemented"; the other checks run on. The exit status is 1 when any row failed, 2 when the run
-could not start (no usable GPU, bad arguments). Progress and each check's wall time go to stderr.
+could not start (no usable GPU, bad arguments). Progress and each check's wall time go to stderr; the
+table and the JSON are rewritten after every check, so a run cut short leaves what it measured.
 
 Without ``--cpu`` it needs one CUDA GPU: NCCL, bf16, megatron's local layer spec (the machine has no
 Transformer Engine). ``--cpu``: gloo, fp32 and tiny shapes, the same assertions where they apply; CI runs
@@ -46,6 +47,12 @@ CHECKS: tuple[tuple[str, str], ...] = (
     ("6", "speed"),
 )
 """(number, module) of every check, in the order they run."""
+
+GPU_BUDGET_S = 480.0
+"""The GPU run's wall time (8 minutes): a loan gives 15 minutes, start-up included, one command 10."""
+CPU_BUDGET_S = 1200.0
+MIN_CHECK_S = 20.0
+"""A check is not started with less time than this left."""
 
 ENV_DEFAULTS = {
     # torch's deterministic algorithms need a fixed cuBLAS workspace (check 2's resumed steps)
@@ -116,27 +123,26 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _driver() -> str:
+def _smi() -> dict[str, str]:
+    """Name, memory (MiB) and driver of GPU 0 from ``nvidia-smi``; empty when it cannot tell."""
+    query = [
+        "nvidia-smi",
+        "-i",
+        "0",
+        "--query-gpu=name,memory.total,driver_version",
+        "--format=csv,noheader,nounits",
+    ]
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.splitlines()[0].strip()
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        return Path("/proc/driver/nvidia/version").read_text().splitlines()[0].strip()
-    except (OSError, IndexError):
-        return "unknown"
+        return {}
+    parts = [p.strip() for p in out.stdout.strip().split(",")] if out.returncode == 0 else []
+    return dict(zip(("name", "memory_mib", "driver"), parts, strict=True)) if len(parts) == 3 else {}
 
 
 def environment(cpu: bool) -> dict[str, Any]:
-    """What ran the check: device, driver, library versions, date (asked after the checks, so the
-    runner holds no CUDA context of its own while they run)."""
+    """What runs the check: device, driver, library versions, date. Asked of ``nvidia-smi`` where it can
+    be, so the runner holds no CUDA context of its own beside the checks' processes."""
     info: dict[str, Any] = {
         "mode": "cpu" if cpu else "gpu",
         "python": platform.python_version(),
@@ -153,11 +159,20 @@ def environment(cpu: bool) -> dict[str, Any]:
         info["device"] = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
         info["driver"] = "none (cpu mode)"
         return info
-    props = torch.cuda.get_device_properties(0)
-    info["device"] = props.name
-    info["device_memory_gib"] = round(props.total_memory / 2**30, 1)
+    smi = _smi()
+    if smi:
+        info["device"] = smi["name"]
+        info["device_memory_gib"] = round(float(smi["memory_mib"]) / 1024, 1)
+        info["driver"] = smi["driver"]
+    else:
+        props = torch.cuda.get_device_properties(0)
+        info["device"] = props.name
+        info["device_memory_gib"] = round(props.total_memory / 2**30, 1)
+        try:
+            info["driver"] = Path("/proc/driver/nvidia/version").read_text().splitlines()[0].strip()
+        except (OSError, IndexError):
+            info["driver"] = "unknown"
     info["gpus"] = torch.cuda.device_count()
-    info["driver"] = _driver()
     try:
         info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
     except Exception:
@@ -253,12 +268,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--keep-workdir", action="store_true", help="keep the scratch folder (models, checkpoints)"
     )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help=f"seconds for the whole run (default {GPU_BUDGET_S:.0f} on the GPU, {CPU_BUDGET_S:.0f} with "
+        "--cpu): checks not started by then fail as not run, a running one gets what is left as its timeout",
+    )
     args = parser.parse_args(argv)
     wanted = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in names]
     if unknown:
         parser.error(f"--only: unknown check(s) {', '.join(unknown)}; choose from {', '.join(names)}")
     args.checks = [(n, m) for n, m in CHECKS if not wanted or m in wanted]
+    if args.budget_s is None:
+        args.budget_s = CPU_BUDGET_S if args.cpu else GPU_BUDGET_S
+    if not args.budget_s > MIN_CHECK_S:
+        parser.error(f"--budget-s must be more than {MIN_CHECK_S:.0f} seconds, got {args.budget_s}")
     return args
 
 
@@ -267,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     os.environ[ABSENT_ENV] = ",".join(ABSENT)  # spawned processes block them when they import the package
-    late = block_absent()
+    late = block_absent(ABSENT)
     if late:
         print(f"device_check: {late} were imported before the runner could block them", file=sys.stderr)
         return 2
@@ -278,32 +304,43 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    deadline = start + args.budget_s
     log = _log(start)
+    env = environment(args.cpu)
+    versions = f"torch {env['torch']}, megatron-core {env['megatron_core']}"
+    log(f"{env['device']}, {versions}; budget {args.budget_s:.0f} s")
     workdir = Path(tempfile.mkdtemp(prefix="mars-device-check-"))
     results: list[tuple[str, str, float, list[Row]]] = []
     try:
         for number, module in args.checks:
+            label = f"{number} {module}"
+            if time.monotonic() > deadline - MIN_CHECK_S:
+                why = f"not run: the time budget (--budget-s {args.budget_s:.0f}) is spent"
+                results.append((number, module, 0.0, [Row(label, "check ran", why, "ran", False)]))
+                continue
             ctx = Context(
                 cpu=args.cpu,
                 device=torch.device("cpu") if args.cpu else torch.device("cuda", 0),
                 dtype=torch.float32 if args.cpu else torch.bfloat16,
                 workdir=workdir / module,
-                log=lambda m, label=f"{number} {module}": log(f"{label}: {m}"),
+                log=lambda m, label=label: log(f"{label}: {m}"),
+                deadline=deadline,
             )
             ctx.workdir.mkdir()
             t0 = time.monotonic()
-            log(f"{number} {module}: start")
+            log(f"{label}: start")
             rows = run_check(number, module, ctx)
             seconds = time.monotonic() - t0
             failed = sum(not r.passed for r in rows)
-            log(f"{number} {module}: {seconds:.1f} s, {len(rows) - failed} passed, {failed} failed")
+            log(f"{label}: {seconds:.1f} s, {len(rows) - failed} passed, {failed} failed")
             results.append((number, module, seconds, rows))
+            if out is not None:  # after every check: a run cut short still leaves what it measured
+                write_outputs(out, env, results)
     finally:
         if args.keep_workdir:
             log(f"scratch kept at {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    env = environment(args.cpu)
     rows = [r for *_, rs in results for r in rs]
     wall = {f"{n} {m}": s for n, m, s, _ in results}
     print(header(env, wall) + "\n\n" + text_table(rows), flush=True)

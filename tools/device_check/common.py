@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +67,13 @@ class Context:
     """Scratch space of this run (models, checkpoints), removed afterwards."""
     log: Callable[[str], None]
     """Progress lines (stderr), so a 10-minute run shows where it is."""
+    deadline: float = math.inf
+    """``time.monotonic()`` by which the whole run must be done (``--budget-s``)."""
+
+    def timeout(self, want: float) -> float:
+        """Seconds a piece of work may take: ``want``, or less when the run's budget ends sooner (at
+        least 10, so a check that starts late fails with a timeout rather than at once)."""
+        return max(10.0, min(want, self.deadline - time.monotonic()))
 
     @property
     def backend(self) -> str:
@@ -113,14 +122,19 @@ def block_absent(names: Sequence[str] = ABSENT) -> list[str]:
     return late
 
 
-def imported_absent(names: Sequence[str] = ABSENT) -> list[str]:
+def blocked() -> list[str]:
+    """The packages this run blocks (:data:`ABSENT_ENV`; empty outside a device check run)."""
+    return [n for n in os.environ.get(ABSENT_ENV, "").split(",") if n]
+
+
+def imported_absent() -> list[str]:
     """The blocked packages this process imported anyway (empty when the block held)."""
-    return [n for n in names if sys.modules.get(n) is not None]
+    return [n for n in blocked() if sys.modules.get(n) is not None]
 
 
 def block_from_env() -> list[str]:
     """:func:`block_absent` for the packages :data:`ABSENT_ENV` names (nothing when it is unset)."""
-    names = [n for n in os.environ.get(ABSENT_ENV, "").split(",") if n]
+    names = blocked()
     return block_absent(names) if names else []
 
 
@@ -190,6 +204,19 @@ def write_qwen3(
         from mars_megatron.models.tokenizer import build_tiny_tokenizer
 
         build_tiny_tokenizer(cfg.vocab_size).save_pretrained(out)
+    return out
+
+
+def shared_qwen3(ctx: Context, name: str, model_type: str, config: dict[str, Any], seed: int = 0) -> Path:
+    """:func:`write_qwen3` in the check's dtype, written once per run and shared between checks (the
+    models of checks 1 and 3 take a GPU loan's seconds to write): a folder beside the checks' own."""
+    out = ctx.workdir.parent / "models" / f"{name}-{ctx.dtype_name}-seed{seed}"
+    if not out.is_dir():
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        write_qwen3(partial, model_type, config, ctx.dtype_name, seed=seed)
+        partial.rename(out)
     return out
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from tools.device_check.common import Context, Row, at_most, spawn, write_qwen3
+from tools.device_check.common import Context, Row, at_most, shared_qwen3, spawn
 
 CHECK = "1 logprobs"
 
@@ -212,13 +212,12 @@ def run(ctx: Context) -> list[Row]:
     bounds = CPU_BOUNDS if ctx.cpu else GPU_BOUNDS
     jobs = []
     for name, (model_type, config) in model_configs(ctx.cpu).items():
-        model_dir = ctx.workdir / f"logprobs-{name}"
-        ctx.log(f"{name}: writing a random {model_type} checkpoint ({ctx.dtype_name})")
-        write_qwen3(model_dir, model_type, config, ctx.dtype_name, seed=1)
+        ctx.log(f"{name}: a random {model_type} checkpoint ({ctx.dtype_name})")
+        model_dir = shared_qwen3(ctx, name, model_type, config, seed=1)
         seqs, pack_length = sequences(ctx.cpu, config["vocab_size"])
         jobs.append((name, str(model_dir), seqs, pack_length))
     ctx.log(f"scoring {sum(len(s) for s in jobs[0][2])} tokens per model with megatron and transformers")
-    results = spawn(score_models, jobs)
+    results = spawn(score_models, jobs, timeout_s=ctx.timeout(300))
     rows: list[Row] = []
     for name, _, _, _ in jobs:
         got = results[name]

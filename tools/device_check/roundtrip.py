@@ -106,7 +106,7 @@ def run(ctx: Context) -> list[Row]:
         hf = init_model(preset, ctx.workdir / f"{name}-hf", dtype=ctx.dtype_name, overrides=overrides, seed=3)
         jobs.append((name, str(hf), str(ctx.workdir / f"{name}-mcore"), str(ctx.workdir / f"{name}-back")))
     ctx.log(f"HF → Megatron → HF of {', '.join(models)} ({ctx.dtype_name}) on {ctx.device}")
-    got = spawn(convert, jobs)
+    got = spawn(convert, jobs, timeout_s=ctx.timeout(300))
     rows = []
     for name, hf, _, back in jobs:
         if isinstance(got[name], str):

@@ -165,11 +165,11 @@ def run(ctx: Context) -> list[Row]:
     ctx.log(
         f"{STEPS} steps on the {'host' if ctx.cpu else 'GPU'} ({ctx.dtype_name}), saving after {SAVE_AFTER}"
     )
-    steps = spawn(train, str(model_dir), ctx.dtype_name, setup, lr, str(ckpt))
+    steps = spawn(train, str(model_dir), ctx.dtype_name, setup, lr, str(ckpt), timeout_s=ctx.timeout(240))
     ctx.log("the first step in fp32 on the host")
-    ref = spawn(reference, str(model_dir), setup, lr, host=True)
+    ref = spawn(reference, str(model_dir), setup, lr, host=True, timeout_s=ctx.timeout(240))
     ctx.log(f"resuming from step {SAVE_AFTER} in a new process")
-    resumed = spawn(resume, str(model_dir), ctx.dtype_name, setup, lr, str(ckpt))
+    resumed = spawn(resume, str(model_dir), ctx.dtype_name, setup, lr, str(ckpt), timeout_s=ctx.timeout(180))
     return rows(ctx, setup, steps, ref, resumed)
 
 
