@@ -3,8 +3,17 @@
 Pure and deterministic: every trainer rank and every engine worker computes or receives the same plan, so
 the only thing that crosses the wire during a transfer is tensor bytes. Buckets are cut on layer
 boundaries (a layer's tensors from one sender stay in one bucket unless the layer alone is larger than a
-bucket): vLLM's in-place reload finalises a layer once all of its weights have arrived, so a layer split
-over buckets would be held half-loaded in vLLM's staging memory until its last tensor came.
+bucket): vLLM's in-place reload processes a module (a fused QKV, a layer's ``FusedMoE`` with all of its
+experts) only once all of its weights have arrived and keeps what arrived aside until then, so what a
+receiver stages across buckets is set by how the plan splits layers. Two more cuts keep that to one
+layer at a time (:attr:`TransferPlan.staging_bytes`):
+
+* a layer that several senders send (expert parallelism: each EP rank sends its own experts of every
+  layer) closes each sender's bucket at the end of its part of the layer, so the parts arrive back to
+  back and the layer completes before the next one starts (otherwise every layer of a sender's bucket
+  would wait for the other senders' buckets);
+* a sender's last bucket is due right after its last tensor, not at the end of the export, so the tail
+  of a pipeline stage's last layer does not wait behind the later stages.
 
 Order: each sender fills its own open bucket while walking the export order; a bucket is *due* at the
 export position where the next tensor no longer fits (or at the end). Buckets are broadcast in the order
@@ -78,6 +87,25 @@ class TransferPlan:
     def largest_bucket(self) -> int:
         return max((b.nbytes for b in self.buckets), default=0)
 
+    @property
+    def staging_bytes(self) -> int:
+        """The most bytes of incomplete layers a receiver holds between buckets when it takes the buckets
+        in plan order and a layer's weights can only be used once the whole layer arrived (vLLM's
+        layerwise reload: :mod:`mars_megatron.rollout.vllm_transfer`). An upper bound of what vLLM stages,
+        which waits per module, not per layer. :func:`plan_buckets` keeps it within the largest layer."""
+        total: dict[int, int] = {}
+        for t in self.tensors:
+            if t.layer is not None:
+                total[t.layer] = total.get(t.layer, 0) + t.nbytes
+        arrived: dict[int, int] = {}
+        most = 0
+        for b in self.buckets:
+            for t in b.tensors:
+                if t.layer is not None:
+                    arrived[t.layer] = arrived.get(t.layer, 0) + t.nbytes
+            most = max(most, sum(n for layer, n in arrived.items() if n < total[layer]))
+        return most
+
     def buckets_of(self, sender: int) -> list[Bucket]:
         return [b for b in self.buckets if b.sender == sender]
 
@@ -107,7 +135,9 @@ def _bucket(sender: int, specs: list[TensorSpec], due: int) -> Bucket:
 
 def plan_buckets(tensors: Sequence[TensorSpec], bucket_bytes: int) -> TransferPlan:
     """Cut ``tensors`` (export order) into buckets of at most ``bucket_bytes`` per sender, on layer
-    boundaries where a layer fits; a tensor larger than ``bucket_bytes`` travels alone."""
+    boundaries where a layer fits; a tensor larger than ``bucket_bytes`` travels alone. A layer sent by
+    several senders ends each sender's bucket; a sender's last bucket is due after its last tensor
+    (module docstring)."""
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes must be >= {ALIGN}, got {bucket_bytes}")
     names = [t.name for t in tensors]
@@ -121,6 +151,11 @@ def plan_buckets(tensors: Sequence[TensorSpec], bucket_bytes: int) -> TransferPl
             units[-1][1].append(t)
         else:
             units.append((i, [t]))
+    senders_of: dict[int, set[int]] = {}
+    for t in tensors:
+        if t.layer is not None:
+            senders_of.setdefault(t.layer, set()).add(t.sender)
+    final = {t.sender: i for i, t in enumerate(tensors)}  # each sender's last position
     open_: dict[int, list[TensorSpec]] = {}
     size: dict[int, int] = {}
     out: list[Bucket] = []
@@ -147,8 +182,10 @@ def plan_buckets(tensors: Sequence[TensorSpec], bucket_bytes: int) -> TransferPl
         else:  # a layer larger than a bucket: tensor by tensor
             for k, t in enumerate(unit):
                 add(position + k, t)
-    for s in sorted(open_):
-        out.append(_bucket(s, open_[s], len(tensors)))
+        end = position + len(unit)
+        layer = unit[0].layer
+        if (layer is not None and len(senders_of[layer]) > 1) or final[s] < end:
+            flush(s, end)  # its part of a shared layer, or its last tensor, is in: out it goes
     return TransferPlan(tuple(tensors), tuple(out), bucket_bytes)
 
 
