@@ -174,7 +174,8 @@ def test_vllm_engines_match_the_trainer_after_a_push(
         group.call("train_step", TRAIN, pack_length=48)
         report = fleet.push_weights({"policy": 1})["policy"]
         _check_equal_to_trainer(group, fleet, last)
-        assert report.receiver_peak_bytes <= 2 * fleet.plans["policy"].largest_bucket
+        plan = fleet.plans["policy"]  # two buffers, and what vLLM stages until a module is complete
+        assert report.receiver_peak_bytes <= 2 * plan.largest_bucket + plan.staging_bytes
     finally:
         fleet.close()
         group.shutdown()
