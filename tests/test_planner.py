@@ -17,6 +17,8 @@ from mars_megatron.launch import plan_command
 from mars_megatron.launch.config_fit import check_config
 from mars_megatron.launch.planner import (
     GIB,
+    LOCAL_SOFTMAX_FUSION,
+    LOCAL_SOFTMAX_IN_FP32,
     PRESET_PACKAGE,
     PRESETS,
     Cluster,
@@ -30,6 +32,9 @@ from mars_megatron.launch.planner import (
     enumerate_layouts,
     gemm_input_bytes,
     layer_activation_bytes,
+    local_attention_bytes,
+    local_score_buffer_bytes,
+    local_score_bytes,
     memory,
     param_counts,
     plan,
@@ -152,9 +157,12 @@ def test_activations_of_a_small_moe_by_hand() -> None:
     attention, moe = _small_layer_by_hand(tp=2)
     assert (attention, moe) == (77_824, 69_632)
     assert layer_activation_bytes(SMALL, layout, work, moe=True) == attention + moe
-    # without flash attention the softmax scores 2·a_r·s_r·s stay, unless selective recompute drops them
+    # without flash attention (megatron's local attention) the scores stay, 6 B each in bf16 (fp32 softmax
+    # output + bf16 probabilities), and K and V repeated to a_r = 4 heads (in place of the rotated k, 1 head),
+    # unless selective recompute drops them
     no_flash = Workload(seq_len=128, flash_attention=False)
-    assert layer_activation_bytes(SMALL, layout, no_flash, moe=True) == attention + moe + 2 * 4 * 128 * 128
+    local = 6 * 4 * 128 * 128 + 2 * 128 * 16 * (4 - 1) + 2 * 128 * 16 * 4
+    assert layer_activation_bytes(SMALL, layout, no_flash, moe=True) == attention + moe + local
     selective = Workload(seq_len=128, flash_attention=False, recompute="selective")
     assert layer_activation_bytes(SMALL, layout, selective, moe=True) == attention + moe
     # pp 1: one micro-batch in flight; the last stage adds final-norm + output inputs and fp32 logits
@@ -177,6 +185,135 @@ def test_first_pipeline_stage_holds_pp_micro_batches() -> None:
     assert (mem.stage, mem.activations, mem.logits) == (0, 2 * 3 * (attention + moe), 0)
     one = memory(SMALL, layout, Workload(seq_len=128, global_batch=1), NO_ROLLOUT, Cluster(gpus=2))
     assert one.stage == 1 and one.activations == 3 * (attention + moe) + 4 * 128 * 64  # 1 micro-batch in all
+
+
+# ----------------------------------------------------------------------- local attention (no flash)
+LOCAL_S = 64  # tokens of the measured pack: two samples of 40 and 24
+
+
+def _local_attention_saved(s: int) -> dict[str, dict[str, int]]:
+    """Spawned (a world of one): the bytes one layer of Megatron's local attention keeps for backward,
+    measured on SMALL's heads (8 query, 2 KV, d 16) at ``s`` tokens in one pack. The attention is the core
+    attention of the trainer's own local layer spec and TransformerConfig (model_provider), fed q, k, v and
+    the pack's block-causal mask as the layer feeds them; every tensor autograd saves is caught by a
+    saved-tensors hook and counted once per storage: the scores (storages of a·s·s elements), the mask,
+    the query and the rest (keys and values). Per dtype: bf16 and fp32 as the trainer configures them,
+    and bf16 with a bf16 softmax (``attention_softmax_in_fp32`` off); plus the bytes of the buffer Megatron
+    keeps for baddbmm."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mars_megatron.algorithm.tensors import PackedSequence
+    from mars_megatron.training import parallel
+    from mars_megatron.training.model_provider import layer_spec, transformer_config
+
+    parallel.init_model_parallel(ParallelConfig(), seed=0)
+    a, g, d = SMALL.num_attention_heads, SMALL.num_key_value_heads, SMALL.head_dim
+    spans = ((0, 40), (40, s))
+    zeros = torch.zeros(1, s, dtype=torch.long)
+    pack = PackedSequence(zeros, zeros, zeros, zeros.float(), torch.tensor([0, 40, s], dtype=torch.int32),
+                          (0, 1), spans)  # fmt: skip
+    mask = pack.attention_mask()
+    out: dict[str, dict[str, int]] = {}
+    for name, dtype, fp32_softmax in (("bf16", "bfloat16", True), ("fp32", "float32", True),
+                                      ("bf16, bf16 softmax", "bfloat16", False)):  # fmt: skip
+        config = transformer_config(SMALL, ParallelConfig(), dtype=dtype, impl="local")
+        spec = layer_spec(config, "local", 0).layer_specs[0].submodules.self_attention.submodules
+        assert spec.core_attention is DotProductAttention  # what the local spec runs
+        trainer_settings = (config.attention_softmax_in_fp32, config.masked_softmax_fusion)
+        config.attention_softmax_in_fp32 = fp32_softmax
+        core = spec.core_attention(config, 1, AttnMaskType.causal, "self")
+        torch_dtype = getattr(torch, dtype)
+        q = torch.randn(s, 1, a, d, dtype=torch_dtype, requires_grad=True)
+        k, v = (torch.randn(s, 1, g, d, dtype=torch_dtype, requires_grad=True) for _ in range(2))
+        saved: dict[int, tuple[int, int]] = {}
+
+        def keep(t: torch.Tensor, saved: dict[int, tuple[int, int]] = saved) -> torch.Tensor:
+            storage = t.untyped_storage()
+            saved[storage.data_ptr()] = (storage.nbytes(), t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            context = core(q, k, v, mask)
+        context.float().sum().backward()  # the saved tensors serve a real backward
+        ptr = {"mask": mask.untyped_storage().data_ptr(), "query": q.untyped_storage().data_ptr()}
+        parts = {part: saved.pop(p)[0] for part, p in ptr.items()}
+        parts["scores"] = sum(n for n, numel in saved.values() if numel == a * s * s)
+        parts["rest"] = sum(n for n, numel in saved.values() if numel != a * s * s)
+        parts["buffer"] = (
+            ps.get_global_memory_buffer().buffer[("mpu", torch_dtype)].untyped_storage().nbytes()
+        )
+        parts["softmax_in_fp32"], parts["softmax_fusion"] = trainer_settings
+        out[name] = parts
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_attention_saved() -> dict[str, dict[str, int]]:
+    from mars_megatron.training import parallel
+
+    return parallel.launch(_local_attention_saved, 1, LOCAL_S, timeout_s=300)[0]
+
+
+@pytest.mark.multiproc
+def test_local_attention_keeps_what_the_planner_counts(local_attention_saved: dict) -> None:
+    """Without flash attention the planner counts what Megatron's local attention keeps in bf16, measured:
+    per layer the scores at 6 B (its fp32 softmax output and the bf16 probabilities of the PV matmul; the
+    raw bf16 scores are not kept) and K and V repeated to the query heads, beyond the q and k that flash
+    keeps too; per micro-batch the pack's mask; per rank baddbmm's buffer (before: 2 B a score, no keys,
+    values, mask or buffer: 29 % of what the layer keeps beyond flash)."""
+    got = local_attention_saved["bf16"]
+    s, a, g, d = LOCAL_S, SMALL.num_attention_heads, SMALL.num_key_value_heads, SMALL.head_dim
+    assert (got["softmax_in_fp32"], got["softmax_fusion"]) == (LOCAL_SOFTMAX_IN_FP32, LOCAL_SOFTMAX_FUSION)
+    layout = Layout(ep=1)
+    flash, local = Workload(seq_len=s), Workload(seq_len=s, flash_attention=False)
+    with_scores = layer_activation_bytes(SMALL, layout, local, moe=True)
+    per_layer = with_scores - layer_activation_bytes(SMALL, layout, flash, moe=True)
+    flash_keeps = 2 * s * d * (a + g)  # the rotated q and k (flash also keeps v, a view of the QKV output)
+    assert got["query"] + got["scores"] + got["rest"] == per_layer + flash_keeps
+    assert got["scores"] == local_score_bytes() * a * s * s == 6 * a * s * s
+    assert per_layer == local_attention_bytes(SMALL, layout, local)
+    assert got["mask"] == s * s  # one bool per (query, key) of the pack
+    assert got["buffer"] == local_score_buffer_bytes(SMALL, layout, local) == 2 * a * s * s
+    without = memory(SMALL, layout, local, NO_ROLLOUT, Cluster(gpus=1)).activations
+    with_flash = memory(SMALL, layout, flash, NO_ROLLOUT, Cluster(gpus=1)).activations
+    assert without - with_flash == SMALL.num_layers * per_layer + got["mask"] + got["buffer"]
+
+
+@pytest.mark.multiproc
+def test_local_score_bytes_by_dtype_and_softmax(local_attention_saved: dict) -> None:
+    """Bytes per score element by dtype and softmax setting, measured: fp32 training (the CPU runs) keeps
+    one fp32 tensor, which the softmax and the PV matmul share; a bf16 softmax one bf16 tensor."""
+    elements = SMALL.num_attention_heads * LOCAL_S * LOCAL_S
+    measured = {name: got["scores"] / elements for name, got in local_attention_saved.items()}
+    assert measured == {"bf16": 6, "fp32": 4, "bf16, bf16 softmax": 2}
+    assert local_score_bytes("bfloat16") == 6 and local_score_bytes("float32") == 4
+    assert local_score_bytes("bfloat16", softmax_in_fp32=False) == 2
+    assert local_score_bytes("float16", fused=True) == 2  # Megatron's CUDA softmax kernels (not on CPU)
+    assert _plan_error(lambda: local_score_bytes("int8")).path == "dtype"
+
+
+def test_local_attention_under_tp_and_cp_by_hand() -> None:
+    """tp 2 (a_r 4, g_r 1) and cp 2 (s_r = s / 2; the CP attention all-gathers K and V to all s tokens)."""
+    s, d = 256, 16
+    local = Workload(seq_len=s, flash_attention=False)
+    scores = 6 * 4 * (s // 2) * s
+    keys = 2 * s * d * 4 - 2 * (s // 2) * d * 1  # gathered and repeated, in place of the local rotated k
+    values = 2 * s * d * 4
+    assert local_attention_bytes(SMALL, Layout(tp=2, cp=2, ep=1, dp=1), local) == scores + keys + values
+    # no GQA left (tp 1, a 8 = g 8) and no CP: K is the rotated k itself and V a view of the QKV output
+    mha = replace(SMALL, num_key_value_heads=8)
+    assert local_attention_bytes(mha, Layout(), local) == 6 * 8 * s * s
+    # first stage of pp 2 with 3 micro-batches: pp = 2 in flight, each with its mask; one buffer
+    layout = Layout(pp=2, dp=1, ep=1)
+    three = replace(local, global_batch=3)
+    got = memory(SMALL, layout, three, NO_ROLLOUT, Cluster(gpus=2))
+    flash = memory(SMALL, layout, replace(three, flash_attention=True), NO_ROLLOUT, Cluster(gpus=2))
+    per_layer = local_attention_bytes(SMALL, layout, local)
+    assert got.stage == flash.stage == 0
+    assert got.activations - flash.activations == 2 * (3 * per_layer + s * s) + 2 * 8 * s * s
 
 
 # ------------------------------------------------------------------------------------------------ FP8

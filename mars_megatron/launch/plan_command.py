@@ -105,7 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--recompute", choices=RECOMPUTE, help="only this recompute mode (default: none and full)")
     p.add_argument(
-        "--no-flash-attention", action="store_true", help="count softmax scores (selective recompute)"
+        "--no-flash-attention",
+        action="store_true",
+        help="Megatron's local attention: count its materialised scores (and try selective recompute)",
     )
     p.add_argument(
         "--logits-bytes", type=float, help=f"bytes per logit at the loss; default {_default('logits_bytes')}"

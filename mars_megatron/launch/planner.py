@@ -47,10 +47,32 @@ region, ``a_r = a/tp``, ``g_r = g/tp``:
 * attention = 4·b·s_h·h  (input-norm input, QKV-linear input)
   + 6·b·s_r·d·(a_r + g_r)  (the fused QKV output that the q/k norms keep, the normed and rotated q and k,
   and the attention output O = output-projection input, all 2 bytes)
-  + 2·b·a_r·s_r·s  (softmax scores) only without flash attention; the score term is what Korthikanti's
-  *selective* recompute drops, and flash attention never stores it, so with flash (the default, TE's fused
-  attention) selective recompute saves nothing and is not proposed. Flash's fp32 log-sum-exp (4·b·s_r·a_r)
-  is left out: under 2 % of O.
+  With flash attention (the default, TE's fused attention) that is all: flash never stores the scores, so
+  selective recompute, which drops exactly what follows, saves nothing and is not proposed. Flash's fp32
+  log-sum-exp (4·b·s_r·a_r) is left out: under 2 % of O.
+* without flash attention (``flash_attention=False``): the attention this trainer then builds is
+  Megatron-Core's local ``DotProductAttention`` (the local layer spec, e.g. on a GPU without TE), which
+  materialises the scores. Per layer, unless selective recompute drops it, attention also keeps
+  (:func:`local_attention_bytes`):
+
+  - the scores, c·b·a_r·s_r·s with c bytes per element (:func:`local_score_bytes`). baddbmm's raw scores
+    are not kept (baddbmm saves its two operands, ``.float()`` saves nothing). The trainer keeps Megatron's
+    ``attention_softmax_in_fp32`` (default True) and turns ``masked_softmax_fusion`` off, so the torch
+    softmax runs on an fp32 copy and keeps its fp32 output (4 B), and the PV matmul keeps the probabilities
+    cast back to bf16 (2 B): c = 6 in bf16. (In fp32 training both keep one fp32 tensor: 4; a bf16 softmax
+    or Megatron's fused kernels keep one 2-byte tensor: 2.) Attention dropout is 0 (Qwen3): no mask of it.
+  - the keys and values the two matmuls keep: GQA repeats them to a_r heads (when a_r > g_r) and the CP
+    attention all-gathers them to s tokens, 2·b·s·d·n_kv for K (n_kv = a_r if a_r > g_r, else g_r) in place
+    of flash's rotated k (2·b·s_r·d·g_r), and as much again for V where it is a new tensor (a_r > g_r or
+    cp > 1; otherwise V is a view of the fused QKV output).
+
+  Per micro-batch in flight, whatever the recompute: the pack's block-causal mask, b·s_r·s booleans
+  shared by every layer (the in-place masked fill, or the recompute checkpoint, keeps it). Per rank, once:
+  the input buffer Megatron preallocates for baddbmm (its global "mpu" memory buffer: 2·b·a_r·s_r·s bytes,
+  reused by every layer and never freed). One layer's transients (the raw bf16 scores and their fp32 copy
+  in the forward, the fp32 gradients in the backward: up to 6 B per score element beyond what the layer
+  keeps) are not counted: the last stage's peak is at the loss, where the logits buffer is larger for
+  Qwen3's vocabulary.
 * MoE MLP = 4·b·s_h·h (pre-MLP norm input, router/dispatcher input) + 4·b·s_h·E (fp32 router probs)
   + 4·k·b·s_h·etp·h (permuted expert inputs, and expert outputs kept for the probability-weighted combine)
   + 6·k·b·s_h·f_e (SwiGLU input 2·f_e wide and output). Routing is assumed balanced (each rank processes
@@ -428,6 +450,46 @@ def gemm_input_bytes(fp8: Fp8Mode | None) -> Fraction:
     return Fraction(1) + (Fraction(4, 128) if fp8 == "blockwise" else 0)
 
 
+LOCAL_SOFTMAX_IN_FP32 = True  # attention_softmax_in_fp32: TransformerConfig's default, kept by the trainer
+LOCAL_SOFTMAX_FUSION = False  # masked_softmax_fusion: the trainer's model provider sets it False
+
+
+def local_score_bytes(
+    dtype: str = "bfloat16",
+    *,
+    softmax_in_fp32: bool = LOCAL_SOFTMAX_IN_FP32,
+    fused: bool = LOCAL_SOFTMAX_FUSION,
+) -> int:
+    """Bytes per attention-score element that Megatron-Core's local ``DotProductAttention`` keeps for its
+    backward, by the activation ``dtype`` and its ``FusedScaleMaskSoftmax`` settings (the defaults: the
+    trainer's). Unfused with an fp32 softmax on 16-bit scores (``softmax_in_fp32``): the softmax keeps its
+    fp32 output, the PV matmul the 16-bit probabilities, 4 + 2. Unfused otherwise the softmax output and
+    the probabilities are one tensor in the activation dtype (fp32: 4, 16-bit: 2). ``fused``: Megatron's
+    CUDA softmax kernels (``masked_softmax_fusion``, 16-bit only, up to 4096 keys) keep one 16-bit result
+    that the PV matmul reuses: 2."""
+    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    if dtype not in sizes:
+        raise PlanError(f"must be one of {tuple(sizes)}, got {dtype!r}", "dtype")
+    element = sizes[dtype]
+    if element == 4 or fused or not softmax_in_fp32:
+        return element
+    return 4 + element
+
+
+def local_attention_bytes(arch: Qwen3Arch, layout: Layout, work: Workload) -> int:
+    """What one layer of Megatron's local ``DotProductAttention`` keeps for backward, per micro-batch,
+    beyond what flash attention keeps (bf16): the scores and the repeated or gathered keys and values (module
+    docstring). The pack's mask and baddbmm's buffer are counted once, by :func:`memory`."""
+    b, s, t, cp = work.micro_batch, work.seq_len, layout.tp, layout.cp
+    s_r = s // cp
+    a_r, g_r, d = arch.num_attention_heads // t, arch.num_key_value_heads // t, arch.head_dim
+    scores = local_score_bytes() * b * a_r * s_r * s
+    n_kv = a_r if a_r > g_r else g_r
+    keys = 2 * b * s * d * n_kv - 2 * b * s_r * d * g_r
+    values = 2 * b * s * d * n_kv if (a_r > g_r or cp > 1) else 0
+    return scores + keys + values
+
+
 def layer_activation_bytes(arch: Qwen3Arch, layout: Layout, work: Workload, moe: bool) -> int:
     """Activations one transformer layer keeps for backward, per micro-batch, without recompute (bytes).
     ``q`` is what a quantized GEMM's saved input costs; in bf16 (q = 2) these are the plain formulas."""
@@ -441,7 +503,7 @@ def layer_activation_bytes(arch: Qwen3Arch, layout: Layout, work: Workload, moe:
     if work.fp8 is not None:  # the output projection's FP8 copy of O, beside flash attention's bf16 O
         attention += q * b * s_r * d * a_r
     if not work.flash_attention and work.recompute != "selective":
-        attention += 2 * b * a_r * s_r * s
+        attention += local_attention_bytes(arch, layout, work)
     if moe:
         k, etp = arch.moe_topk, layout.expert_tp
         mlp = 4 * b * s_h * h + 4 * b * s_h * arch.num_experts
@@ -479,17 +541,30 @@ def _stage_linear_params(arch: Qwen3Arch, layout: Layout, layers: range) -> int:
 
 def _stage_activations(arch: Qwen3Arch, layout: Layout, work: Workload, layers: range, in_flight: int) -> int:
     """Activations of a stage's layers for ``in_flight`` micro-batches (full recompute: layer inputs, plus
-    one layer's whole set while it is recomputed)."""
+    one layer's whole set while it is recomputed); without flash attention, each micro-batch's mask."""
     moe = _moe_layers(arch)
     n_moe = sum(moe[i] for i in layers)
     kinds = [(n_moe, True), (len(layers) - n_moe, False)]
     per_kind = [(n, layer_activation_bytes(arch, layout, work, kind)) for n, kind in kinds if n]
+    s_r = work.seq_len // layout.cp
+    mask = 0 if work.flash_attention else in_flight * work.micro_batch * s_r * work.seq_len  # bool
     if work.recompute != "full":
-        return in_flight * sum(n * size for n, size in per_kind)
-    s_h = work.seq_len // layout.cp // layout.tp
-    return in_flight * len(layers) * 2 * work.micro_batch * s_h * arch.hidden_size + max(
-        size for _, size in per_kind
+        return in_flight * sum(n * size for n, size in per_kind) + mask
+    s_h = s_r // layout.tp
+    return (
+        in_flight * len(layers) * 2 * work.micro_batch * s_h * arch.hidden_size
+        + max(size for _, size in per_kind)
+        + mask
     )
+
+
+def local_score_buffer_bytes(arch: Qwen3Arch, layout: Layout, work: Workload) -> int:
+    """The buffer Megatron's local attention preallocates for baddbmm's scores (bf16, one layer's worth,
+    held by the rank for the run); 0 with flash attention."""
+    if work.flash_attention:
+        return 0
+    s_r = work.seq_len // layout.cp
+    return 2 * work.micro_batch * (arch.num_attention_heads // layout.tp) * s_r * work.seq_len
 
 
 def rollout_bytes(arch: Qwen3Arch, rollout: Rollout) -> tuple[int, int]:
@@ -546,6 +621,7 @@ def memory(arch: Qwen3Arch, layout: Layout, work: Workload, rollout: Rollout, cl
         dense, experts = _stage_params(arch, layout, layers, first, last)
         cache = FP8_WEIGHT_COPIES * _stage_linear_params(arch, layout, layers) if work.fp8 is not None else 0
         acts = _stage_activations(arch, layout, work, layers, min(layout.pp - i, micro))
+        acts += local_score_buffer_bytes(arch, layout, work)
         logits = 0
         if last:
             acts += 4 * work.micro_batch * s_h * arch.hidden_size

@@ -14,8 +14,9 @@ parameters of which 0.39 B active (hidden 1024, 8 layers, 8 / 4 heads, 32 expert
 Eight query heads and ten layers keep the local spec's score tensors within an H100 at 8k: each layer
 keeps 8 · s² scores (8k: 0.5 G elements) for its backward, 6 bytes each in bf16 (the fp32 softmax
 output its backward needs, ``attention_softmax_in_fp32``, and the bf16 probabilities the PV matmul
-saves; counted with saved-tensor hooks on the same ops on CPU), where ``mars plan --no-flash-attention``
-counts 2. Pack lengths 4096 and 8192, 16 samples of 0.5–2k (4k) or 1–4k tokens (8k) per batch.
+saves), as ``mars plan --no-flash-attention`` counts them (``planner.local_score_bytes``, measured with
+saved-tensor hooks by tests/test_planner.py). Pack lengths 4096 and 8192, 16 samples of 0.5–2k (4k) or
+1–4k tokens (8k) per batch.
 
 Rows per model and pack length:
 
