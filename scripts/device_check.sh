@@ -43,9 +43,18 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
     "$("$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo 'not runnable')" >&2
   exit 2
 fi
-# --upgrade: a rerun on the same machine replaces what an earlier run installed
-PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
-  --no-compile --upgrade --target "$SITE" "${wheels[@]}"
+if "$PY" -m pip --version >/dev/null 2>&1; then
+  # --upgrade: a rerun on the same machine replaces what an earlier run installed
+  PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
+    --no-compile --upgrade --target "$SITE" "${wheels[@]}"
+else
+  # a wheel is a zip of the files pip would put in --target (these have no .data folder nor scripts)
+  echo "device_check: $PY has no pip; unpacking the wheels into $SITE" >&2
+  mkdir -p -- "$SITE"
+  for wheel in "${wheels[@]}"; do
+    "$PY" -m zipfile -e "$wheel" "$SITE"
+  done
+fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" - <<'EOF'
 import sys

@@ -19,6 +19,8 @@ them fails here first, not on the rare GPU loan.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -172,7 +174,8 @@ def spawn(fn: Callable[..., Any], *args: Any, host: bool = False, timeout_s: flo
 
     ``host``: hide the GPU from that process (``CUDA_VISIBLE_DEVICES=""``), so it runs the CPU path with
     gloo: the fp32 reference of a GPU result. ``fn`` must be a module-level function (it is pickled by
-    name)."""
+    name) and return plain data (numbers, lists, numpy arrays: a tensor would come back as shared memory
+    of a process that is gone, and an object that does not pickle is lost until the timeout)."""
     from mars_megatron.training import parallel
 
     changes = {"CUDA_VISIBLE_DEVICES": ""} if host else {}
@@ -182,13 +185,11 @@ def spawn(fn: Callable[..., Any], *args: Any, host: bool = False, timeout_s: flo
 
 
 # ------------------------------------------------------------------------------------------- models
-def write_qwen3(
-    out: Path, model_type: str, config: dict[str, Any], dtype: str, seed: int = 0, tokenizer: bool = False
-) -> Path:
+def write_qwen3(out: Path, model_type: str, config: dict[str, Any], dtype: str, seed: int = 0) -> Path:
     """A random Qwen3 (``model_type`` ``qwen3`` or ``qwen3_moe``) HF checkpoint of any size at ``out``,
-    weights seeded by ``seed`` and stored in ``dtype``. ``init_model`` builds the tiny presets with a
-    trained tokenizer (vocabulary ≤ ~1100); this writes bigger models without one (``tokenizer``: add
-    the tiny tokenizer, which needs such a vocabulary)."""
+    weights seeded by ``seed`` and stored in ``dtype``, without a tokenizer. ``init_model`` builds the
+    tiny presets with a trained tokenizer, which caps their vocabulary near 1100; the checks that only
+    score tokens want Qwen3's own 152k."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mars_megatron.dtypes import torch_dtype
@@ -200,17 +201,14 @@ def write_qwen3(
     model = model.to(torch_dtype(dtype))
     model.config.dtype = dtype
     model.save_pretrained(out)
-    if tokenizer:
-        from mars_megatron.models.tokenizer import build_tiny_tokenizer
-
-        build_tiny_tokenizer(cfg.vocab_size).save_pretrained(out)
     return out
 
 
 def shared_qwen3(ctx: Context, name: str, model_type: str, config: dict[str, Any], seed: int = 0) -> Path:
     """:func:`write_qwen3` in the check's dtype, written once per run and shared between checks (the
     models of checks 1 and 3 take a GPU loan's seconds to write): a folder beside the checks' own."""
-    out = ctx.workdir.parent / "models" / f"{name}-{ctx.dtype_name}-seed{seed}"
+    key = json.dumps([model_type, config, ctx.dtype_name, seed], sort_keys=True).encode()
+    out = ctx.workdir.parent / "models" / f"{name}-{hashlib.sha256(key).hexdigest()[:12]}"
     if not out.is_dir():
         partial = out.with_name(out.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -218,13 +216,6 @@ def shared_qwen3(ctx: Context, name: str, model_type: str, config: dict[str, Any
         write_qwen3(partial, model_type, config, ctx.dtype_name, seed=seed)
         partial.rename(out)
     return out
-
-
-def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a − b| in fp32 (0 for empty tensors)."""
-    if a.numel() == 0:
-        return 0.0
-    return float((a.float() - b.float()).abs().max())
 
 
 def rel(a: float, b: float) -> float:

@@ -133,15 +133,22 @@ def _steps(worker: Any, first: int, last: int, setup: Setup, save_dir: str | Non
     return out
 
 
+def _deterministic() -> None:
+    """torch's deterministic kernels (where one exists; a warning where not), without its NaN-filling of
+    fresh allocations, so memory behaves as in a training run."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+
+
 def train(model_dir: str, dtype: str, setup: Setup, lr: float, save_dir: str) -> list[dict]:
     """Spawned (device): :data:`STEPS` steps, saving after :data:`SAVE_AFTER`."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    _deterministic()
     return _steps(_worker(model_dir, dtype, setup, lr), 1, STEPS, setup, save_dir)
 
 
 def resume(model_dir: str, dtype: str, setup: Setup, lr: float, load_dir: str) -> list[dict]:
     """Spawned (device), a new process: load the checkpoint, take steps SAVE_AFTER+1 .. STEPS."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    _deterministic()
     worker = _worker(model_dir, dtype, setup, lr)
     worker.load(load_dir)
     return _steps(worker, SAVE_AFTER + 1, STEPS, setup)
