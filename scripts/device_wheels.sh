@@ -6,9 +6,9 @@
 #
 #   scripts/device_wheels.sh [DIR]
 #
-# Idempotent: every run downloads into a fresh staging folder and replaces DIR only when the set is
-# complete and within the size limit (20 MB: the tree and .whl travel in 64 MiB together), so DIR holds
-# exactly the pinned wheels. Prints every file and the total size.
+# Idempotent: every run downloads into a fresh temporary folder and replaces DIR's wheels only when the
+# set is complete and within the size limit (20 MB: the tree and .whl travel in 64 MiB together), so DIR
+# holds exactly the pinned wheels. Prints every file and the total size.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-.whl}
@@ -28,9 +28,7 @@ if [ -e "$DEST" ] && find "$DEST" -mindepth 1 ! -name '*.whl' | grep -q .; then
   echo "device_wheels: $DEST holds files other than wheels; refusing to replace it" >&2
   exit 2
 fi
-stage="$DEST.partial"
-rm -rf -- "$stage"
-mkdir -p -- "$stage"
+stage=$(mktemp -d "${TMPDIR:-/tmp}/device-wheels.XXXXXX")
 trap 'rm -rf -- "$stage"' EXIT
 # The target is the GPU machine, not this one: CPython 3.12 on manylinux x86_64, binary wheels only.
 "$py" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
@@ -57,6 +55,6 @@ if [ "$total" -gt "$LIMIT_BYTES" ]; then
   exit 1
 fi
 rm -rf -- "$DEST"
-mv -- "$stage" "$DEST"
-trap - EXIT
+mkdir -p -- "$DEST"
+mv -- "$stage"/*.whl "$DEST"/
 echo "device_wheels: $DEST ready; carry it to the GPU machine with the working tree" >&2

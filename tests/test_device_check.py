@@ -250,6 +250,14 @@ def test_device_wheels_are_pinned_as_in_the_cpu_environment() -> None:
     assert {n: cpu.get(n) for n in device} == device
 
 
+def test_device_wheels_leaves_a_folder_with_other_files_alone(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    cmd = [str(ROOT / "scripts" / "device_wheels.sh"), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "holds files other than wheels" in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
 @pytest.mark.network
 def test_the_wheel_set_resolves_for_cp312_manylinux(tmp_path: Path) -> None:
     """scripts/device_wheels.sh itself, into a temporary folder: one wheel per pin of device.txt, each

@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if args.cpu:  # the CI mode on a machine with a GPU still runs on the host, with gloo
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ[ABSENT_ENV] = ",".join(ABSENT)  # spawned processes block them when they import the package
     late = block_absent(ABSENT)
     if late:
