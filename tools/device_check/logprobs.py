@@ -11,18 +11,17 @@ its eager per-expert loop.
 
 Bounds (GPU, bf16). Two implementations of one bf16 network differ by their rounding: bf16 keeps 8
 significant bits (relative step 2^-8 = 3.9e-3), every matmul, norm and residual add rounds, and the final
-logits themselves are bf16, so a log-prob carries an error of about 2^-8 times the logit scale (a few
-units here) from the last rounding alone, and an accumulated error of the same order from the layers;
-measured bf16-vs-bf16 mismatches between trainers and engines on real Qwen3 models are mean |Δ log p|
-≈ 1e-3 to 1e-2. The same comparison in bf16 on a CPU (half this width, 32k vocabulary, 676 tokens)
-measured mean 3.5e-3 / max 1.8e-2 (dense) and 3.4e-3 / 5.1e-2 (MoE), megatron's error against fp32
-1.08 times transformers'. So:
+logits are bf16, so each log-prob carries an error of about 2^-8 of the logits' magnitude from the last
+rounding alone, plus what the layers accumulate. The same comparison in bf16 on a CPU (half this width,
+32k vocabulary, 676 tokens) measured mean 3.5e-3 / max 1.8e-2 (dense) and 3.4e-3 / 5.1e-2 (MoE), and
+megatron's error against fp32 1.08 times transformers'. So:
 
 - mean |Δ log p| ≤ 2e-2 (dense) and ≤ 3e-2 (MoE: a token whose top-k experts tie up to rounding is routed
   differently by the two sides, and each such token moves by more than rounding);
 - max |Δ log p| ≤ 0.25 (dense) and ≤ 0.5 (MoE): the worst of several thousand tokens, allowed a few
-  rounding steps of the largest logits (and, for the MoE, a flipped expert). A wrong rotary embedding,
-  norm, mask or expert mapping moves log-probs by whole units, far past both bounds;
+  rounding steps of the largest logits (and, for the MoE, a flipped expert). A subtle bug is far past
+  both: a rotary base of 1e4 instead of 1e6 moved the same CPU model's log-probs by mean 0.2 / max 0.9
+  (10x and 3.5x the dense bounds); a wrong mask, norm or expert mapping moves them more;
 - megatron's mean error against the fp32 truth ≤ 1.5 × transformers' own bf16 error + 1e-3: whatever
   the absolute scale turns out to be on the card, the trainer in bf16 must be about as accurate as
   transformers in bf16. This bound calibrates itself.
