@@ -4,6 +4,9 @@ opens on the opener's own index of that GPU, since a device index means differen
 
 The mapping is pure and tested here on CPU; the ``gpu`` tests open real CUDA IPC handles in another
 process (one GPU: equal bytes on the producer's GPU; two GPUs: the opener sees them in the other order).
+A host with several workers publishes one handle per worker (a CUDA handle's reference counter counts one
+opener): on CPU the workers claim distinct handles through a real store; on a GPU two opener processes
+leave the host's buffer freeable.
 Check 4 of the device check (``tools/device_check/ipc_handoff.py``) runs the whole hand-off between two
 processes; its ``--cpu`` mode (shared memory handles) runs here.
 """
@@ -15,15 +18,21 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from mars_megatron.transfer.group import GroupSpec, host_store
 from mars_megatron.transfer.ipc import (
+    Publisher,
+    Subscriber,
     cuda_fields,
     cuda_open_args,
     gpu_uuid,
+    handle_key,
     handle_of,
     local_device_index,
     open_handle,
@@ -70,6 +79,68 @@ def test_a_cuda_handle_without_uuid_or_for_an_unseen_gpu_is_refused_by_name() ->
     if not torch.cuda.is_available():  # this process sees no GPU at all
         with pytest.raises(RuntimeError, match=NODE[0]):
             open_handle(text)
+
+
+# ------------------------------------------------------------------------------------ several workers
+def _host_spec(store: object, workers: int) -> GroupSpec:
+    return GroupSpec("127.0.0.1", store.port, f"ipc-test/{time.time_ns()}", 1 + workers, "ipc", 20.0)
+
+
+def test_each_worker_of_a_host_opens_a_handle_of_its_own() -> None:
+    """Three workers on one host: the host publishes three handles of the bucket (on a GPU three
+    ``_share_cuda_`` calls, one reference counter per opener), each worker claims a different one, maps
+    the same bytes and acknowledges; once all did, no key is left in the store. (Before, the host
+    published one handle, which every worker opened: on a GPU each opener's release decremented its one
+    counter, below zero, and the buffer stayed allocated.)"""
+    store = host_store("127.0.0.1", 60.0)
+    spec = _host_spec(store, 3)
+    publisher = Publisher(spec)
+    publisher.begin()
+    buffer = share_buffer(4096, torch.device("cpu"))
+    buffer.copy_(torch.arange(4096) % 251)
+    got: dict[int, tuple[int, bytes]] = {}
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            subscriber = Subscriber(spec)
+            subscriber.begin()
+            view = subscriber.take(0)
+            got[n] = (subscriber.slots[0], view.numpy().tobytes())
+            del view
+            subscriber.done(0)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(3)]
+    for t in threads:
+        t.start()
+    publisher.publish(0, buffer)
+    keys = [handle_key(1, 0, slot) for slot in (1, 2, 3)]
+    # one handle per worker (deleted only once every worker acknowledged)
+    assert [publisher.store.check([k]) for k in keys] == [True, True, True]
+    publisher.wait(0)
+    for t in threads:
+        t.join(timeout=20)
+    assert not errors, errors
+    assert sorted(slot for slot, _ in got.values()) == [1, 2, 3]
+    assert all(data == buffer.numpy().tobytes() for _, data in got.values())
+    assert not any(publisher.store.check([k]) for k in [*keys, "r1/c0", "r1/a0"])
+
+
+def test_one_worker_reads_the_buckets_own_key_and_an_extra_worker_is_refused() -> None:
+    store = host_store("127.0.0.1", 60.0)
+    assert handle_key(3, 7, 1) == "r3/b7" and handle_key(3, 7, 2) == "r3/b7/h2"
+    one = Subscriber(_host_spec(store, 1))
+    one.begin()
+    assert one.claim(0) == 1 and not one.store.check(["r1/c0"])  # one worker: no claim asked
+    spec = _host_spec(store, 2)
+    workers = [Subscriber(spec) for _ in range(3)]
+    for w in workers:
+        w.begin()
+    assert [workers[0].claim(0), workers[1].claim(0)] == [1, 2]
+    with pytest.raises(RuntimeError, match=r"more colocated workers than the 2 .*GroupSpec\.world"):
+        workers[2].claim(0)
 
 
 # ------------------------------------------------------------------------------------------------- GPU
@@ -126,6 +197,57 @@ def test_a_cuda_handle_opens_on_the_same_physical_gpu_where_indices_differ() -> 
     buffer, digest = _filled(torch.device("cuda", 1))
     got = _open_elsewhere(handle_of(buffer), [uuids[1], uuids[0]])
     assert got == {"index": 0, "uuid": uuids[1], "visible": 2, "sha256": digest}
+
+
+_WORKER = """
+import hashlib, json, sys
+import torch
+from mars_megatron.transfer.group import GroupSpec
+from mars_megatron.transfer.ipc import Subscriber
+subscriber = Subscriber(GroupSpec(**json.loads(sys.stdin.read())))
+subscriber.begin()
+view = subscriber.take(0)
+digest = hashlib.sha256(view.cpu().numpy().tobytes()).hexdigest()
+del view  # the mapping's release decrements its handle's reference counter
+torch.cuda.synchronize()
+subscriber.done(0)
+print(json.dumps({"slot": subscriber.slots[0], "sha256": digest}))
+"""
+
+
+@pytest.mark.gpu
+def test_two_workers_of_one_host_leave_its_cuda_buffer_freeable() -> None:
+    """Two worker processes map one bucket of this process's GPU, then release it; the host frees its
+    buffer and it is gone (``memory_allocated`` back where it was after ``ipc_collect``). With one handle
+    for both, the second release took the handle's counter below zero and the buffer stayed held."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    store = host_store("127.0.0.1", 120.0)
+    spec = _host_spec(store, 2)
+    publisher = Publisher(spec)
+    publisher.begin()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    buffer, digest = _filled(device)
+    fields = {f: getattr(spec, f) for f in ("host", "port", "key", "world", "backend", "timeout_s")}
+    workers = [
+        subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=REPO, text=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    for w in workers:
+        assert w.stdin is not None
+        w.stdin.write(json.dumps(fields))
+        w.stdin.close()
+    publisher.publish(0, buffer)
+    publisher.wait(0)
+    outs = [w.communicate(timeout=120) for w in workers]
+    assert all(w.returncode == 0 for w in workers), [err[-3000:] for _, err in outs]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert sorted(g["slot"] for g in got) == [1, 2] and {g["sha256"] for g in got} == {digest}
+    del buffer
+    torch.cuda.ipc_collect()
+    torch.cuda.synchronize(device)
+    assert torch.cuda.memory_allocated(device) == before
 
 
 # ------------------------------------------------------------------------------------- device check 4

@@ -19,6 +19,15 @@ vLLM's Ray workers (``RayExecutorV2``) leave ``CUDA_VISIBLE_DEVICES`` unset and 
 node, so index 0 in the trainer's handle is the node's first GPU in a worker: it would map the bucket
 through another GPU (an extra CUDA context there, copies over the bus, or failure without peer access).
 The opener finds the UUID among the devices it can see (:func:`local_device_index`).
+
+Every reader of a bucket opens a handle of its own. A CUDA handle carries a reference counter in shared
+memory that ``storage._share_cuda_()`` creates at 1 for exactly one opener: the opener's mapping
+decrements it when freed, and the producer's allocation is released once it reads 0 (held in torch's
+"limbo" until then, ``torch.cuda.ipc_collect``). Two readers of one handle would take it to -1, which the
+unsigned counter reads as a huge count, and the producer's buffer would stay allocated for good, silently.
+So the host shares the buffer once per reader (as ``torch.multiprocessing`` does once per send), and each
+reader claims one of those handles through the store. Shared-memory handles (CPU) count their openers
+themselves; they take the same path.
 """
 
 from __future__ import annotations
@@ -171,8 +180,15 @@ def _store(spec: GroupSpec) -> Any:
     return store, dist.PrefixStore(f"{STORE_PREFIX}/{spec.key}", store)
 
 
+def handle_key(round_: int, index: int, slot: int) -> str:
+    """The store key of reader ``slot``'s (1-based) handle of bucket ``index`` in push ``round_``. Slot 1
+    reads the bucket's own key, the only one when a host has one worker."""
+    return f"r{round_}/b{index}" + (f"/h{slot}" if slot > 1 else "")
+
+
 class Publisher:
-    """A hosting trainer rank's side: publish each bucket's handle, wait until every worker loaded it.
+    """A hosting trainer rank's side: publish each bucket's handles, one per worker (module docstring),
+    wait until every worker loaded it.
 
     Keys carry the push's round (counted on both sides: a failed push rebuilds the channel under a new
     key), so an acknowledgement of one push is never taken for the next one's."""
@@ -189,7 +205,8 @@ class Publisher:
     def publish(self, index: int, buffer: torch.Tensor) -> None:
         if buffer.device.type == "cuda":
             torch.cuda.current_stream(buffer.device).synchronize()  # the bytes are there before the handle
-        self.store.set(f"r{self.round}/b{index}", handle_of(buffer))
+        for slot in range(1, self.readers + 1):  # a CUDA handle with its own reference counter each
+            self.store.set(handle_key(self.round, index, slot), handle_of(buffer))
 
     def wait(self, index: int) -> None:
         """Block until every reader acknowledged bucket ``index`` (then the buffer may be freed)."""
@@ -204,22 +221,41 @@ class Publisher:
                 )
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
-        self.store.delete_key(f"r{self.round}/b{index}")
+        for slot in range(1, self.readers + 1):
+            self.store.delete_key(handle_key(self.round, index, slot))
+        if self.readers > 1:
+            self.store.delete_key(f"r{self.round}/c{index}")
         self.store.delete_key(ack)
 
 
 class Subscriber:
-    """An engine worker's side: map each bucket its host published, load it, acknowledge."""
+    """An engine worker's side: claim a handle of each bucket its host published, map it, load it,
+    acknowledge. ``slots``: the slot this worker claimed per bucket of the current push."""
 
     def __init__(self, spec: GroupSpec) -> None:
+        self.readers = spec.world - 1
         self.round = 0
+        self.slots: dict[int, int] = {}
         self._base, self.store = _store(spec)
 
     def begin(self) -> None:
         self.round += 1
+        self.slots = {}
+
+    def claim(self, index: int) -> int:
+        """This worker's slot among bucket ``index``'s handles: the store's counter hands out 1, 2, ...
+        (one reader: slot 1 without asking)."""
+        slot = 1 if self.readers == 1 else int(self.store.add(f"r{self.round}/c{index}", 1))
+        if slot > self.readers:
+            raise RuntimeError(
+                f"weight transfer: bucket {index} claimed by more colocated workers than the {self.readers} "
+                "its host publishes handles for (the host's ipc GroupSpec.world is 1 + its workers)"
+            )
+        self.slots[index] = slot
+        return slot
 
     def take(self, index: int) -> torch.Tensor:
-        key = f"r{self.round}/b{index}"
+        key = handle_key(self.round, index, self.claim(index))
         self.store.wait([key])
         return open_handle(self.store.get(key).decode())
 
