@@ -70,9 +70,10 @@ region, ``a_r = a/tp``, ``g_r = g/tp``:
   shared by every layer (the in-place masked fill, or the recompute checkpoint, keeps it). Per rank, once:
   the input buffer Megatron preallocates for baddbmm (its global "mpu" memory buffer: 2·b·a_r·s_r·s bytes,
   reused by every layer and never freed). One layer's transients (the raw bf16 scores and their fp32 copy
-  in the forward, the fp32 gradients in the backward: up to 6 B per score element beyond what the layer
-  keeps) are not counted: the last stage's peak is at the loss, where the logits buffer is larger for
-  Qwen3's vocabulary.
+  in the forward, the fp32 gradients in the backward: up to 6·b·a_r·s_r·s bytes beyond what the layer
+  keeps) are left to the fixed overhead. On the last stage they come after the loss has released the
+  logits buffer and stay below it while 6·a_r·s < 4·V/tp (the device check's models: 8 heads, Qwen3's
+  vocabulary, packs up to 8k); beyond that, and on the other stages, they add to the peak.
 * MoE MLP = 4·b·s_h·h (pre-MLP norm input, router/dispatcher input) + 4·b·s_h·E (fp32 router probs)
   + 4·k·b·s_h·etp·h (permuted expert inputs, and expert outputs kept for the probability-weighted combine)
   + 6·k·b·s_h·f_e (SwiGLU input 2·f_e wide and output). Routing is assumed balanced (each rank processes
