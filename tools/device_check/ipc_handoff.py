@@ -45,7 +45,7 @@ import torch
 
 from tools.device_check.common import Context, Row, at_most, is_true
 
-CHECK = "4 ipc hand-off"
+CHECK = "4 ipc_handoff"
 TIMEOUT_S = 120.0
 ALLOCATOR_BLOCK = 512  # the CUDA caching allocator's size granularity
 ALLOCATOR_UNSPLIT = 1 << 20

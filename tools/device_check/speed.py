@@ -343,7 +343,9 @@ def run(ctx: Context) -> list[Row]:
         )
         jobs = [(name, str(dirs[name])) for name in names]
         try:
-            got = spawn(measure, jobs, overrides, list(p.shapes), p.repeats, p.warmup, timeout_s=420)
+            got = spawn(
+                measure, jobs, overrides, list(p.shapes), p.repeats, p.warmup, timeout_s=ctx.timeout(420)
+            )
         except RuntimeError as err:
             rows += [_failed(f"{name}: the measurement process", str(err)) for name in names]
             continue
