@@ -67,3 +67,15 @@ def test_an_old_driver_is_named_for_cuda_13_torch() -> None:
     assert gpu_check.driver_problem("13.0", "580.65.06") is None
     assert gpu_check.driver_problem("12.8", "575.57.08") is None  # a CUDA 12 torch runs on it
     assert gpu_check.driver_problem("13.0", None) is None  # no nvidia-smi: nothing to say
+
+
+def test_a_trainer_rank_keeps_the_flight_recorder_from_ending_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight-transfer group's NCCL error sets torch's process-wide dump flag; the training world's
+    heartbeat monitor would then terminate the rank unless that world was built with
+    TORCH_NCCL_DUMP_ON_TIMEOUT=0 (transfer.group). A value the user set is kept."""
+    monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
+    parallel.trainer_nccl_env()
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    parallel.trainer_nccl_env()
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"

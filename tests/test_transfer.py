@@ -144,4 +144,5 @@ def test_a_receiver_dying_mid_transfer_fails_everyone_at_once() -> None:
     results, _ = _run(plan, receivers=3, die=1, die_at_bucket=2, timeout_s=120.0)
     took = time.perf_counter() - start
     assert len(results) == 3 and all(r[0] == "error" for r in results), results
+    assert all("TransferAborted" in r[1] for r in results), results  # what the fleet handles
     assert took < 60, f"the others waited {took:.0f} s: they should fail on the broken connection"

@@ -156,6 +156,35 @@ def test_a_dying_engine_recovers_within_the_push(cluster: None, models: dict[str
         group.shutdown()
 
 
+def test_a_member_missing_at_the_join_fails_the_push_before_any_byte_and_it_recovers(
+    cluster: None, models: dict[str, Path]
+) -> None:
+    """The groups are made whole at the join (a warm-up broadcast, transfer.group): an engine that never
+    joins makes the others' joins fail within the groups' timeout, so the push fails before anything
+    moved (every engine keeps its weights) and is made again over new groups."""
+    from tests.transfer_workers import NoShowHFEngine
+
+    moe = models["moe"]
+    group = RayWorkerGroup(TrainerRank, 1, str(moe), {}, threads_per_rank=1, bucket_bytes=BUCKET)
+    healthy = functools.partial(HFEngine, str(moe), seed=0)
+    no_show = functools.partial(NoShowHFEngine, str(moe), seed=0)
+    logged: list[str] = []
+    fleet = start_fleet(group, [healthy, no_show], healthy, log=logged.append, timeout_s=5)
+    try:
+        group.call("train_step", TRAIN, pack_length=48)
+        report = fleet.push_weights({"policy": 1})["policy"]
+        assert report.version == 1 and report.recovered == 2 and fleet.stale == set()
+        assert any("engine 1 (policy) failed to join its transfer groups" in line for line in logged), logged
+        assert any(
+            line.startswith("engine 0 (policy) failed to join") and "could not join within 5 s" in line
+            for line in logged
+        ), logged
+        _check_equal_to_trainer(group, fleet, 0)
+    finally:
+        fleet.close()
+        group.shutdown()
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize(("layout", "world", "last", "engines"), [({"tp": 2}, 2, 0, 2), ({"pp": 2}, 2, 1, 1)])
 def test_vllm_engines_match_the_trainer_after_a_push(

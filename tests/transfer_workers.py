@@ -1,5 +1,5 @@
 """Processes for the transfer-channel tests: a sender broadcasting seeded tensors, receivers checking
-them (spawned processes import these by module path)."""
+them (spawned processes import these by module path); an engine that fails its first join."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from mars_megatron.rollout.hf_engine import HFEngine
 from mars_megatron.transfer.channel import receive_buckets, send_buckets
 from mars_megatron.transfer.group import GroupSpec, TransferGroup
 from mars_megatron.transfer.plan import TensorSpec, TransferPlan, torch_dtype
@@ -56,3 +57,18 @@ def receive(
         out.put(("ok", stats, seen[1]))
     except BaseException:
         out.put(("error", traceback.format_exc(), -1))
+
+
+class NoShowHFEngine(HFEngine):
+    """A transformers engine that does not take part in its first join (its worker fails before it
+    reaches the groups), then joins like any other."""
+
+    def __init__(self, model_dir: str, **kwargs: Any) -> None:
+        super().__init__(model_dir, **kwargs)
+        self.joins = 0
+
+    def join_transfer(self, groups: Mapping[int, GroupSpec], first_rank: int) -> None:
+        self.joins += 1
+        if self.joins == 1:
+            raise RuntimeError("this worker could not reach its transfer groups")
+        super().join_transfer(groups, first_rank)

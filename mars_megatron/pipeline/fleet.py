@@ -12,9 +12,14 @@ the store the groups meet through, asks the engines to receive (asynchronously),
 send, and waits for both.
 
 Versions and faults: a policy's version advances only when every engine confirmed the whole transfer. An
-engine that dies during a transfer breaks the group: the senders and the other engines fail out of it (the
-senders close their end at once, so nobody waits for a timeout). The engines that did not finish keep
-reporting the old version and refuse to generate
+engine that dies during a transfer breaks the group: the senders and the other engines fail out of it —
+on gloo at once, on the closed connections; on NCCL, which tells nobody, when each member's wait reaches
+the groups' ``timeout_s`` and aborts its communicator (:mod:`mars_megatron.transfer.group`: bounded
+host-side waits, so no NCCL watchdog takes a trainer rank down). An engine that stops answering (wedged,
+not dead) is given the groups' backstop time after the first failure, then replaced like a dead one. A
+join that fails (a member missing or silent at the warm-up broadcast) fails the push the same way,
+before any byte moved. The engines that did not finish keep reporting the old version and refuse to
+generate
 (:class:`~mars_megatron.rollout.ray_engine.TornWeightsError`): with at most two buckets of staging an engine
 cannot keep its old weights while it loads new ones, so the old version is what it *reports*, never what it
 serves half-loaded. The dead engine is replaced, and the new engine and the torn ones are pushed to again
@@ -29,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mars_megatron.transfer.group import GroupSpec, host_store
+from mars_megatron.transfer.group import BACKSTOP, GroupSpec, host_store
 from mars_megatron.transfer.plan import TransferPlan
 
 
@@ -68,10 +73,15 @@ class EngineFleet:
         timeout_s: float = 300.0,
         log: Callable[[str], None] = print,
         colocation: Sequence[Sequence[int]] | None = None,
+        channels: int | None = None,
     ) -> None:
-        """``backend``: of the broadcast groups (``nccl`` on GPUs, ``gloo`` on hosts). ``colocation``: for
-        engines that share devices with trainer ranks, per engine the trainer rank hosting each of its
-        workers; the push then hands buffers over by handle (:mod:`mars_megatron.transfer.ipc`)."""
+        """``backend``: of the broadcast groups (``nccl`` on GPUs, ``gloo`` on hosts). ``timeout_s``: the
+        deadline of every wait on them, joins included (:mod:`mars_megatron.transfer.group`).
+        ``colocation``: for engines that share devices with trainer ranks, per engine the trainer rank
+        hosting each of its workers; the push then hands buffers over by handle
+        (:mod:`mars_megatron.transfer.ipc`). ``channels``: the most NCCL channels of each group, which
+        bounds the memory every engine worker holds per sender (None: NCCL's choice;
+        :func:`~mars_megatron.transfer.group.communicator_bytes`)."""
         import ray
 
         if not engines:
@@ -80,6 +90,7 @@ class EngineFleet:
         self.engines: list[tuple[str, Any]] = list(engines)
         self.start_engine = start_engine
         self.host, self.backend, self.timeout_s, self.log = host, backend, timeout_s, log
+        self.channels = channels
         self._store = host_store(host, timeout_s)
         self._ranks = ray.get([e.actor.transfer_ranks.remote() for _, e in self.engines])
         self.colocation = [list(c) for c in colocation] if colocation is not None else None
@@ -151,26 +162,32 @@ class EngineFleet:
     def _push(self, policy: str, members: tuple[int, ...], version: int) -> tuple[PushReport, set[int]]:
         """One transfer to ``members``; returns its report and the engines that did not complete it
         (dead ones already replaced by new, empty engines)."""
-        import ray
-
         start = time.perf_counter()
         self._wait_idle(members)
-        self._join(policy, members)
+        unjoined = self._join(policy, members)
+        if unjoined is not None:  # nothing moved: every member keeps its weights, none holds `version`
+            self.stale |= set(members)
+            for i in sorted(unjoined):
+                self._restart(i)
+            seconds = time.perf_counter() - start
+            return PushReport(policy, version, len(members), seconds, 0, 0, 0, 0, 0), set(members)
         plan_ref = self._plan_refs[policy]
         recv = {i: self.engines[i][1].actor.receive_weights.remote(plan_ref, version) for i in members}
         send = self.trainer.call_async("send_weights", policy)
         failed: set[int] = set()
         dead: list[int] = []
         peaks = [0]
-        for i, ref in recv.items():
-            try:
-                peaks.append(ray.get(ref).peak_bytes)
-            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
+        for i, outcome in self._outcomes(recv, send).items():
+            if _gone(outcome):
                 failed.add(i)
-                dead.append(i)
-            except Exception as e:  # a torn engine: alive, reports its old version
+                dead.append(i)  # a silent engine is replaced as a dead one is
+                if isinstance(outcome, _Silent):
+                    self.log(f"engine {i} ({policy}) stopped answering during the v{version} push: replaced")
+            elif isinstance(outcome, Exception):  # a torn engine: alive, reports its old version
                 failed.add(i)
-                self.log(f"engine {i} ({policy}) failed to load v{version}: {_last_line(e)}")
+                self.log(f"engine {i} ({policy}) failed to load v{version}: {_last_line(outcome)}")
+            else:
+                peaks.append(outcome.peak_bytes)
         sent = self._sender_results(send, failed)
         if failed:
             self._members.pop(policy, None)  # the group lost a member: the next push builds new ones
@@ -192,6 +209,40 @@ class EngineFleet:
             0,
         )
         return report, failed
+
+    def _outcomes(self, calls: Mapping[int, Any], watch: Sequence[Any] = ()) -> dict[int, Any]:
+        """Each engine's result of a transfer call (``calls``: Ray refs by engine), or the exception it
+        raised, or :class:`_Silent` for one that had not answered :data:`~mars_megatron.transfer.group.
+        BACKSTOP` × ``timeout_s`` after the first failure — of an engine, or of a trainer rank's call in
+        ``watch`` (its handles; only Ray refs are watched): every member's waits end within
+        ``timeout_s`` once the group broke, so an engine still silent then is wedged. No deadline while
+        all goes well (a large push may take long)."""
+        import ray
+
+        pending = {ref: i for i, ref in calls.items()}
+        watched = [h for h in watch if isinstance(h, ray.ObjectRef)]
+        out: dict[int, Any] = {}
+        deadline: float | None = None
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait([*pending, *watched], num_returns=1, timeout=left)
+            if not ready:
+                break
+            for ref in ready:
+                i = pending.pop(ref, None)
+                if i is None:
+                    watched.remove(ref)
+                try:
+                    result = ray.get(ref)
+                except Exception as e:
+                    result = e
+                    if deadline is None:
+                        deadline = time.monotonic() + BACKSTOP * self.timeout_s
+                if i is not None:
+                    out[i] = result
+        for i in pending.values():
+            out[i] = _Silent()
+        return out
 
     def _wait_idle(self, members: tuple[int, ...]) -> None:
         """Wait until every engine has finished the calls queued before the push (an agentic run's
@@ -223,16 +274,16 @@ class EngineFleet:
                 results.append(r)
         return results
 
-    def _join(self, policy: str, members: tuple[int, ...]) -> None:
-        """Build the policy's groups for exactly ``members`` (reusing them when unchanged)."""
-        import ray
-
+    def _join(self, policy: str, members: tuple[int, ...]) -> set[int] | None:
+        """Build the policy's groups for exactly ``members`` (reusing them when unchanged). None when
+        every member joined; otherwise the engines to replace (dead or silent; empty when the others only
+        failed with them), and the policy has no groups."""
         if self._members.get(policy) == members:
-            return
+            return None
         self._generation += 1
+        self._members.pop(policy, None)
         if self.colocation is not None:
-            self._join_colocated(policy, members)
-            return
+            return self._join_colocated(policy, members)
         world = 1 + sum(self._ranks[i] for i in members)
         specs = {
             sender: GroupSpec(
@@ -242,22 +293,47 @@ class EngineFleet:
                 world,
                 self.backend,
                 self.timeout_s,
+                self.channels,
             )
             for sender in self.plans[policy].senders
         }
-        joins, first = [], 1
+        joins, first = {}, 1
         for i in members:
-            joins.append(self.engines[i][1].actor.join_transfer.remote(specs, first))
+            joins[i] = self.engines[i][1].actor.join_transfer.remote(specs, first)
             first += self._ranks[i]
         handles = self.trainer.call_async("join_transfer", policy, specs)
-        ray.get(joins)
-        self.trainer.wait(handles)
+        return self._joined(policy, members, joins, handles)
+
+    def _joined(
+        self, policy: str, members: tuple[int, ...], joins: Mapping[int, Any], handles: list[Any]
+    ) -> set[int] | None:
+        """Wait for the engines' and the trainer ranks' joins (:meth:`_join`'s result). Every join ends
+        within the groups' ``timeout_s`` per group (:class:`~mars_megatron.transfer.group.TransferGroup`)
+        unless its process is wedged."""
+        outcomes = self._outcomes(joins, handles)
+        replace = set()
+        for i, outcome in outcomes.items():
+            if _gone(outcome):
+                replace.add(i)
+                self.log(f"engine {i} ({policy}) is dead or silent at the join of its transfer groups")
+            elif isinstance(outcome, Exception):
+                self.log(f"engine {i} ({policy}) failed to join its transfer groups: {_last_line(outcome)}")
+        failed = any(isinstance(o, (Exception, _Silent)) for o in outcomes.values())
+        try:
+            self.trainer.wait(handles)
+        except Exception as e:
+            if not failed:
+                raise TransferError(
+                    f"a trainer rank failed to join policy {policy!r}'s transfer groups: {e}"
+                ) from e
+            self.log(f"a trainer rank's join failed with the engines': {_last_line(e)}")
+        if failed:
+            return replace
         self._members[policy] = members
+        return None
 
-    def _join_colocated(self, policy: str, members: tuple[int, ...]) -> None:
+    def _join_colocated(self, policy: str, members: tuple[int, ...]) -> set[int] | None:
         """Groups over each sender and the hosting ranks, and one handle channel per host."""
-        import ray
-
         from mars_megatron.transfer.ipc import ColocatedSpec
 
         assert self.colocation is not None
@@ -272,7 +348,7 @@ class EngineFleet:
                 rank += 1
 
         def spec(key: str, world: int, backend: str) -> GroupSpec:
-            return GroupSpec(self.host, self._store.port, key, world, backend, self.timeout_s)
+            return GroupSpec(self.host, self._store.port, key, world, backend, self.timeout_s, self.channels)
 
         publishers = {h: spec(f"{prefix}/ipc/h{h}", 1 + len(w), "ipc") for h, w in workers.items()}
         groups, order = {}, {}
@@ -282,19 +358,20 @@ class EngineFleet:
                 groups[sender] = spec(f"{prefix}/s{sender}", 1 + len(others), self.backend)
                 order[sender] = (sender, *others)
         by_rank = {t: publishers[h] for h, ranks in workers.items() for t in ranks}
-        joins = [self.engines[i][1].actor.join_transfer.remote(by_rank, first[i]) for i in members]
+        joins = {i: self.engines[i][1].actor.join_transfer.remote(by_rank, first[i]) for i in members}
         handles = self.trainer.call_async("join_transfer", policy, ColocatedSpec(groups, order, publishers))
-        ray.get(joins)
-        self.trainer.wait(handles)
-        self._members[policy] = members
+        return self._joined(policy, members, joins, handles)
 
     def measure_wire(self, policy: str) -> float:
         """Seconds to broadcast ``policy``'s buckets to all of its engines with nothing exported or
-        loaded (engines keep their weights and version): the baseline a push is measured against."""
+        loaded (engines keep their weights and version): the baseline a push is measured against. Every
+        end returns once its last broadcast completed on the device (:meth:`~mars_megatron.transfer.
+        group.TransferGroup.wait`), so on NCCL too this is the wire's time, not the host's queueing."""
         import ray
 
         members = self.indices(policy)
-        self._join(policy, members)
+        if self._join(policy, members) is not None:
+            raise TransferError(f"measure_wire: the engines of policy {policy!r} could not join their groups")
         start = time.perf_counter()
         recv = [self.engines[i][1].actor.receive_discard.remote(self._plan_refs[policy]) for i in members]
         send = self.trainer.call_async("send_weights", policy, raw=True)
@@ -345,6 +422,17 @@ class EngineFleet:
     def close(self) -> None:
         for _, engine in self.engines:
             engine.kill()
+
+
+class _Silent:
+    """The outcome of an engine call that never answered (:meth:`EngineFleet._outcomes`)."""
+
+
+def _gone(outcome: Any) -> bool:
+    """Whether an engine call's outcome says the engine is dead or wedged (to replace), not torn."""
+    import ray
+
+    return isinstance(outcome, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, _Silent))
 
 
 def _last_line(error: BaseException) -> str:

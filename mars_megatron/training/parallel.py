@@ -94,6 +94,16 @@ def cuda_device_index(
     return local
 
 
+def trainer_nccl_env() -> None:
+    """Before this process creates its NCCL training world: the environment that keeps a weight-transfer
+    group's failure from terminating it (:data:`~mars_megatron.transfer.group.TRAINER_NCCL_ENV`, whose
+    module docstring says why); values already set are kept."""
+    from mars_megatron.transfer.group import TRAINER_NCCL_ENV
+
+    for key, value in TRAINER_NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def init_distributed(rank: int, world_size: int, store_path: str | None = None) -> None:
     """Start torch.distributed (NCCL on GPUs, gloo on CPU) unless it is already running.
 
@@ -107,6 +117,7 @@ def init_distributed(rank: int, world_size: int, store_path: str | None = None) 
         spawned = store_path is not None
         device = cuda_device_index(rank, world_size, torch.cuda.device_count(), os.environ, spawned=spawned)
         torch.cuda.set_device(device)
+        trainer_nccl_env()
         backend = "nccl"
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

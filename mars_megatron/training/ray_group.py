@@ -160,6 +160,9 @@ class _RankActor:
             # Ray gives each rank its own GPU via CUDA_VISIBLE_DEVICES, so it is device 0 of this process.
             count = torch.cuda.device_count()
             torch.cuda.set_device(0 if count == 1 else local_rank % count)
+            from mars_megatron.training.parallel import trainer_nccl_env
+
+            trainer_nccl_env()  # before its NCCL world: a weight-transfer failure must not end this rank
         try:
             store = self._store
             if store is None:  # not rank 0: dial rank 0's store

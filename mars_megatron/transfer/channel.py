@@ -182,6 +182,7 @@ def send_buckets(
         launch(mine[launched])
         launched += 1
     pool.drain()
+    group.synchronize()  # the time is the wire's: every broadcast completed on the device
     nbytes = sum(t.nbytes for k in mine for t in plan.buckets[k].tensors)
     return TransferStats(len(mine), tensors, nbytes, time.perf_counter() - start, pool.tally.peak)
 
@@ -216,4 +217,6 @@ def receive_buckets(
         tally.release(bucket.nbytes)
     if loaded != len(plan.tensors):
         raise RuntimeError(f"weight transfer: loaded {loaded} tensors, the plan has {len(plan.tensors)}")
+    for group in groups.values():  # the loads queued behind the last bucket finished too
+        group.synchronize()
     return TransferStats(len(buckets), loaded, plan.nbytes, time.perf_counter() - start, tally.peak)

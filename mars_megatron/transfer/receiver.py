@@ -26,7 +26,11 @@ class ReceivingEnd:
         self.subscriber: Subscriber | None = None
 
     def join(self, groups: Mapping[int, GroupSpec], rank: int) -> None:
-        """Join every sender's group as ``rank`` (blocks until all members joined), leaving older ones.
+        """Join every sender's group as ``rank``, leaving older ones: one group at a time, in sender
+        order, each connected and warmed up before the next (:class:`~mars_megatron.transfer.group.
+        TransferGroup`), so every member meets the groups in the same order, at most one communicator is
+        being set up at a time, and a missing member fails the join within the group's ``timeout_s``
+        (:class:`~mars_megatron.transfer.group.TransferAborted`) rather than the first push.
         Colocated (backend ``ipc``): ``groups`` holds, by transfer rank, the handle channel of each
         worker's host; this worker subscribes to ``groups[rank]``."""
         self.leave()
