@@ -216,11 +216,16 @@ def test_colocated_engines_take_the_weights_by_handle(
 ) -> None:
     """The colocated path (CUDA IPC on GPUs; the same code over shared memory here): each engine worker
     maps the bucket its host rank holds, loads it and acknowledges; the senders broadcast only to the
-    other hosting ranks. Engine 0 shares rank 0's device, engine 1 rank 1's."""
+    other hosting ranks. Engine 0 shares rank 0's device, engine 1 rank 1's. A replacement starts only
+    after the rank sharing its device gave back its cached memory (a new vLLM engine sizes itself by what
+    is free; vllm_engine.startup_memory_share), then takes the weights like the others."""
     moe = models["moe"]
     group = RayWorkerGroup(TrainerRank, world, str(moe), layout, threads_per_rank=1, bucket_bytes=BUCKET)
     factory = functools.partial(HFEngine, str(moe), seed=0)
-    fleet = start_fleet(group, [factory, factory], factory, colocation=[[0], [1]])
+    logged: list[str] = []
+    fleet = start_fleet(group, [factory, factory], factory, colocation=[[0], [1]], log=logged.append)
+    start_engine = fleet.start_engine
+    fleet.start_engine = lambda i: (logged.append(f"start engine {i}"), start_engine(i))[1]
     try:
         group.call("train_step", TRAIN, pack_length=48)
         report = fleet.push_weights({"policy": 1})["policy"]
@@ -233,6 +238,14 @@ def test_colocated_engines_take_the_weights_by_handle(
         for version in (2, 3):  # each push its own round of handles: no acknowledgement is taken twice
             group.call("train_step", TRAIN, pack_length=48)
             assert fleet.push_weights({"policy": version})["policy"].version == version
+            _check_equal_to_trainer(group, fleet, last)
+        if layout.get("ep"):  # once: the replacement of a colocated engine
+            fleet.replace(1, push=True)
+            assert logged[-2:] == [
+                "trainer rank 1 released its cached memory for engine 1's replacement (no CUDA device)",
+                "start engine 1",
+            ], logged
+            assert fleet.engines[1][1].version() == 3 and fleet.stale == set()
             _check_equal_to_trainer(group, fleet, last)
     finally:
         fleet.close()

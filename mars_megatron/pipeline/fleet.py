@@ -398,11 +398,33 @@ class EngineFleet:
         policy, old = self.engines[index]
         with contextlib.suppress(Exception):  # already gone
             ray.kill(old.actor)
+        self._make_room(index)
         engine = self.start_engine(index)
         self.engines[index] = (policy, engine)
         self._members.pop(policy, None)  # the policy's groups had the old engine in them
         self._ranks[index] = ray.get(engine.actor.transfer_ranks.remote())
         self.stale.add(index)
+
+    def _make_room(self, index: int) -> None:
+        """Before a colocated engine's replacement starts: the trainer ranks sharing its GPUs give back
+        the memory their allocators cache but do not use (they are idle now), since the replacement
+        sizes itself by what is free (vLLM checks ``gpu_memory_utilization`` × total against the free
+        memory at start; :func:`~mars_megatron.rollout.vllm_engine.startup_memory_share`). The first
+        engines started on empty GPUs; a replacement starts beside a trainer rank that may hold more than
+        the rest of the GPU."""
+        if self.colocation is None:
+            return
+        gib = 2**30
+        for host in sorted(set(self.colocation[index][: self._ranks[index]])):
+            memory = self.trainer.call_rank(host, "release_device_memory")
+            where = (
+                "no CUDA device"
+                if memory is None
+                else f"{memory[0] / gib:.1f} of {memory[1] / gib:.1f} GiB free"
+            )
+            self.log(
+                f"trainer rank {host} released its cached memory for engine {index}'s replacement ({where})"
+            )
 
     def _each(self, method: str) -> None:
         """Call ``method`` (``sleep``, ``wake_weights``, ``wake``) on every engine and wait."""

