@@ -270,6 +270,10 @@ def test_a_vllm_engine_can_receive_and_drop_a_push(cluster: None, models: dict[s
         assert fleet.measure_wire("policy") > 0
         after = engine.generate(REQUESTS)
         assert [o.token_ids for o in after] == [o.token_ids for o in before] and engine.version() == 0
+        # the engine's shutdown (what RemoteEngine.kill runs first) ends vLLM's engine core for good
+        ray.get(engine.actor.shutdown.remote())
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"generate\(\) after shutdown\(\)"):
+            engine.generate(REQUESTS)
     finally:
         fleet.close()
         group.shutdown()

@@ -160,6 +160,14 @@ class RolloutActor:
     def last_update(self) -> UpdateStats | None:
         return self._last
 
+    def shutdown(self) -> None:
+        """End the engine's own workers and give back what it reserved (a vLLM engine: its workers and
+        the placement group its Ray executor made, :meth:`~mars_megatron.rollout.vllm_engine.VLLMEngine.
+        shutdown`), before the actor goes."""
+        stop = getattr(self.engine, "shutdown", None)
+        if callable(stop):
+            stop()
+
     def set_threads(self, n: int) -> None:
         if n < 1:
             raise ValueError(f"threads must be >= 1, got {n}")
@@ -193,10 +201,15 @@ class RemoteEngine:
 
         ray.get(self.actor.set_threads.remote(n))
 
-    def kill(self) -> None:
-        """End the actor (and its engine) now, instead of when the last handle goes away."""
+    def kill(self, grace_s: float = 60.0) -> None:
+        """End the actor (and its engine) now, instead of when the last handle goes away: the engine
+        shuts down first (within ``grace_s``; a dead or stuck one is killed all the same)."""
+        import contextlib
+
         import ray
 
+        with contextlib.suppress(Exception):  # dead already, or stuck: killed below
+            ray.get(self.actor.shutdown.remote(), timeout=grace_s)
         ray.kill(self.actor)
 
 

@@ -211,6 +211,40 @@ def startup_memory_share(
     return share
 
 
+def current_placement_group() -> Any | None:
+    """The Ray placement group this process runs in, as vLLM's Ray executor looks it up
+    (``ray.util.get_current_placement_group``); None outside Ray or outside a group."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    return ray.util.get_current_placement_group()
+
+
+def created_placement_group(parallel_config: Any, before: Any | None) -> Any | None:
+    """The placement group vLLM's Ray executor reserved for an engine's workers, if the engine made it.
+
+    vLLM 0.32 (``v1/executor/ray_utils.initialize_ray_cluster``, the first step of ``RayExecutorV2``):
+    an engine inside a placement group (``before``, what :func:`current_placement_group` said when the
+    engine was built: a mars placement) uses it; one outside any (a driver, a test process) gets a new
+    ``PACK`` group of ``tensor_parallel_size`` GPU bundles, stored in ``parallel_config.placement_group``
+    — and ``RayExecutorV2.shutdown`` kills the workers but never removes it, so its GPUs stay reserved
+    and the next multi-GPU engine waits ``PG_WAIT_TIMEOUT`` (1800 s) for them."""
+    group = getattr(parallel_config, "placement_group", None)
+    if group is None or (before is not None and group.id == before.id):
+        return None
+    return group
+
+
+def remove_placement_group(group: Any) -> None:
+    """Give back the GPUs of a placement group an engine made (:func:`created_placement_group`)."""
+    import ray
+
+    ray.util.remove_placement_group(group)
+
+
 def weight_bytes(model_dir: str | Path, dtype: str, tensor_parallel_size: int = 1) -> int:
     """Bytes of one worker's share of the model's weights in ``dtype`` (from its config.json)."""
     from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
@@ -336,8 +370,36 @@ class VLLMEngine:
         self.workers_in_process = in_process and kwargs["distributed_executor_backend"] == "uni"
         """Whether vLLM's model runs in this process (the weight push can then stream a generator)."""
         self.tensor_parallel_size = tensor_parallel_size
+        placed_in = current_placement_group()
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
+        self._own_placement_group = created_placement_group(self._parallel_config(), placed_in)
+        """The placement group vLLM's Ray executor made for this engine (None: none, or the engine's
+        own placement's): :meth:`shutdown` removes it."""
+
+    def _parallel_config(self) -> Any:
+        """vLLM's parallel config as its executor filled it in (the engine core runs in this process:
+        ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+        engine = self.llm.llm_engine
+        core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient's
+        executor = getattr(core, "model_executor", None)
+        config = getattr(executor, "parallel_config", None)
+        return config if config is not None else engine.vllm_config.parallel_config
+
+    def shutdown(self) -> None:
+        """End vLLM's engine and its workers now, and remove the placement group its Ray executor made
+        for them (:func:`created_placement_group`): vLLM's own shutdown leaves it, and with it the GPUs a
+        later multi-GPU engine needs. The engine cannot be used afterwards; a second call does nothing."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        group, self._own_placement_group = self._own_placement_group, None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            if group is not None:
+                remove_placement_group(group)
 
     def _sampling(self, request: GenerationRequest) -> Any:
         s = request.sampling
@@ -352,6 +414,8 @@ class VLLMEngine:
         )
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        if self.llm is None:
+            raise RuntimeError("generate() after shutdown(): this vLLM engine has ended")
         if self._asleep:
             raise RuntimeError(
                 f"generate() while the engine sleeps ({sorted(self._asleep)} freed): call wake() first"
