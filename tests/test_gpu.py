@@ -163,6 +163,40 @@ def test_weight_push_over_nccl(tiny: Path, layout: dict[str, int]) -> None:
         ray.shutdown()
 
 
+@pytest.mark.multiproc
+def test_a_dead_member_of_an_nccl_transfer_group_costs_the_others_its_deadline_not_their_process() -> None:
+    """Two GPUs: a sender and a member that joined and then stopped (what a killed engine is to NCCL: no
+    error, kernels spin). The sender's wait gives up at the group's deadline (TransferTimeout), its
+    communicator aborted, and its process lives on past the group's NCCL watchdog timeout with a working
+    GPU: no watchdog takes a trainer rank down (transfer.group)."""
+    _need_gpus(2)
+    import multiprocessing as mp
+    import time
+
+    from mars_megatron.transfer.group import GroupSpec, host_store
+    from tests.transfer_workers import nccl_member_stalls
+
+    timeout_s = 10.0
+    store = host_store("127.0.0.1", 120)
+    spec = GroupSpec("127.0.0.1", store.port, f"gpu/stall/{time.time_ns()}", 2, "nccl", timeout_s)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=nccl_member_stalls, args=(spec, r, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted((out.get(timeout=180) for _ in range(2)), key=lambda r: r[0])
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert got[0] == ("joined", 1), got
+    status, took, total = got[1]
+    assert status == "timed out" and timeout_s <= took < timeout_s + 5 and total == 1024.0, got
+    assert procs[0].exitcode == 0
+
+
 @pytest.mark.vllm
 def test_official_vllm_as_the_rl_engine_with_fp8_rollout(tiny: Path, tmp_path: Path) -> None:
     """vLLM on the GPU generates the rollouts and takes the trainer's weights after every update; with

@@ -162,7 +162,7 @@ def test_a_member_missing_at_the_join_fails_the_push_before_any_byte_and_it_reco
     """The groups are made whole at the join (a warm-up broadcast, transfer.group): an engine that never
     joins makes the others' joins fail within the groups' timeout, so the push fails before anything
     moved (every engine keeps its weights) and is made again over new groups."""
-    from tests.transfer_workers import NoShowHFEngine
+    from tests.fleet_workers import NoShowHFEngine
 
     moe = models["moe"]
     group = RayWorkerGroup(TrainerRank, 1, str(moe), {}, threads_per_rank=1, bucket_bytes=BUCKET)

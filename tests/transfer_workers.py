@@ -1,18 +1,18 @@
 """Processes for the transfer-channel tests: a sender broadcasting seeded tensors, receivers checking
-them (spawned processes import these by module path); an engine that fails its first join."""
+them (spawned processes import these by module path); on GPUs, an NCCL member that stalls."""
 
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from mars_megatron.rollout.hf_engine import HFEngine
 from mars_megatron.transfer.channel import receive_buckets, send_buckets
-from mars_megatron.transfer.group import GroupSpec, TransferGroup
+from mars_megatron.transfer.group import BACKSTOP, GroupSpec, TransferGroup, TransferTimeout
 from mars_megatron.transfer.plan import TensorSpec, TransferPlan, torch_dtype
 
 
@@ -59,16 +59,28 @@ def receive(
         out.put(("error", traceback.format_exc(), -1))
 
 
-class NoShowHFEngine(HFEngine):
-    """A transformers engine that does not take part in its first join (its worker fails before it
-    reaches the groups), then joins like any other."""
-
-    def __init__(self, model_dir: str, **kwargs: Any) -> None:
-        super().__init__(model_dir, **kwargs)
-        self.joins = 0
-
-    def join_transfer(self, groups: Mapping[int, GroupSpec], first_rank: int) -> None:
-        self.joins += 1
-        if self.joins == 1:
-            raise RuntimeError("this worker could not reach its transfer groups")
-        super().join_transfer(groups, first_rank)
+def nccl_member_stalls(spec: GroupSpec, rank: int, out: Any) -> None:
+    """GPU ``rank`` of a two-member NCCL transfer group: rank 1 joins, then takes part in nothing (a dead
+    member, as NCCL sees one); rank 0 broadcasts, reports how long its wait took to give up, that its
+    GPU still computes, and that it is still alive after the group's NCCL watchdog timeout has passed."""
+    try:
+        torch.cuda.set_device(rank)
+        group = TransferGroup(spec, rank)
+        if rank == 1:
+            out.put(("joined", rank))
+            time.sleep(spec.timeout_s * (BACKSTOP + 2))
+            return
+        start = time.monotonic()
+        try:
+            # 256 MiB: more than NCCL buffers for the peer, so the root cannot finish without it
+            group.broadcast(torch.ones(1 << 26, device="cuda"), src=0).wait()
+            out.put(("completed", rank))
+            return
+        except TransferTimeout:
+            took = time.monotonic() - start
+        group.close()
+        total = float(torch.ones(1024, device="cuda").sum().item())
+        time.sleep(spec.timeout_s * BACKSTOP + 5)  # past the watchdog's timeout of the group
+        out.put(("timed out", took, total))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
