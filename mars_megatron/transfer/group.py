@@ -230,6 +230,8 @@ class TransferGroup:
 
         def connect() -> None:
             try:
+                if self.device.type == "cuda":  # the current device is per thread
+                    torch.cuda.set_device(self.device)
                 self._connect()
                 if self.broken:  # the joining thread gave up while this one was connecting
                     self.abort()
@@ -241,13 +243,15 @@ class TransferGroup:
         helper.start()
         helper.join(self.spec.timeout_s)
         if helper.is_alive():
-            self.abort()  # marks the group broken, so the helper aborts what it may still build
+            # marks the group broken, so the helper aborts what it may still build
+            self.abort(f"could not join within {self.spec.timeout_s:g} s")
             self.close()
             raise TransferTimeout(
                 f"weight transfer group {self.spec.key!r}: rank {self.rank} of {self.spec.world} could not "
                 f"join within {self.spec.timeout_s:g} s (a member missing or not taking part)"
             )
         if "error" in done:
+            self.abort("failed to join")
             self.close()
             raise TransferAborted(
                 f"weight transfer group {self.spec.key!r}: rank {self.rank} failed to join: {done['error']}"
