@@ -25,14 +25,17 @@ from mars_megatron.launch.planner import (
     CostModel,
     Layout,
     PlanError,
+    Recompute,
     Rollout,
     Workload,
     check_layout,
     check_rollout,
     enumerate_layouts,
+    final_norm_bytes,
     gemm_input_bytes,
     layer_activation_bytes,
     local_attention_bytes,
+    local_mlp_bytes,
     local_score_buffer_bytes,
     local_score_bytes,
     memory,
@@ -53,24 +56,23 @@ NO_ROLLOUT = Rollout(colocated=False)
 HF_CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "hf_configs"
 
 # A small MoE for hand-checkable activations: h 64, 8 heads / 2 KV heads of 16, 8 experts top-2 of 24.
-SMALL = parse_hf_config(
-    {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "vocab_size": 1000,
-        "hidden_size": 64,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 96,
-        "max_position_embeddings": 512,
-        "rope_theta": 1000000,
-        "rms_norm_eps": 1e-6,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 24,
-    }
-)
+SMALL_CONFIG: dict[str, object] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "max_position_embeddings": 512,
+    "rope_theta": 1000000,
+    "rms_norm_eps": 1e-6,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 24,
+}
+SMALL = parse_hf_config(SMALL_CONFIG, "SMALL")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -157,13 +159,8 @@ def test_activations_of_a_small_moe_by_hand() -> None:
     attention, moe = _small_layer_by_hand(tp=2)
     assert (attention, moe) == (77_824, 69_632)
     assert layer_activation_bytes(SMALL, layout, work, moe=True) == attention + moe
-    # without flash attention (megatron's local attention) the scores stay, 6 B each in bf16 (fp32 softmax
-    # output + bf16 probabilities), and K and V repeated to a_r = 4 heads (in place of the rotated k, 1 head),
-    # unless selective recompute drops them
-    no_flash = Workload(seq_len=128, flash_attention=False)
-    local = 6 * 4 * 128 * 128 + 2 * 128 * 16 * (4 - 1) + 2 * 128 * 16 * 4
-    assert layer_activation_bytes(SMALL, layout, no_flash, moe=True) == attention + moe + local
-    selective = Workload(seq_len=128, flash_attention=False, recompute="selective")
+    # selective recompute drops nothing that flash attention keeps
+    selective = Workload(seq_len=128, recompute="selective")
     assert layer_activation_bytes(SMALL, layout, selective, moe=True) == attention + moe
     # pp 1: one micro-batch in flight; the last stage adds final-norm + output inputs and fp32 logits
     mem = memory(SMALL, layout, work, NO_ROLLOUT, Cluster(gpus=2))
@@ -187,18 +184,47 @@ def test_first_pipeline_stage_holds_pp_micro_batches() -> None:
     assert one.stage == 1 and one.activations == 3 * (attention + moe) + 4 * 128 * 64  # 1 micro-batch in all
 
 
-# ----------------------------------------------------------------------- local attention (no flash)
+# ----------------------------------------------------------------- the local layer spec (no TE, no flash)
 LOCAL_S = 64  # tokens of the measured pack: two samples of 40 and 24
+# The measured model: SMALL's shapes in two layers, a dense one (FFN 96) and a MoE one. Each case turns
+# what a rule of the local-spec formulas depends on: the dtype (fp32 copies that are views in fp32),
+# selective recompute, one KV head (Megatron's query reshape is then a view), no GQA (V is then a view of
+# the QKV output), the router's softmax (over the top k or over all experts) and its aux loss.
+LOCAL_LAYERS = {**SMALL_CONFIG, "num_hidden_layers": 2, "mlp_only_layers": [0], "norm_topk_prob": True}
+LOCAL_CASES: dict[str, tuple[str, Recompute, dict[str, object]]] = {
+    "bf16": ("bfloat16", "none", {}),
+    "fp32": ("float32", "none", {}),
+    "bf16, selective, 1 KV head, no aux loss": (
+        "bfloat16", "selective", {"num_key_value_heads": 1, "router_aux_loss_coef": 0.0}
+    ),
+    "bf16, MHA": ("bfloat16", "none", {"num_key_value_heads": 8}),
+    "fp32, 1 KV head, softmax over all experts": (
+        "float32", "none", {"num_key_value_heads": 1, "norm_topk_prob": False}
+    ),
+}  # fmt: skip
+
+
+def _local_arch(case: str) -> Qwen3Arch:
+    return parse_hf_config({**LOCAL_LAYERS, **LOCAL_CASES[case][2]}, case)
+
+
+class _Saved:
+    """What the saved-tensors hook hands autograd in place of a tensor: alive exactly as long as autograd
+    keeps the tensor, so a tensor saved by a node that the forward itself frees (top-k indices whose values
+    are dropped, as the aux loss's are) is not counted."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: object) -> None:
+        self.tensor = tensor
 
 
 def _local_attention_saved(s: int) -> dict[str, dict[str, int]]:
-    """Spawned (a world of one): the bytes one layer of Megatron's local attention keeps for backward,
-    measured on SMALL's heads (8 query, 2 KV, d 16) at ``s`` tokens in one pack. The attention is the core
-    attention of the trainer's own local layer spec and TransformerConfig (model_provider), fed q, k, v and
-    the pack's block-causal mask as the layer feeds them; every tensor autograd saves is caught by a
-    saved-tensors hook and counted once per storage: the scores (storages of a·s·s elements), the mask,
-    the query and the rest (keys and values). Per dtype: bf16 and fp32 as the trainer configures them,
-    and bf16 with a bf16 softmax (``attention_softmax_in_fp32`` off); plus the bytes of the buffer Megatron
+    """Megatron's local core attention alone (the trainer's spec and TransformerConfig, SMALL's heads: 8
+    query, 2 KV, d 16), fed q, k, v and the pack's block-causal mask as the layer feeds them: the bytes of
+    the scores (storages of a·s·s elements), the mask, the query and the rest (keys and values) that
+    autograd keeps, counted once per storage; per dtype: bf16 and fp32 as the trainer configures them, and
+    bf16 with a bf16 softmax (``attention_softmax_in_fp32`` off); plus the bytes of the buffer Megatron
     keeps for baddbmm."""
     import torch
     from megatron.core import parallel_state as ps
@@ -250,36 +276,135 @@ def _local_attention_saved(s: int) -> dict[str, dict[str, int]]:
     return out
 
 
+def _local_layers_saved(s: int) -> dict[str, dict[str, int]]:
+    """The trainer's own model on the local spec (``build_model``, ``transformer_impl="local"``) per case
+    of LOCAL_CASES, one pack of ``s`` tokens: the bytes autograd keeps for backward at the end of the
+    forward, once per storage, parameters excluded, by the module that saved them: ``attention 0``/``1``
+    (input norm and self-attention of layer 0/1), ``dense`` (layer 0's pre-MLP norm and MLP), ``moe``
+    (layer 1's), ``final`` (final norm and output layer), ``mask`` (the pack's mask, wherever saved) and
+    ``other`` (the rest of the model)."""
+    import weakref
+
+    import torch
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from mars_megatron.algorithm.tensors import PackedSequence
+    from mars_megatron.training import parallel
+    from mars_megatron.training.model_provider import build_model
+
+    out: dict[str, dict[str, int]] = {}
+    for case, (dtype, recompute, _) in LOCAL_CASES.items():
+        parallel.init_model_parallel(ParallelConfig(), seed=0)
+        model = build_model(_local_arch(case), ParallelConfig(), dtype=dtype, transformer_impl="local",
+                            recompute=recompute)  # fmt: skip
+        for p in model.parameters():  # build_model leaves the weights uninitialised; the router needs some
+            torch.nn.init.normal_(p, std=0.05)
+        where = ["other"]
+
+        def tag(module: torch.nn.Module, part: str, where: list[str] = where) -> None:
+            module.register_forward_pre_hook(lambda *_: where.__setitem__(0, part))
+            module.register_forward_hook(lambda *_: where.__setitem__(0, "other"))
+
+        for i, layer in enumerate(m for m in model.modules() if isinstance(m, TransformerLayer)):
+            for module in (layer.input_layernorm, layer.self_attention):
+                tag(module, f"attention {i}")
+            for module in (layer.pre_mlp_layernorm, layer.mlp):
+                tag(module, "moe" if i else "dense")
+        tag(model.decoder.final_layernorm, "final")
+        tag(model.output_layer, "final")
+        records: list[tuple[weakref.ref, int, int, str]] = []
+
+        def pack(t: torch.Tensor, records: list = records, where: list[str] = where) -> _Saved:
+            held, storage = _Saved(t), t.untyped_storage()
+            records.append((weakref.ref(held), storage.data_ptr(), storage.nbytes(), where[0]))
+            return held
+
+        tokens = torch.randint(0, SMALL.vocab_size, (1, s))
+        zeros = torch.zeros(1, s, dtype=torch.long)
+        cu_seqlens = torch.tensor([0, 40, s], dtype=torch.int32)
+        mask = PackedSequence(tokens, zeros, zeros, zeros.float(), cu_seqlens, (0, 1),
+                              ((0, 40), (40, s))).attention_mask()  # fmt: skip
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
+            logits = model(tokens, torch.arange(s)[None], mask)
+        seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        parts: dict[str, int] = {}
+        for alive, ptr, nbytes, part in records:
+            if alive() is None or ptr in seen:
+                continue
+            seen.add(ptr)
+            part = "mask" if ptr == mask.untyped_storage().data_ptr() else part
+            parts[part] = parts.get(part, 0) + nbytes
+        logits.float().sum().backward()  # the saved tensors serve a real backward
+        out[case] = parts
+    return out
+
+
+def _local_saved(s: int) -> dict[str, dict[str, dict[str, int]]]:
+    """Spawned (a world of one): both measurements, in one process."""
+    return {"attention": _local_attention_saved(s), "layers": _local_layers_saved(s)}
+
+
 @pytest.fixture(scope="module")
-def local_attention_saved() -> dict[str, dict[str, int]]:
+def local_saved() -> dict[str, dict[str, dict[str, int]]]:
     from mars_megatron.training import parallel
 
-    return parallel.launch(_local_attention_saved, 1, LOCAL_S, timeout_s=300)[0]
+    return parallel.launch(_local_saved, 1, LOCAL_S, timeout_s=300)[0]
 
 
 @pytest.mark.multiproc
-def test_local_attention_keeps_what_the_planner_counts(local_attention_saved: dict) -> None:
-    """Without flash attention the planner counts what Megatron's local attention keeps in bf16, measured:
-    per layer the scores at 6 B (its fp32 softmax output and the bf16 probabilities of the PV matmul; the
-    raw bf16 scores are not kept) and K and V repeated to the query heads, beyond the q and k that flash
-    keeps too; per micro-batch the pack's mask; per rank baddbmm's buffer (before: 2 B a score, no keys,
-    values, mask or buffer: 29 % of what the layer keeps beyond flash)."""
+@pytest.mark.parametrize("case", list(LOCAL_CASES))
+def test_local_layer_keeps_what_the_planner_counts(local_saved: dict, case: str) -> None:
+    """Every byte a local-spec layer keeps for backward, measured on the trainer's own model, is what the
+    planner counts, part by part (module docstring: our RMSNorm's fp32 copies, the q/k norms, RoPE's cos
+    and sin, the repeated K and V, the scores, the unfused SwiGLU, router, dispatcher and experts). Before,
+    the planner counted Transformer Engine's fused norms and SwiGLU plus the local attention's extras: of
+    what the bf16 case keeps, 83 % of the attention, 56 % of the dense MLP, 74 % of the MoE MLP."""
+    dtype, recompute, _ = LOCAL_CASES[case]
+    arch, layout = _local_arch(case), Layout()
+    work = Workload(seq_len=LOCAL_S, recompute=recompute, transformer_impl="local")
+    got = local_saved["layers"][case]
+    attention = local_attention_bytes(arch, layout, work, dtype)
+    assert got["attention 0"] == got["attention 1"] == attention
+    assert got["dense"] == local_mlp_bytes(arch, layout, work, moe=False, dtype=dtype)
+    assert got["moe"] == local_mlp_bytes(arch, layout, work, moe=True, dtype=dtype)
+    assert got["final"] == final_norm_bytes(arch, layout, work, dtype)
+    assert got["mask"] == LOCAL_S * LOCAL_S  # one bool per (query, key) of the pack, shared by the layers
+    assert got["other"] == 8 * LOCAL_S  # the embedding's int64 token indices: left out by the planner
+
+
+@pytest.mark.multiproc
+def test_local_spec_memory_is_every_byte_the_model_keeps(local_saved: dict) -> None:
+    """The planner's activations of the measured two-layer model in bf16 (one GPU, one pack) are the sum of
+    everything it keeps (the token indices aside) plus Megatron's "mpu" buffer, measured."""
+    arch, layout = _local_arch("bf16"), Layout()
+    work = Workload(seq_len=LOCAL_S, global_batch=1, transformer_impl="local")
+    got = local_saved["layers"]["bf16"]
+    assert layer_activation_bytes(arch, layout, work, moe=False) == got["attention 0"] + got["dense"]
+    assert layer_activation_bytes(arch, layout, work, moe=True) == got["attention 1"] + got["moe"]
+    buffer = local_saved["attention"]["bf16"]["buffer"]
+    assert buffer == local_score_buffer_bytes(arch, layout, work)
+    mem = memory(arch, layout, work, NO_ROLLOUT, Cluster(gpus=1))
+    assert mem.activations == sum(got.values()) - got["other"] + buffer
+
+
+@pytest.mark.multiproc
+def test_local_attention_scores_mask_and_buffer(local_attention_saved: dict) -> None:
+    """Megatron's local core attention alone, in bf16: the scores at 6 B (its fp32 softmax output and the
+    bf16 probabilities of the PV matmul; the raw bf16 scores are not kept), K and V repeated to the query
+    heads, the pack's mask and baddbmm's buffer (2 B a score), as the planner counts them."""
     got = local_attention_saved["bf16"]
-    s, a, g, d = LOCAL_S, SMALL.num_attention_heads, SMALL.num_key_value_heads, SMALL.head_dim
+    s, a, d = LOCAL_S, SMALL.num_attention_heads, SMALL.head_dim
     assert (got["softmax_in_fp32"], got["softmax_fusion"]) == (LOCAL_SOFTMAX_IN_FP32, LOCAL_SOFTMAX_FUSION)
-    layout = Layout(ep=1)
-    flash, local = Workload(seq_len=s), Workload(seq_len=s, flash_attention=False)
-    with_scores = layer_activation_bytes(SMALL, layout, local, moe=True)
-    per_layer = with_scores - layer_activation_bytes(SMALL, layout, flash, moe=True)
-    flash_keeps = 2 * s * d * (a + g)  # the rotated q and k (flash also keeps v, a view of the QKV output)
-    assert got["query"] + got["scores"] + got["rest"] == per_layer + flash_keeps
     assert got["scores"] == local_score_bytes() * a * s * s == 6 * a * s * s
-    assert per_layer == local_attention_bytes(SMALL, layout, local)
+    assert got["query"] + got["rest"] == 3 * 2 * s * a * d  # the rotated q, K and V repeated to 8 heads
     assert got["mask"] == s * s  # one bool per (query, key) of the pack
-    assert got["buffer"] == local_score_buffer_bytes(SMALL, layout, local) == 2 * a * s * s
-    without = memory(SMALL, layout, local, NO_ROLLOUT, Cluster(gpus=1)).activations
-    with_flash = memory(SMALL, layout, flash, NO_ROLLOUT, Cluster(gpus=1)).activations
-    assert without - with_flash == SMALL.num_layers * per_layer + got["mask"] + got["buffer"]
+    local = Workload(seq_len=s, transformer_impl="local")
+    assert got["buffer"] == local_score_buffer_bytes(SMALL, Layout(ep=1), local) == 2 * a * s * s
+
+
+@pytest.fixture(scope="module")
+def local_attention_saved(local_saved: dict) -> dict[str, dict[str, int]]:
+    return local_saved["attention"]
 
 
 @pytest.mark.multiproc
@@ -295,25 +420,79 @@ def test_local_score_bytes_by_dtype_and_softmax(local_attention_saved: dict) -> 
     assert _plan_error(lambda: local_score_bytes("int8")).path == "dtype"
 
 
-def test_local_attention_under_tp_and_cp_by_hand() -> None:
-    """tp 2 (a_r 4, g_r 1) and cp 2 (s_r = s / 2; the CP attention all-gathers K and V to all s tokens)."""
-    s, d = 256, 16
-    local = Workload(seq_len=s, flash_attention=False)
-    scores = 6 * 4 * (s // 2) * s
-    keys = 2 * s * d * 4 - 2 * (s // 2) * d * 1  # gathered and repeated, in place of the local rotated k
-    values = 2 * s * d * 4
-    assert local_attention_bytes(SMALL, Layout(tp=2, cp=2, ep=1, dp=1), local) == scores + keys + values
-    # no GQA left (tp 1, a 8 = g 8) and no CP: K is the rotated k itself and V a view of the QKV output
-    mha = replace(SMALL, num_key_value_heads=8)
-    assert local_attention_bytes(mha, Layout(), local) == 6 * 8 * s * s
-    # first stage of pp 2 with 3 micro-batches: pp = 2 in flight, each with its mask; one buffer
+def test_local_layer_under_tp_cp_ep_by_hand() -> None:
+    """The local-spec terms scale as Megatron shards them, written out for SMALL (h 64, 8 / 2 heads of 16,
+    FFN 96, 8 experts top-2 of 24, softmax over all experts, aux loss) with b 2, s 256 and tp 2 (sequence
+    parallel: norms and router on s_h = s_r / 2 tokens; heads, FFN and the gathered region on s_r), cp 2
+    (s_r = s / 2; K and V all-gathered to s tokens), ep 2 with etp 1 (the dispatcher gathers etp·ep·s_h
+    tokens a sequence; each rank routes k·s_h·etp of them to its E / ep experts)."""
+    b, s, s_r, s_h, a_r, g_r, d, h = 2, 256, 128, 64, 4, 1, 16, 64
+    layout = Layout(tp=2, cp=2, ep=2, etp=1, dp=1)
+    work = Workload(seq_len=s, micro_batch=b, global_batch=2, transformer_impl="local")
+    check_layout(SMALL, layout, 4, s)
+    norm = (4 + 2 * 2) * b * s_h * h + 4 * b * s_h  # fp32 copy, normalised, output; rsqrt per row
+    qk_norms = b * s_r * (d * (4 + 2) * (a_r + g_r) + 4 * (a_r + g_r))  # fp32 rows, normalised, rsqrt
+    rope = 4 * 2 * s_r * d  # cos and sin for q and k: one table for the micro-batch
+    q, o = 2 * b * s_r * a_r * d, 2 * b * s_r * a_r * d
+    scores = 6 * b * a_r * s_r * s
+    kv = 2 * 2 * b * s * a_r * d  # K and V gathered to s tokens and repeated to a_r heads
+    assert local_attention_bytes(SMALL, layout, work) == norm + qk_norms + rope + q + scores + kv + o
+    # selective: no scores, no K/V copies; the checkpoint keeps q, the rotated local k, V's QKV output
+    # (a view of it: all of it, (a_r + 2 g_r)·d wide) and the mask type
+    selective = replace(work, recompute="selective")
+    kept = 2 * b * s_r * g_r * d + 2 * b * s_r * (a_r + 2 * g_r) * d + 4
+    assert local_attention_bytes(SMALL, layout, selective) == norm + qk_norms + rope + q + kept + o
+    # the dense MLP (FFN split over tp, on the gathered s_r tokens): the unfused SwiGLU's five halves
+    assert local_mlp_bytes(SMALL, layout, work, moe=False) == norm + 5 * 2 * b * s_r * 96 // 2
+    n, routed = b * s_h * 1 * 2, 2 * b * s_h * 1  # gathered tokens (etp·ep), routed to this rank's experts
+    router = b * s_h * (8 * 2 + 4 * 8) + (4 * 8 * b * s_h + 8 * 8 + 4)  # top-k, softmax; aux loss
+    dispatcher = 5 * (8 // 2) * n + routed * (8 + 4 + 2 * h)  # local map and probs; index, prob, token
+    experts = routed * 6 * 2 * 24
+    assert local_mlp_bytes(SMALL, layout, work, moe=True) == norm + router + dispatcher + experts
+    assert final_norm_bytes(SMALL, layout, work) == norm
+    # without GQA and CP, V is a view of the QKV output (all of it kept) and K the rotated k itself
+    mha, one = replace(SMALL, num_key_value_heads=8), Layout(ep=1)
+    plain = replace(work, micro_batch=1)
+    norm = 8 * s * h + 4 * s
+    qk_norms = s * (d * 6 * 16 + 4 * 16)
+    qkv, k = 2 * s * 24 * d, 2 * s * 8 * d
+    expect = norm + qk_norms + qkv + 4 * 2 * s * d + 2 * s * 8 * d + 6 * 8 * s * s + k + 2 * s * 8 * d
+    assert local_attention_bytes(mha, one, plain) == expect
+
+
+def test_local_buffer_is_the_largest_use_of_megatrons_mpu_buffer() -> None:
+    """Megatron's "mpu" buffer holds baddbmm's scores, the sequence-parallel all-gathers and the MoE
+    dispatcher's: the largest counts, once per rank; Transformer Engine's layers use none."""
+    s, h = 256, 64
+    local = Workload(seq_len=s, micro_batch=2, global_batch=2, transformer_impl="local")
+    layout = Layout(tp=2, cp=2, ep=2, etp=1, dp=1)
+    assert local_score_buffer_bytes(SMALL, layout, local) == 2 * 2 * 4 * 128 * s  # scores: a_r 4, s_r 128
+    assert local_score_buffer_bytes(SMALL, layout, replace(local, transformer_impl="transformer_engine")) == 0
+    short = replace(local, seq_len=8)  # 8-token packs: scores 2·2·4·8·8, SP gather 2·2·8·64
+    wide = Layout(tp=2, ep=4, etp=1, dp=2)  # the dispatcher gathers 4 ranks' 4 tokens: 2·2·16·64
+    assert local_score_buffer_bytes(SMALL, wide, short) == 2 * 2 * 16 * h
+    dense = parse_hf_config({**SMALL_CONFIG, "architectures": ["Qwen3ForCausalLM"]}, "dense")
+    assert local_score_buffer_bytes(dense, Layout(tp=2, dp=1), short) == 2 * 2 * 8 * h
+
+
+def test_local_spec_terms_in_memory_by_hand() -> None:
+    """memory(): pp 2, first stage, 3 micro-batches (pp = 2 in flight, each with its mask), one buffer;
+    the last stage's final norm is our RMSNorm's (4 + 2·2)·s·h + 4·s instead of TE's 4·s·h."""
+    s = 256
     layout = Layout(pp=2, dp=1, ep=1)
-    three = replace(local, global_batch=3)
-    got = memory(SMALL, layout, three, NO_ROLLOUT, Cluster(gpus=2))
-    flash = memory(SMALL, layout, replace(three, flash_attention=True), NO_ROLLOUT, Cluster(gpus=2))
-    per_layer = local_attention_bytes(SMALL, layout, local)
-    assert got.stage == flash.stage == 0
-    assert got.activations - flash.activations == 2 * (3 * per_layer + s * s) + 2 * 8 * s * s
+    local = Workload(seq_len=s, global_batch=3, transformer_impl="local")
+    got = memory(SMALL, layout, local, NO_ROLLOUT, Cluster(gpus=2))
+    per_layer = layer_activation_bytes(SMALL, layout, local, moe=True)
+    assert per_layer == local_attention_bytes(SMALL, layout, local) + local_mlp_bytes(
+        SMALL, layout, local, True
+    )
+    assert got.stage == 0
+    assert got.activations == 2 * (3 * per_layer + s * s) + 2 * 8 * s * s
+    one = memory(SMALL, layout, replace(local, global_batch=1), NO_ROLLOUT, Cluster(gpus=2))
+    assert one.stage == 1 and one.activations == 3 * per_layer + s * s + 2 * 8 * s * s + 8 * s * 64 + 4 * s
+    te = memory(SMALL, layout, Workload(seq_len=s, global_batch=1), NO_ROLLOUT, Cluster(gpus=2))
+    te_layer = layer_activation_bytes(SMALL, layout, Workload(seq_len=s), moe=True)
+    assert te.stage == 1 and te.activations == 3 * te_layer + 4 * s * 64
 
 
 # ------------------------------------------------------------------------------------------------ FP8
@@ -429,14 +608,15 @@ def test_expert_optimizer_state_is_sharded_over_expert_data_parallel_ranks() -> 
 
 def test_recompute_ordering() -> None:
     layout, cluster = Layout(tp=2, pp=2, ep=4, etp=1, dp=2), Cluster(gpus=8)
-    for flash in (True, False):
+    for impl in ("transformer_engine", "local"):
         acts = {
             r: memory(
-                A30, layout, Workload(seq_len=8192, recompute=r, flash_attention=flash), NO_ROLLOUT, cluster
+                A30, layout, Workload(seq_len=8192, recompute=r, transformer_impl=impl), NO_ROLLOUT, cluster
             )
             for r in ("none", "selective", "full")
         }
         assert acts["full"].activations < acts["selective"].activations <= acts["none"].activations
+        flash = impl == "transformer_engine"
         assert (acts["selective"].activations == acts["none"].activations) is flash  # flash stores no scores
 
 
@@ -630,6 +810,9 @@ def test_bad_layouts_name_the_field(arch: Qwen3Arch, layout: Layout, gpus: int, 
         (lambda: plan_command.parse_layout("tp=two", 16), "tp"),
         (lambda: plan_command.parse_layout("tensor=2", 16), "layout"),
         (lambda: Workload(fp8="fp16"), "fp8"),  # type: ignore[arg-type]
+        (lambda: Workload(transformer_impl="te"), "transformer_impl"),  # type: ignore[arg-type]
+        (lambda: Workload(transformer_impl="local", fp8="hybrid"), "fp8"),  # FP8 needs Transformer Engine
+        (lambda: local_attention_bytes(SMALL, Layout(), Workload(), "int8"), "dtype"),
         # FP8 GEMMs need 16-token shards: 4112 / (cp 4 * tp 2) = 514
         (lambda: check_layout(A30, Layout(tp=2, cp=4, ep=8, etp=1), 8, 4112, fp8=True), "seq_len"),
     ],
@@ -714,6 +897,35 @@ def test_cli_fp8_reaches_the_trainer_and_the_engines(capsys: pytest.CaptureFixtu
     assert plan_command.run(_parser().parse_args([*argv, "--fp8", "e4m3"])) == 0
     out = capsys.readouterr().out
     assert "global batch 64, FP8 e4m3 GEMMs" in out and "rollout: colocated FP8 vLLM engines" in out
+
+
+def test_cli_local_layer_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--transformer-impl local`` (the trainer's ``model.transformer_impl``) and its alias
+    ``--no-flash-attention`` plan Megatron-Core's local layer spec; ``auto`` plans what it means on a GPU,
+    Transformer Engine's."""
+    argv = ["--model", "qwen3-8b", "--gpus", "8", "--seq-len", "4096", "--no-colocated", "--layout", "tp=2"]
+    argv += ["--recompute", "none"]
+
+    def planned(*extra: str) -> tuple[dict, dict]:
+        assert plan_command.run(_parser().parse_args([*argv, *extra, "--json"])) == 0
+        data = json.loads(capsys.readouterr().out)
+        (only,) = data["fitting"] + data["not_fitting"]
+        return data["workload"], only["gib"]
+
+    (work, local), alias = planned("--transformer-impl", "local"), planned("--no-flash-attention")
+    (te_work, te), auto = planned(), planned("--transformer-impl", "auto")
+    assert (work["transformer_impl"], te_work["transformer_impl"]) == ("local", "transformer_engine")
+    assert alias == (work, local) and auto == (te_work, te)
+    layout, arch = Layout(tp=2, dp=4), PRESETS["qwen3-8b"]
+    expect = memory(
+        arch, layout, Workload(seq_len=4096, transformer_impl="local"), NO_ROLLOUT, Cluster(gpus=8)
+    )
+    assert local["activations"] == pytest.approx(expect.activations / GIB, abs=1e-3)
+    assert local["activations"] > te["activations"] and local["weights"] == te["weights"]
+    assert plan_command.run(_parser().parse_args([*argv, "--no-flash-attention"])) == 0
+    assert "Megatron-Core's local layer spec" in capsys.readouterr().out
+    both = _parser().parse_args([*argv, "--no-flash-attention", "--transformer-impl", "transformer_engine"])
+    assert _plan_error(lambda: plan_command.run(both)).path == "--no-flash-attention"
 
 
 # ----------------------------------------------------------------------------- a config's own layout

@@ -16,6 +16,7 @@ from mars_megatron.launch.planner import (
     GIB,
     PRESETS,
     RECOMPUTE,
+    TRANSFORMER_IMPLS,
     Candidate,
     Cluster,
     Layout,
@@ -64,7 +65,8 @@ _FROM_CONFIG = {
     "micro_batch": "one pack per micro-batch",
     "global_batch": "the worst case: pp micro-batches per rank",
     "recompute": "train.recompute",
-    "no_flash_attention": "the trainer's flash attention",
+    "transformer_impl": "the trainer's layers: Transformer Engine's, as on a GPU",
+    "no_flash_attention": "the trainer's layers: Transformer Engine's, as on a GPU",
     "colocated": "pipeline.placement",
     "rollout_tp": "rollout.tp",
     "rollout_seq_len": "rollout.max_input_tokens + rollout.max_response_tokens",
@@ -105,9 +107,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--recompute", choices=RECOMPUTE, help="only this recompute mode (default: none and full)")
     p.add_argument(
+        "--transformer-impl",
+        choices=("auto", *TRANSFORMER_IMPLS),
+        help="model.transformer_impl: transformer_engine (default; auto on a GPU means it) or local, "
+        "Megatron-Core's local layer spec (no TE: unfused norms and SwiGLU, attention that materialises its "
+        "scores; selective recompute is tried too)",
+    )
+    p.add_argument(
         "--no-flash-attention",
         action="store_true",
-        help="Megatron's local attention: count its materialised scores (and try selective recompute)",
+        help="the same as --transformer-impl local: this trainer's only attention without flash is the local "
+        "spec's",
     )
     p.add_argument(
         "--logits-bytes", type=float, help=f"bytes per logit at the loss; default {_default('logits_bytes')}"
@@ -186,8 +196,13 @@ def _build(args: argparse.Namespace) -> tuple[Cluster, Workload, Rollout]:
     for name, (cls, attr) in _FIELDS.items():
         if getattr(args, name, None) is not None:
             given[cls][attr] = getattr(args, name)
+    impl = args.transformer_impl
     if args.no_flash_attention:
-        given[Workload]["flash_attention"] = False
+        if impl not in (None, "local"):
+            raise PlanError(f"means --transformer-impl local, not {impl}", "--no-flash-attention")
+        impl = "local"
+    if impl is not None:  # auto: what the trainer resolves on a GPU with Transformer Engine
+        given[Workload]["transformer_impl"] = "transformer_engine" if impl == "auto" else impl
     work = Workload(**given[Workload])
     given[Rollout].setdefault("seq_len", args.rollout_seq_len or work.seq_len)
     given[Rollout]["fp8"] = work.fp8 is not None  # the engines follow model.fp8 (training/fp8.py)
@@ -315,7 +330,8 @@ def format_plan(result: Plan, top: int) -> str:
         f"{cluster.overhead_gib:g} GiB overhead counted per GPU",
         f"step: packed sequences of {w.seq_len} tokens, micro-batch {w.micro_batch}, "
         f"global batch {w.global_batch}"
-        + ("" if w.fp8 is None else f", FP8 {w.fp8} GEMMs (bf16 weights + TE's FP8 copies)"),
+        + ("" if w.fp8 is None else f", FP8 {w.fp8} GEMMs (bf16 weights + TE's FP8 copies)")
+        + (", Megatron-Core's local layer spec (no TE, no flash attention)" if not w.flash_attention else ""),
     ]
     if rollout.colocated:
         state = "offloaded" if rollout.trainer_offload else "resident"

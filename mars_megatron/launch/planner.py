@@ -3,7 +3,8 @@
 Pure arithmetic on a :class:`~mars_megatron.models.hf_config.Qwen3Arch` — no torch, no GPU — so a layout
 can be sized before any node is booked. Memory is counted in bytes per GPU for the *worst* pipeline stage;
 every term below is what a rank of our trainer (Megatron-Core DDP + distributed optimizer, bf16, Transformer
-Engine's flash attention) and a colocated vLLM engine hold. Symbols: ``h`` hidden, ``a``/``g`` query/KV
+Engine's layers and flash attention, or Megatron-Core's local layer spec: its own section below) and a
+colocated vLLM engine hold. Symbols: ``h`` hidden, ``a``/``g`` query/KV
 heads, ``d`` head dim, ``f`` dense FFN, ``E``/``k``/``f_e`` experts, top-k and expert FFN, ``V`` vocabulary
 padded to a multiple of 128 (as the trainer pads it), ``b`` micro-batch, ``s`` packed sequence length.
 The preset models are the HF config.json files shipped in ``mars_megatron/launch/hf_configs/<name>/``
@@ -50,30 +51,6 @@ region, ``a_r = a/tp``, ``g_r = g/tp``:
   With flash attention (the default, TE's fused attention) that is all: flash never stores the scores, so
   selective recompute, which drops exactly what follows, saves nothing and is not proposed. Flash's fp32
   log-sum-exp (4·b·s_r·a_r) is left out: under 2 % of O.
-* without flash attention (``flash_attention=False``): the attention this trainer then builds is
-  Megatron-Core's local ``DotProductAttention`` (the local layer spec, e.g. on a GPU without TE), which
-  materialises the scores. Per layer, unless selective recompute drops it, attention also keeps
-  (:func:`local_attention_bytes`):
-
-  - the scores, c·b·a_r·s_r·s with c bytes per element (:func:`local_score_bytes`). baddbmm's raw scores
-    are not kept (baddbmm saves its two operands, ``.float()`` saves nothing). The trainer keeps Megatron's
-    ``attention_softmax_in_fp32`` (default True) and turns ``masked_softmax_fusion`` off, so the torch
-    softmax runs on an fp32 copy and keeps its fp32 output (4 B), and the PV matmul keeps the probabilities
-    cast back to bf16 (2 B): c = 6 in bf16. (In fp32 training both keep one fp32 tensor: 4; a bf16 softmax
-    or Megatron's fused kernels keep one 2-byte tensor: 2.) Attention dropout is 0 (Qwen3): no mask of it.
-  - the keys and values the two matmuls keep: GQA repeats them to a_r heads (when a_r > g_r) and the CP
-    attention all-gathers them to s tokens, 2·b·s·d·n_kv for K (n_kv = a_r if a_r > g_r, else g_r) in place
-    of flash's rotated k (2·b·s_r·d·g_r), and as much again for V where it is a new tensor (a_r > g_r or
-    cp > 1; otherwise V is a view of the fused QKV output).
-
-  Per micro-batch in flight, whatever the recompute: the pack's block-causal mask, b·s_r·s booleans
-  shared by every layer (the in-place masked fill, or the recompute checkpoint, keeps it). Per rank, once:
-  the input buffer Megatron preallocates for baddbmm (its global "mpu" memory buffer: 2·b·a_r·s_r·s bytes,
-  reused by every layer and never freed). One layer's transients (the raw bf16 scores and their fp32 copy
-  in the forward, the fp32 gradients in the backward: up to 6·b·a_r·s_r·s bytes beyond what the layer
-  keeps) are left to the fixed overhead. On the last stage they come after the loss has released the
-  logits buffer and stay below it while 6·a_r·s < 4·V/tp (the device check's models: 8 heads, Qwen3's
-  vocabulary, packs up to 8k); beyond that, and on the other stages, they add to the peak.
 * MoE MLP = 4·b·s_h·h (pre-MLP norm input, router/dispatcher input) + 4·b·s_h·E (fp32 router probs)
   + 4·k·b·s_h·etp·h (permuted expert inputs, and expert outputs kept for the probability-weighted combine)
   + 6·k·b·s_h·f_e (SwiGLU input 2·f_e wide and output). Routing is assumed balanced (each rank processes
@@ -103,6 +80,64 @@ region, ``a_r = a/tp``, ``g_r = g/tp``:
 
   With fp8 the tokens of a micro-batch and rank, s/(cp·tp), must be a multiple of 16 (the FP8 GEMM
   alignment the trainer checks, ``config.FP8_ALIGNMENT``).
+
+Megatron-Core's local layer spec (``Workload.transformer_impl="local"``, ``mars plan --transformer-impl
+local`` or its alias ``--no-flash-attention``; the trainer's ``model.transformer_impl=local``, e.g. on a
+GPU without Transformer Engine) runs plain torch and Megatron modules, and they keep more than TE's fused
+ones. The terms below replace the per-layer ones above; each was measured with saved-tensor hooks on the
+trainer's own model (tests/test_planner.py: bf16 and fp32, dense and MoE, with and without selective
+recompute, GQA with one or more KV heads and MHA, both router softmaxes, with and without aux loss, the
+final norm) and matches to the byte; that runs on one rank, so their tp/cp/ep scaling follows Megatron's
+code (checked by hand). ``e`` is the activation element (2 B in bf16, 4 in fp32: the planner plans bf16,
+the CPU tests run fp32 too); :func:`local_attention_bytes`, :func:`local_mlp_bytes`,
+:func:`final_norm_bytes`:
+
+* each RMSNorm of the layer (ours, with HF's numerics: statistics in fp32) keeps an fp32 copy of its input
+  (in fp32, the input itself), the normalised input and the output that the next linear saves, e bytes
+  each, and one fp32 rsqrt per row: (4 + 2·e)·b·s_h·h + 4·b·s_h, twice per layer; the same for the last
+  stage's final norm, whose output the output layer saves (in place of 4·b·s_h·h).
+* attention: the q and k norms keep their rows' fp32 input 4·b·s_r·d·(a_r + g_r), normalised rows
+  e·b·s_r·d·(a_r + g_r) and rsqrt 4·b·s_r·(a_r + g_r); RoPE keeps its cos and sin for q and for k,
+  4·e·s_r·d (one position table for the micro-batch, not per sample); the baddbmm keeps the rotated q,
+  e·b·s_r·a_r·d, and K as the PV matmul keeps V: GQA repeats them to a_r heads (when a_r > g_r) and the CP
+  attention all-gathers them to s tokens, e·b·s·d·n_kv each with n_kv = a_r if a_r > g_r else g_r, V
+  only where it is a new tensor (a_r > g_r or cp > 1); the scores c·b·a_r·s_r·s with c bytes per element
+  (:func:`local_score_bytes`: the trainer keeps ``attention_softmax_in_fp32`` and turns
+  ``masked_softmax_fusion`` off, so the torch softmax keeps its fp32 output and the PV matmul the bf16
+  probabilities, c = 6; fp32 training keeps one fp32 tensor, c = 4; baddbmm's raw scores are not kept);
+  the output projection's input O, e·b·s_r·a_r·d. The fused QKV output, e·b·s_r·d·(a_r + 2·g_r), is kept
+  only through views of it: V where it is no new tensor, and in fp32 the k norm's input (``k.float()`` of
+  a view is the view; q's too where g_r = 1, the one case in which Megatron's query reshape is a view),
+  which then replaces the norm's fp32 copies (k's always, q's where g_r = 1). Attention dropout is 0.
+* selective recompute drops the core attention and keeps its checkpoint's inputs instead: q as above, the
+  rotated k (e·b·s_r·g_r·d, before any CP gather), V, a view of the fused QKV output (so that is kept), and
+  the mask type as a 4-byte tensor.
+* dense MLP: the pre-MLP norm and the unfused SwiGLU: fc1's output (2·f/tp wide, which SiLU keeps), SiLU's
+  output, the up half plus Megatron's ``glu_linear_offset`` (0, still a new tensor) and their product
+  (fc2's input): 5·e·b·s_r·f/tp.
+* MoE MLP: the pre-MLP norm; the router (fp32 scores, with b·s_h tokens of its own): top-k indices 8·k
+  and fp32 probabilities, a softmax over the k chosen logits (4·k, HF's ``norm_topk_prob``) or over all E
+  (4·E); with an aux loss (``router_aux_loss_coef`` > 0) its fp32 softmax over E per token, and per layer
+  its int64 tokens per expert and the loss, 8·E + 4; the all-gather dispatcher (the trainer's default,
+  ``parallel.moe_token_dispatcher``) over its N = b·s_h·etp·ep gathered tokens: the local experts'
+  routing map and fp32 probabilities, 5·(E/ep)·N, and per routed token (R = k·b·s_h·etp, balanced as
+  above) the int64 sort index, the fp32 probability and the permuted token, 12 + e·h; the experts
+  (Megatron's ``SequentialMLP``, the local spec's) per routed token: the SwiGLU terms above plus the
+  product scaled by the probability (fc2's input), 6·e·f_e/etp.
+* full recompute as above: each layer's input, plus one layer's set (this one) while it is recomputed
+  (derived, not measured).
+
+Per micro-batch in flight, whatever the recompute: the pack's block-causal mask, b·s_r·s booleans shared
+by every layer (the in-place masked fill, or the recompute checkpoint, keeps it). Per rank, once:
+Megatron's global "mpu" buffer, which baddbmm's preallocated scores (2·b·a_r·s_r·s in bf16) share with the
+sequence-parallel all-gathers (2·b·s_r·h) and the MoE dispatcher's (2·N·h): the largest, reused by every
+layer and never freed (:func:`local_score_buffer_bytes`). Left out: the embedding's int64 token indices
+(8·b·s_r on the first stage). One layer's transients (the raw bf16 scores and their fp32 copy in the
+forward, the fp32 gradients in the backward: up to 6·b·a_r·s_r·s bytes beyond what the layer keeps) are
+left to the fixed overhead. On the last stage they come after the loss has released the logits buffer and
+stay below it while 6·a_r·s < 4·V/tp (the device check's models: 8 heads, Qwen3's vocabulary, packs up to
+8k); beyond that, and on the other stages, they add to the peak. FP8 needs Transformer Engine: a local
+workload with ``fp8`` is refused (the trainer's config refuses it too).
 
 Rollout (colocated engines, one per ``rollout.tp`` GPUs): vLLM weights 2 B · params / rollout_tp, and the
 KV cache 2 (K, V) · layers · max(1, g / rollout_tp) · d · 2 B per token, times ``max_seqs · seq_len`` tokens
@@ -148,6 +183,9 @@ from mars_megatron.training.fp8 import Fp8Mode
 GIB = 2**30
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
+TransformerImpl = Literal["transformer_engine", "local"]
+TRANSFORMER_IMPLS: tuple[TransformerImpl, ...] = get_args(TransformerImpl)
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # activation dtypes of the local-spec formulas
 FP8_MODES: tuple[Fp8Mode, ...] = get_args(Fp8Mode)
 FP8_WEIGHT_COPIES = 2  # bytes per quantized weight: TE's row-wise FP8 copy and its transpose (Hopper)
 VOCAB_PAD_MULTIPLE = 128  # the trainer's model.vocab_pad_multiple default
@@ -304,7 +342,9 @@ class Workload:
     micro_batch: int = 1  # packed sequences per micro-batch
     global_batch: int = 64  # packed sequences per optimizer step, over all data-parallel ranks
     recompute: Recompute = "none"
-    flash_attention: bool = True
+    # the trainer's model.transformer_impl as a GPU resolves it: "local" = Megatron-Core's local layer spec
+    # (no Transformer Engine: unfused attention that materialises the scores, unfused norms and SwiGLU)
+    transformer_impl: TransformerImpl = "transformer_engine"
     logits_bytes: float = 4.0  # bytes per (token, vocab entry) at the loss; see the module docstring
     grad_bytes: int = 4  # main-grad dtype: 4 = fp32 (grad_reduce_in_fp32), 2 = bf16
     distributed_optimizer: bool = True
@@ -316,8 +356,20 @@ class Workload:
             raise PlanError(f"must be one of {RECOMPUTE}, got {self.recompute!r}", "recompute")
         if self.fp8 is not None and self.fp8 not in FP8_MODES:
             raise PlanError(f"must be one of {FP8_MODES} or None, got {self.fp8!r}", "fp8")
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise PlanError(
+                f"must be one of {TRANSFORMER_IMPLS}, got {self.transformer_impl!r}", "transformer_impl"
+            )
+        if self.fp8 is not None and self.transformer_impl == "local":
+            raise PlanError(f"{self.fp8!r} needs Transformer Engine, but transformer_impl is 'local'", "fp8")
         if not self.logits_bytes >= 0:
             raise PlanError(f"must be >= 0, got {self.logits_bytes!r}", "logits_bytes")
+
+    @property
+    def flash_attention(self) -> bool:
+        """Whether attention is TE's fused (flash) attention: Transformer Engine's layers always run it, and
+        the local spec never does (its ``DotProductAttention`` materialises the scores)."""
+        return self.transformer_impl == "transformer_engine"
 
 
 @dataclass(frozen=True)
@@ -468,32 +520,94 @@ def local_score_bytes(
     the probabilities are one tensor in the activation dtype (fp32: 4, 16-bit: 2). ``fused``: Megatron's
     CUDA softmax kernels (``masked_softmax_fusion``, 16-bit only, up to 4096 keys) keep one 16-bit result
     that the PV matmul reuses: 2."""
-    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
-    if dtype not in sizes:
-        raise PlanError(f"must be one of {tuple(sizes)}, got {dtype!r}", "dtype")
-    element = sizes[dtype]
+    element = _element_bytes(dtype)
     if element == 4 or fused or not softmax_in_fp32:
         return element
     return 4 + element
 
 
-def local_attention_bytes(arch: Qwen3Arch, layout: Layout, work: Workload) -> int:
-    """What one layer of Megatron's local ``DotProductAttention`` keeps for backward, per micro-batch,
-    beyond what flash attention keeps (bf16): the scores and the repeated or gathered keys and values (module
-    docstring). The pack's mask and baddbmm's buffer are counted once, by :func:`memory`."""
+def _element_bytes(dtype: str) -> int:
+    if dtype not in ELEMENT_BYTES:
+        raise PlanError(f"must be one of {tuple(ELEMENT_BYTES)}, got {dtype!r}", "dtype")
+    return ELEMENT_BYTES[dtype]
+
+
+def _local_norm_bytes(rows: int, width: int, e: int) -> int:
+    """Our RMSNorm (training/model_provider.py) over ``rows`` rows of ``width``: the fp32 copy of its input,
+    the normalised input and its output (saved by the next linear), e bytes each, and one fp32 rsqrt a row."""
+    return (4 + 2 * e) * rows * width + 4 * rows
+
+
+def local_attention_bytes(arch: Qwen3Arch, layout: Layout, work: Workload, dtype: str = "bfloat16") -> int:
+    """The attention half of one local-spec layer (input norm to output projection) for backward, per
+    micro-batch, in activations of ``dtype``: the module docstring's local-spec terms. The pack's mask and
+    Megatron's "mpu" buffer are counted once, by :func:`memory`."""
+    e = _element_bytes(dtype)
     b, s, t, cp = work.micro_batch, work.seq_len, layout.tp, layout.cp
     s_r = s // cp
-    a_r, g_r, d = arch.num_attention_heads // t, arch.num_key_value_heads // t, arch.head_dim
-    scores = local_score_bytes() * b * a_r * s_r * s
-    n_kv = a_r if a_r > g_r else g_r
-    keys = 2 * b * s * d * n_kv - 2 * b * s_r * d * g_r
-    values = 2 * b * s * d * n_kv if (a_r > g_r or cp > 1) else 0
-    return scores + keys + values
+    s_h = s_r // t
+    h, d = arch.hidden_size, arch.head_dim
+    a_r, g_r = arch.num_attention_heads // t, arch.num_key_value_heads // t
+    selective = work.recompute == "selective"
+    kv_new = a_r > g_r or cp > 1  # K and V repeated to the query heads, or gathered over the CP group
+    q_view = g_r == 1  # Megatron's query reshape is a view of the fused QKV output only with one group
+    qkv_kept = e == 4 or selective or not kv_new  # through a view: k.float() in fp32, the checkpoint's V, V
+    norm_copies = (0 if e == 4 and q_view else 4 * a_r) + (0 if e == 4 else 4 * g_r)  # fp32 rows, by d
+    qk_norms = b * s_r * (d * (norm_copies + e * (a_r + g_r)) + 4 * (a_r + g_r))
+    qkv = e * b * s_r * d * (a_r + 2 * g_r) if qkv_kept else 0
+    rope = 4 * e * s_r * d  # cos and sin, for q and for k
+    query, out = e * b * s_r * a_r * d, e * b * s_r * a_r * d
+    if selective:  # the checkpoint keeps q, the rotated k and V (a view of the QKV output) and the mask type
+        core = e * b * s_r * g_r * d + 4
+    else:
+        n_kv = a_r if a_r > g_r else g_r
+        scores = local_score_bytes(dtype) * b * a_r * s_r * s
+        core = scores + e * b * s * d * n_kv * (2 if kv_new else 1)
+    return _local_norm_bytes(b * s_h, h, e) + qk_norms + qkv + rope + query + core + out
+
+
+def local_mlp_bytes(
+    arch: Qwen3Arch, layout: Layout, work: Workload, moe: bool, dtype: str = "bfloat16"
+) -> int:
+    """The MLP half of one local-spec layer (pre-MLP norm to fc2) for backward, per micro-batch, in
+    activations of ``dtype``: the module docstring's local-spec terms (routing balanced, all-gather
+    dispatcher)."""
+    e = _element_bytes(dtype)
+    b, s, t = work.micro_batch, work.seq_len, layout.tp
+    s_r = s // layout.cp
+    s_h = s_r // t
+    h = arch.hidden_size
+    norm = _local_norm_bytes(b * s_h, h, e)
+    if not moe:
+        return norm + 5 * e * b * s_r * arch.ffn_hidden_size // t
+    experts_n, k, etp, ep = arch.num_experts, arch.moe_topk, layout.expert_tp, layout.ep
+    probs = 4 * k if arch.norm_topk_prob else 4 * experts_n  # softmax over the top-k logits, or over all E
+    router = b * s_h * (8 * k + probs)
+    if arch.router_aux_loss_coef > 0:
+        router += 4 * experts_n * b * s_h + 8 * experts_n + 4
+    routed = k * b * s_h * etp
+    dispatcher = 5 * (experts_n // ep) * (b * s_h * etp * ep) + routed * (12 + e * h)
+    experts = routed * 6 * e * arch.moe_ffn_hidden_size // etp
+    return norm + router + dispatcher + experts
+
+
+def final_norm_bytes(arch: Qwen3Arch, layout: Layout, work: Workload, dtype: str = "bfloat16") -> int:
+    """What the last stage's final norm and the output layer keep of the hidden states for backward, per
+    micro-batch: TE's fused norm keeps its input and output (4·b·s_h·h in bf16), our RMSNorm of the local
+    spec its module-docstring terms."""
+    b, s_h, h = work.micro_batch, work.seq_len // layout.cp // layout.tp, arch.hidden_size
+    if work.transformer_impl == "local":
+        return _local_norm_bytes(b * s_h, h, _element_bytes(dtype))
+    return 4 * b * s_h * h
 
 
 def layer_activation_bytes(arch: Qwen3Arch, layout: Layout, work: Workload, moe: bool) -> int:
-    """Activations one transformer layer keeps for backward, per micro-batch, without recompute (bytes).
-    ``q`` is what a quantized GEMM's saved input costs; in bf16 (q = 2) these are the plain formulas."""
+    """Activations one transformer layer keeps for backward, per micro-batch, without full recompute
+    (bytes, bf16). Transformer Engine's layers: ``q`` is what a quantized GEMM's saved input costs; in bf16
+    (q = 2) these are the plain formulas. The local spec: :func:`local_attention_bytes` +
+    :func:`local_mlp_bytes`."""
+    if work.transformer_impl == "local":
+        return local_attention_bytes(arch, layout, work) + local_mlp_bytes(arch, layout, work, moe)
     b, s, t, cp = work.micro_batch, work.seq_len, layout.tp, layout.cp
     s_r = s // cp
     s_h = s_r // t
@@ -503,8 +617,6 @@ def layer_activation_bytes(arch: Qwen3Arch, layout: Layout, work: Workload, moe:
     attention = (2 + q) * b * s_h * h + 6 * b * s_r * d * (a_r + g_r)
     if work.fp8 is not None:  # the output projection's FP8 copy of O, beside flash attention's bf16 O
         attention += q * b * s_r * d * a_r
-    if not work.flash_attention and work.recompute != "selective":
-        attention += local_attention_bytes(arch, layout, work)
     if moe:
         k, etp = arch.moe_topk, layout.expert_tp
         mlp = 4 * b * s_h * h + 4 * b * s_h * arch.num_experts
@@ -542,7 +654,7 @@ def _stage_linear_params(arch: Qwen3Arch, layout: Layout, layers: range) -> int:
 
 def _stage_activations(arch: Qwen3Arch, layout: Layout, work: Workload, layers: range, in_flight: int) -> int:
     """Activations of a stage's layers for ``in_flight`` micro-batches (full recompute: layer inputs, plus
-    one layer's whole set while it is recomputed); without flash attention, each micro-batch's mask."""
+    one layer's whole set while it is recomputed); with the local spec, each micro-batch's mask."""
     moe = _moe_layers(arch)
     n_moe = sum(moe[i] for i in layers)
     kinds = [(n_moe, True), (len(layers) - n_moe, False)]
@@ -560,12 +672,20 @@ def _stage_activations(arch: Qwen3Arch, layout: Layout, work: Workload, layers: 
 
 
 def local_score_buffer_bytes(arch: Qwen3Arch, layout: Layout, work: Workload) -> int:
-    """The buffer Megatron's local attention preallocates for baddbmm's scores (bf16, one layer's worth,
-    held by the rank for the run); 0 with flash attention."""
+    """Megatron's global "mpu" buffer under the local spec (bf16, held by the rank for the run): where
+    baddbmm's scores are preallocated, one layer's worth, and which the sequence-parallel all-gathers of the
+    linears' inputs and the MoE all-gather dispatcher's tokens reuse, so it is the largest of the three;
+    0 with Transformer Engine's layers (TE gathers into buffers of its own, and flash attention needs
+    none)."""
     if work.flash_attention:
         return 0
-    s_r = work.seq_len // layout.cp
-    return 2 * work.micro_batch * (arch.num_attention_heads // layout.tp) * s_r * work.seq_len
+    b, s, t = work.micro_batch, work.seq_len, layout.tp
+    s_r = s // layout.cp
+    scores = 2 * b * (arch.num_attention_heads // t) * s_r * s
+    gathered = s_r if t > 1 else 0  # tokens a sequence-parallel all-gather collects, per sequence
+    if arch.is_moe and layout.expert_tp * layout.ep > 1:  # the dispatcher gathers over etp·ep ranks
+        gathered = max(gathered, s_r // t * layout.expert_tp * layout.ep)
+    return max(scores, 2 * b * gathered * arch.hidden_size)
 
 
 def rollout_bytes(arch: Qwen3Arch, rollout: Rollout) -> tuple[int, int]:
@@ -611,7 +731,6 @@ def memory(arch: Qwen3Arch, layout: Layout, work: Workload, rollout: Rollout, cl
     micro = micro_batches(layout, work)
     r_weights, kv = rollout_bytes(arch, rollout) if rollout.colocated else (0, 0)
     t, cp = layout.tp, layout.cp
-    s_h = work.seq_len // cp // t
     shards = (layout.dp * cp, layout.edp) if work.distributed_optimizer else (1, 1)
     worst: Memory | None = None
     start = 0
@@ -625,7 +744,7 @@ def memory(arch: Qwen3Arch, layout: Layout, work: Workload, rollout: Rollout, cl
         acts += local_score_buffer_bytes(arch, layout, work)
         logits = 0
         if last:
-            acts += 4 * work.micro_batch * s_h * arch.hidden_size
+            acts += final_norm_bytes(arch, layout, work)
             vocab = arch.padded_vocab_size(VOCAB_PAD_MULTIPLE) // t
             logits = math.ceil(work.micro_batch * (work.seq_len // cp) * vocab * work.logits_bytes)
         mem = Memory(

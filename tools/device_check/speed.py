@@ -14,8 +14,9 @@ parameters of which 0.39 B active (hidden 1024, 8 layers, 8 / 4 heads, 32 expert
 Eight query heads and ten layers keep the local spec's score tensors within an H100 at 8k: each layer
 keeps 8 · s² scores (8k: 0.5 G elements) for its backward, 6 bytes each in bf16 (the fp32 softmax
 output its backward needs, ``attention_softmax_in_fp32``, and the bf16 probabilities the PV matmul
-saves), as ``mars plan --no-flash-attention`` counts them (``planner.local_score_bytes``, measured with
-saved-tensor hooks by tests/test_planner.py). Pack lengths 4096 and 8192, 16 samples of 0.5–2k (4k) or
+saves), as ``mars plan --transformer-impl local`` counts them with the rest of the local spec's layer
+(``planner.local_attention_bytes``/``local_mlp_bytes``, measured with saved-tensor hooks by
+tests/test_planner.py). Pack lengths 4096 and 8192, 16 samples of 0.5–2k (4k) or
 1–4k tokens (8k) per batch.
 
 Rows per model and pack length:
@@ -38,8 +39,8 @@ Rows per model and pack length:
   computed.
 - peak memory of our step (``torch.cuda.max_memory_allocated``, the bare loop's pre-built packs freed
   first) against ``mars plan``'s prediction for the same model, layout (one GPU, tp = pp = ep = 1,
-  distributed optimizer), pack length, one pack per micro-batch and attention kind: ``mars plan
-  --no-flash-attention`` (``Workload(flash_attention=False)``, recompute none). Compared with the
+  distributed optimizer), pack length, one pack per micro-batch and layer spec: ``mars plan
+  --transformer-impl local`` (``Workload(transformer_impl="local")``, recompute none). Compared with the
   prediction's training peak without its fixed ``overhead_gib`` (CUDA context, NCCL buffers,
   fragmentation), which the allocator's count does not see either; the planner's error in %, target
   ±10 %. ``--cpu``: not applicable — the planner predicts bf16 weights and fp32 gradients on a GPU, the
@@ -231,18 +232,18 @@ def model_flops(arch: Any, lengths: list[int]) -> float:
 
 def planned(model_dir: Path, pack_length: int) -> tuple[int, dict[str, int], str]:
     """``mars plan``'s training peak (bytes, without ``overhead_gib``) for ``model_dir`` on one GPU with
-    packs of ``pack_length`` and no flash attention; its terms; the equivalent command."""
+    packs of ``pack_length`` on the local layer spec; its terms; the equivalent command."""
     from mars_megatron.launch.planner import Cluster, Layout, Rollout, Workload, memory, resolve_model
 
     arch = resolve_model(str(model_dir))
     work = Workload(
-        seq_len=pack_length, micro_batch=1, global_batch=1, recompute="none", flash_attention=False
+        seq_len=pack_length, micro_batch=1, global_batch=1, recompute="none", transformer_impl="local"
     )
     mem = memory(arch, Layout(), work, Rollout(colocated=False), Cluster(gpus=1, overhead_gib=0.0))
     terms = {k: getattr(mem, k) for k in ("weights", "grads", "optimizer", "activations", "logits")}
     command = (
         f"mars plan --model {model_dir} --gpus 1 --layout tp=1 --seq-len {pack_length} --micro-batch 1 "
-        "--global-batch 1 --recompute none --no-flash-attention --no-colocated --overhead-gib 0"
+        "--global-batch 1 --recompute none --transformer-impl local --no-colocated --overhead-gib 0"
     )
     return mem.train, terms, command
 
@@ -299,7 +300,7 @@ def shape_rows(
         rows.append(
             Row(
                 CHECK,
-                f"{label}: peak memory vs mars plan --no-flash-attention",
+                f"{label}: peak memory vs mars plan --transformer-impl local",
                 f"n/a on CPU (plan: {_gib(predicted)} in bf16 on a GPU)",
                 "—",
                 predicted > 0,
@@ -313,7 +314,7 @@ def shape_rows(
     rows.append(
         Row(
             CHECK,
-            f"{label}: mars plan --no-flash-attention vs peak memory (max_memory_allocated)",
+            f"{label}: mars plan --transformer-impl local vs peak memory (max_memory_allocated)",
             f"{error:+.1f}% ({_gib(predicted)} planned, {_gib(got['peak_bytes'])} measured)",
             f"±{PLANNER_TARGET_PCT:g}%",
             bool(abs(error) <= PLANNER_TARGET_PCT),
