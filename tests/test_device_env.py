@@ -6,6 +6,8 @@ their parent had), and the NVIDIA driver torch's CUDA build needs (``tools/gpu_c
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -79,3 +81,17 @@ def test_a_trainer_rank_keeps_the_flight_recorder_from_ending_it(monkeypatch: py
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     parallel.trainer_nccl_env()
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+
+
+def _unsendable() -> object:
+    return threading.Lock()
+
+
+@pytest.mark.multiproc
+def test_a_rank_whose_result_cannot_be_sent_fails_the_launch_at_once() -> None:
+    """The queue pickles in a feeder thread, where a failure was only printed: the parent waited for the
+    rank until its timeout. Now the rank reports the failure, naming the function."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"_unsendable returned a value that cannot be sent back"):
+        parallel.launch(_unsendable, 1, timeout_s=300)
+    assert time.monotonic() - start < 120

@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -212,7 +214,12 @@ def _worker(
         # LOCAL_RANK belongs to the parent's launcher)
         os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
         init_distributed(rank, world_size, store_path)
-        out = fn(*args)
+        # pickled here, not by the queue: the queue pickles in a feeder thread, where a failure is only
+        # printed and the parent would wait for this rank until its timeout
+        try:
+            out = bytes(ForkingPickler.dumps(fn(*args)))
+        except (pickle.PicklingError, TypeError, AttributeError) as err:
+            raise TypeError(f"{fn.__qualname__} returned a value that cannot be sent back: {err}") from err
         results.put((rank, True, out))
     except BaseException:  # report every failure to the parent, including SystemExit
         results.put((rank, False, traceback.format_exc()))
@@ -264,7 +271,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                     continue
                 if not ok:
                     raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)  # bytes a rank of this launch pickled
         finally:
             for p in procs:
                 p.join(timeout=30 if len(outputs) == world_size else 1)
