@@ -1027,6 +1027,18 @@ def test_config_fp8_reaches_the_trainer_and_the_engines(
     assert "recompute none, FP8 blockwise" in out and "engine: FP8 vLLM tp 4 on GPUs of its own" in out
 
 
+def test_config_transformer_impl_reaches_the_trainer_plan(in_repo: None) -> None:
+    """``model.transformer_impl=local`` is planned with the local spec's activations (scores kept, fp32
+    norm copies); ``auto`` is Transformer Engine's, as on a GPU."""
+    recipe, cluster = REPO / "examples" / "qwen3_30b_a3b.yaml", Cluster(gpus=64)
+    auto = check_config(load_config(recipe), cluster, max_seqs=16)
+    local = check_config(load_config(recipe, ["model.transformer_impl=local"]), cluster, max_seqs=16)
+    impls = (auto.workload.transformer_impl, local.workload.transformer_impl)
+    assert impls == ("transformer_engine", "local")
+    assert local.trainer.activations > auto.trainer.activations
+    assert local.trainer.weights == auto.trainer.weights
+
+
 NO_CP = ["parallel.pp=1", "parallel.cp=1"]  # a recipe layout that fits any trainer world of 8k ranks
 
 

@@ -121,6 +121,8 @@ def trainer_memory(
         recompute=cfg.train.recompute,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         fp8=cfg.model.fp8,
+        # auto is Transformer Engine's layers on a GPU (training/model_provider.py)
+        transformer_impl="local" if cfg.model.transformer_impl == "local" else "transformer_engine",
     )
     # memory() takes the trainer's share of the nodes as a cluster; the node size does not enter memory
     share = Cluster(
