@@ -511,7 +511,8 @@ class PipelineConfig(Section):
     bucket_mb: int = _field(
         512,
         "Weight push bucket size in MiB: the trainer's senders broadcast the policy to every engine in "
-        "buckets of this size, cut on layer boundaries; each sender and engine worker holds at most two.",
+        "buckets of this size, cut on layer boundaries; each sender and engine worker holds at most two (a "
+        "vLLM worker also the one incomplete layer its reload stages: docs/design/weight_transfer.md).",
         min=1,
     )
     transfer_timeout_s: float = _field(
