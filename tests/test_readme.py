@@ -33,8 +33,8 @@ RUN = (
 NOT_RUN = {
     "scripts/demo.sh": "the whole tiny MarsRL run: 7-12 min on 2 cores (tools/bench/tiny_run.py measures it)",
     "scripts/test.sh": "the whole test suite, this test included",
-    "docker build": "needs Docker and the CUDA toolchain (docs/gpu.md)",
-    "docker run": "needs Docker and an NVIDIA GPU (docs/gpu.md)",
+    "scripts/device_wheels.sh": "downloads from PyPI (tests/test_device_check.py, network phase)",
+    "scripts/device_check.sh": "needs the GPU machine; its --cpu mode runs in tests/test_device_check.py",
     "mars convert mcore-to-hf": "two gloo ranks loading a checkpoint, 10-40 s (tests/test_conversion.py)",
     "mars score": "two gloo ranks, ~10-35 s here (tests/test_cli.py)",
     "mars sft": "350 SFT steps, about 3.5 min on 2 cores (tests/test_sft.py)",
