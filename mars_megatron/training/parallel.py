@@ -216,8 +216,9 @@ def _worker(
         init_distributed(rank, world_size, store_path)
         # pickled here, not by the queue: the queue pickles in a feeder thread, where a failure is only
         # printed and the parent would wait for this rank until its timeout
+        result = fn(*args)
         try:
-            out = bytes(ForkingPickler.dumps(fn(*args)))
+            out = bytes(ForkingPickler.dumps(result))
         except (pickle.PicklingError, TypeError, AttributeError) as err:
             raise TypeError(f"{fn.__qualname__} returned a value that cannot be sent back: {err}") from err
         results.put((rank, True, out))
