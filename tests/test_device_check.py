@@ -25,7 +25,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from tools.device_check import export as export_check
 from tools.device_check import logprobs, roundtrip, train_step
-from tools.device_check.__main__ import CHECKS, parse, run_check
+from tools.device_check.__main__ import CHECKS, missing_modules, parse, run_check
 from tools.device_check.common import ABSENT, Context
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,6 +231,22 @@ def test_device_mode_without_wheels_says_how_to_get_them(tmp_path: Path) -> None
     proc = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert proc.returncode == 2 and proc.stdout == ""
     assert "Run scripts/device_wheels.sh" in proc.stderr and "carry" in proc.stderr
+
+
+def test_a_machine_without_a_needed_module_is_refused_naming_it(tmp_path: Path) -> None:
+    """psutil hidden (a sitecustomize that blocks it): megatron's checkpoint writer would die in its forked
+    process and the save wait forever, so the runner refuses to start and names it."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['psutil'] = None\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.device_check", "--cpu"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "cannot run without psutil" in proc.stderr, proc.stderr[-2000:]
+    assert missing_modules(("json", "no_such_module_here", "no_such.child")) == [
+        "no_such_module_here",
+        "no_such.child",
+    ]
 
 
 def _pins(path: Path) -> dict[str, str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -53,6 +54,25 @@ GPU_BUDGET_S = 480.0
 CPU_BUDGET_S = 1200.0
 MIN_CHECK_S = 20.0
 """A check is not started with less time than this left."""
+
+NEEDED = ("megatron.core", "transformers", "safetensors", "numpy", "yaml", "psutil", "einops")
+"""Modules the checks need beyond torch: megatron-core from the carried wheels, the rest from the GPU
+machine's image. ``psutil``: megatron's checkpoint writer needs it in a forked process, and without it
+that process dies while the save waits for it forever, so its absence is named before anything runs."""
+
+
+def missing_modules(names: tuple[str, ...] = NEEDED) -> list[str]:
+    """Those of ``names`` that cannot be found (without importing them)."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # a missing parent package
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
 
 ENV_DEFAULTS = {
     # torch's deterministic algorithms need a fixed cuBLAS workspace (check 2's resumed steps)
@@ -298,6 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     late = block_absent(ABSENT)
     if late:
         print(f"device_check: {late} were imported before the runner could block them", file=sys.stderr)
+        return 2
+    missing = missing_modules()
+    if missing:
+        print(
+            f"device_check: cannot run without {', '.join(missing)} (megatron.core comes from the wheels of "
+            "scripts/device_wheels.sh; the others from the machine's image or the project's environment)",
+            file=sys.stderr,
+        )
         return 2
     if not args.cpu and not torch.cuda.is_available():
         print(NO_CUDA.format(torch=torch.__version__, cuda=torch.version.cuda), file=sys.stderr)
