@@ -47,7 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -209,6 +209,25 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
+def time_alternately(
+    ours: Callable[[], None], bare: Callable[[], None], repeats: int, warmup: int
+) -> dict[str, list[float]]:
+    """Seconds of each side's steps after ``warmup`` untimed pairs, in ABBA order (drifts, thermal or
+    other load, hit both sides alike): wall time under ``ours``/``bare``, process CPU time under
+    ``ours_cpu``/``bare_cpu``."""
+    for _ in range(warmup):
+        ours()
+        bare()
+    times: dict[str, list[float]] = {"ours": [], "bare": [], "ours_cpu": [], "bare_cpu": []}
+    for r in range(repeats):
+        order = (("ours", ours), ("bare", bare)) if r % 2 == 0 else (("bare", bare), ("ours", ours))
+        for name, fn in order:
+            cpu = time.process_time()
+            times[name].append(_timed(fn))
+            times[f"{name}_cpu"].append(time.process_time() - cpu)
+    return times
+
+
 def _grad_buffers(engine: Any) -> list[torch.Tensor]:
     buffers = [*engine.model.buffers, *engine.model.expert_parallel_buffers]
     return [b.grad_data.detach().clone() for b in buffers]
@@ -315,16 +334,7 @@ def worker(
     def bare() -> None:
         bare_step(engine, packs)
 
-    for _ in range(warmup):
-        ours()
-        bare()
-    times: dict[str, list[float]] = {"ours": [], "bare": [], "ours_cpu": [], "bare_cpu": []}
-    for r in range(repeats):  # ABBA order: drifts (thermal, other load) hit both sides alike
-        order = (("ours", ours), ("bare", bare)) if r % 2 == 0 else (("bare", bare), ("ours", ours))
-        for name, fn in order:
-            cpu = time.process_time()
-            times[name].append(_timed(fn))
-            times[f"{name}_cpu"].append(time.process_time() - cpu)
+    times = time_alternately(ours, bare, repeats, warmup)
     out: dict[str, Any] = {
         "times": times,
         "grad_diff": grad_diff / grad_scale,

@@ -127,7 +127,13 @@ def _free() -> None:
 def _measure_shape(trainer: Any, shape: Any, repeats: int, warmup: int) -> dict[str, Any]:
     """One pack length: the gradient comparison, the alternated timings, then our step's peak memory."""
     from mars_megatron.rl.policies import SHARED
-    from tools.bench.train_step import _check_same_gradient, _timed, bare_step, make_samples, prepare_bare
+    from tools.bench.train_step import (
+        _check_same_gradient,
+        bare_step,
+        make_samples,
+        prepare_bare,
+        time_alternately,
+    )
 
     engine = trainer.policies[SHARED].engine
     trainer.cfg.train.pack_length = shape.pack_length  # PolicyWorker packs every batch with it
@@ -141,16 +147,8 @@ def _measure_shape(trainer: Any, shape: Any, repeats: int, warmup: int) -> dict[
     def bare() -> None:
         bare_step(engine, packs)
 
-    for _ in range(warmup):
-        ours()
-        bare()
-    times: dict[str, list[float]] = {"ours": [], "bare": []}
-    for r in range(repeats):  # ABBA: drifts hit both sides alike
-        order = (("ours", ours), ("bare", bare)) if r % 2 == 0 else (("bare", bare), ("ours", ours))
-        for name, fn in order:
-            times[name].append(_timed(fn))
     out: dict[str, Any] = {
-        "times": times,
+        "times": time_alternately(ours, bare, repeats, warmup),
         "grad_diff": grad_diff,
         "grad_scale": grad_scale,
         "lengths": [len(s.tokens) for s in samples],
