@@ -110,6 +110,39 @@ def test_pack_tensors_by_hand() -> None:
     assert [t.tolist() for t in pack.unpack(torch.arange(8)[None])] == [[0, 1, 2], [3, 4]]
 
 
+def _mask_by_rule(lengths: list[int]) -> torch.Tensor:
+    """The block-diagonal causal mask written out by its definition, position by position."""
+    segment = [i for i, n in enumerate(lengths) for _ in range(n)]
+    size = len(segment)
+    rows = [[not (segment[q] == segment[k] and k <= q) for k in range(size)] for q in range(size)]
+    return torch.tensor(rows)[None, None]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_attention_mask_is_the_block_diagonal_causal_mask(seed: int) -> None:
+    """The mask is built from cu_seqlens alone (so that a GPU builds it where it is used): it must equal
+    the rule written out, for packs of one token, of many, with and without a pad segment."""
+    rng = random.Random(seed)
+    seqs = [[rng.randrange(1, 50) for _ in range(rng.randint(1, 9))] for _ in range(rng.randint(1, 6))]
+    pack = build_pack(seqs, multiple=rng.choice([1, 4, 8]))
+    lengths = pack.cu_seqlens.diff().tolist()
+    mask = pack.attention_mask()
+    assert mask.dtype == torch.bool and mask.device.type == "cpu"
+    assert torch.equal(mask, _mask_by_rule(lengths))
+
+
+@pytest.mark.gpu
+def test_attention_mask_is_made_on_the_gpu() -> None:
+    """On a GPU the mask is made there (only cu_seqlens crosses) and equals the host's, at 4k."""
+    seqs = [[1] * n for n in (1000, 1500, 1, 1500)]
+    pack = build_pack(seqs, multiple=4096)
+    before = torch.cuda.memory_allocated()
+    mask = pack.attention_mask("cuda")
+    assert mask.is_cuda and mask.shape == (1, 1, 4096, 4096)
+    assert torch.cuda.memory_allocated() - before >= 4096 * 4096  # the T*T booleans live on the device
+    assert torch.equal(mask.cpu(), pack.attention_mask())
+
+
 def test_packed_seq_params_thd() -> None:
     pytest.importorskip("megatron.core")
     params = build_pack([[1, 2, 3], [4]], multiple=2).packed_seq_params()

@@ -146,8 +146,8 @@ class MegatronEngine:
             kwargs["packed_seq_params"] = _thd(mb)
         if self.cp == 1:
             if mb.pack is not None and not te:
-                # Local attention (CPU): the same pack as sbhd with a block-diagonal causal mask.
-                kwargs["attention_mask"] = mb.pack.attention_mask().to(mb.tokens.device)
+                # Local attention: the same pack as sbhd with a block-diagonal causal mask.
+                kwargs["attention_mask"] = mb.pack.attention_mask(mb.tokens.device)
             return mb, kwargs
         from mars_megatron.training.context_parallel import local_mask
 
@@ -155,12 +155,13 @@ class MegatronEngine:
         local = mb.select(indices[self.cp_rank].to(mb.tokens.device))
         if not te:
             length = mb.tokens.shape[1]
+            device = mb.tokens.device
             full = (
-                mb.pack.attention_mask()
+                mb.pack.attention_mask(device)
                 if mb.pack is not None
-                else ~torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+                else ~torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
             )
-            kwargs["attention_mask"] = local_mask(full, indices, self.cp_rank).to(mb.tokens.device)
+            kwargs["attention_mask"] = local_mask(full, [i.to(device) for i in indices], self.cp_rank)
         return local, kwargs
 
     def _cp_indices(self, mb: MicroBatch) -> list[torch.Tensor]:

@@ -141,7 +141,7 @@ def prepare_bare(engine: Any, samples: Sequence[Sample], pack_length: int, loss:
             BarePack(
                 tokens=mb.tokens.to(device),
                 position_ids=mb.position_ids.to(device),
-                attention_mask=mb.pack.attention_mask().to(device),
+                attention_mask=mb.pack.attention_mask(device),
                 targets=mb.targets.to(device),
                 weights=(inputs.advantages * inputs.mask).to(device),
                 count=inputs.mask.sum().to(torch.int),
@@ -265,12 +265,13 @@ def _check_same_gradient(
 
 def _breakdown(worker: Any, engine: Any, samples: list[Sample], repeats: int) -> dict[str, float]:
     """Median seconds of the per-step work the bare loop does not do: planning, building packs, the loss
-    inputs of every pack, the attention masks and the mismatch tally of every pack (each timed on its own,
-    outside the timed steps)."""
+    inputs of every pack, the attention masks (where the engine makes them: on its device) and the
+    mismatch tally of every pack (each timed on its own, outside the timed steps)."""
     from mars_megatron.algorithm.mismatch import MismatchTally
     from mars_megatron.algorithm.objective import packed_loss_inputs
 
     pack_length = worker.cfg.train.pack_length
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     lengths = [len(s.tokens) for s in samples]
     seqs = [s.tokens for s in samples]
     plan = engine.plan(lengths, pack_length)
@@ -296,7 +297,7 @@ def _breakdown(worker: Any, engine: Any, samples: list[Sample], repeats: int) ->
         parts["loss_inputs"].append(
             _timed(lambda: [packed_loss_inputs(samples, mb.pack, worker.loss) for mb in mbs])
         )
-        parts["masks"].append(_timed(lambda: [mb.pack.attention_mask() for mb in mbs]))
+        parts["masks"].append(_timed(lambda: [mb.pack.attention_mask(device) for mb in mbs]))
         parts["mismatch"].append(_timed(tally))
     return {k: statistics.median(v) for k, v in parts.items()}
 
