@@ -70,13 +70,16 @@ def test_gpu_rows_from_measured_values(cpu_run: tuple[list, Path]) -> None:
     shape = speed.plan_for(True).shapes[1]
     predicted, _, _ = speed.planned(model, shape.pack_length)
     lengths = [100, 28, 64]
-    got = {"times": {"ours": [0.5, 0.6], "bare": [0.5, 0.5]}, "grad_diff": 1e-4, "grad_scale": 1.0,
-           "lengths": lengths, "packs": 3, "pack_tokens": 384, "state_bytes": predicted // 2}  # fmt: skip
+    cpu_s = {"ours_cpu": [0.4, 0.5], "bare_cpu": [0.2, 0.2]}
+    got = {"times": {"ours": [0.5, 0.6], "bare": [0.5, 0.5], **cpu_s}, "grad_diff": 1e-4, "grad_scale": 1.0,
+           "lengths": lengths, "packs": 3, "pack_tokens": 384, "state_bytes": predicted // 2,
+           "breakdown_s": {"masks": 0.01}}  # fmt: skip
     ctx = _ctx(workdir, cpu=False)
     near = speed.shape_rows(ctx, "dense", arch, model, shape, {**got, "peak_bytes": round(predicted / 1.05)},
                             "NVIDIA H100 80GB HBM3")  # fmt: skip
     ratio, throughput, memory = near
     assert ratio.passed and ratio.figures["ratio"] == pytest.approx(1.1)  # medians 0.55 / 0.5
+    assert ratio.figures["ours_cpu_s"] == [0.4, 0.5] and ratio.figures["breakdown_s"] == {"masks": 0.01}
     flops = 6 * param_counts(arch).matmul_active * sum(lengths)
     flops += 6 * arch.num_layers * arch.num_attention_heads * arch.head_dim * sum(n * n for n in lengths)
     assert throughput.figures["mfu"] == pytest.approx(flops / 0.55 / 989e12)
@@ -84,7 +87,7 @@ def test_gpu_rows_from_measured_values(cpu_run: tuple[list, Path]) -> None:
     far = speed.shape_rows(ctx, "dense", arch, model, shape, {**got, "peak_bytes": 2 * predicted}, "cpu")
     assert not far[2].passed and far[2].figures["error_pct"] == pytest.approx(-50.0)
     assert far[1].figures["mfu"] is None  # not a card with a known peak
-    slow = {**got, "times": {"ours": [0.6, 0.6], "bare": [0.5, 0.5]}, "peak_bytes": predicted}
+    slow = {**got, "times": {"ours": [0.6, 0.6], "bare": [0.5, 0.5], **cpu_s}, "peak_bytes": predicted}
     assert not speed.shape_rows(ctx, "dense", arch, model, shape, slow, "cpu")[0].passed  # 1.2x
 
 

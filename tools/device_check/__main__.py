@@ -49,8 +49,10 @@ CHECKS: tuple[tuple[str, str], ...] = (
 )
 """(number, module) of every check, in the order they run."""
 
-GPU_BUDGET_S = 480.0
-"""The GPU run's wall time (8 minutes): a loan gives 15 minutes, start-up included, one command 10."""
+GPU_BUDGET_S = 540.0
+"""The GPU run's wall time (9 minutes): a loan gives 15 minutes, start-up included, one command 10. On
+the H100 (2026-11-26) the six checks took 491 s: 247 s for checks 1-5, 244 s for check 6; a budget of 480
+had cut check 6 short."""
 CPU_BUDGET_S = 1200.0
 MIN_CHECK_S = 20.0
 """A check is not started with less time than this left."""

@@ -128,6 +128,7 @@ def _measure_shape(trainer: Any, shape: Any, repeats: int, warmup: int) -> dict[
     """One pack length: the gradient comparison, the alternated timings, then our step's peak memory."""
     from mars_megatron.rl.policies import SHARED
     from tools.bench.train_step import (
+        _breakdown,
         _check_same_gradient,
         bare_step,
         make_samples,
@@ -154,6 +155,8 @@ def _measure_shape(trainer: Any, shape: Any, repeats: int, warmup: int) -> dict[
         "lengths": [len(s.tokens) for s in samples],
         "packs": len(packs),
         "pack_tokens": sum(p.tokens.shape[1] for p in packs),
+        # where ours spends what bare does not: if ours - bare exceeds this host work, ours waits on syncs
+        "breakdown_s": _breakdown(trainer, engine, samples, repeats=3),
     }
     packs.clear()  # the bare loop's pre-built packs are not the trainer's memory
     _free()
@@ -262,7 +265,15 @@ def shape_rows(
     ratio = min(t["ours"]) / min(t["bare"]) if ctx.cpu else ours / bare
     dgrad = got["grad_diff"] / got["grad_scale"] if got["grad_scale"] > 0 else math.inf
     tokens = sum(got["lengths"])
-    common = {"ours_s": t["ours"], "bare_s": t["bare"], "tokens": tokens, "packs": got["packs"]}
+    common = {
+        "ours_s": t["ours"],
+        "bare_s": t["bare"],
+        "ours_cpu_s": t["ours_cpu"],  # process CPU time per step: host-bound if near the wall time
+        "bare_cpu_s": t["bare_cpu"],
+        "breakdown_s": got["breakdown_s"],
+        "tokens": tokens,
+        "packs": got["packs"],
+    }
     rows = [
         Row(
             CHECK,
