@@ -86,7 +86,17 @@ def check_reference(reference: str | int | float) -> str:
     """:func:`normalize_reference`, refusing what math-verify cannot read as an answer: empty math
     (``$$``, ``\\boxed{}``) and unbalanced braces (``\\frac{1}{2``). math-verify does not fail on those, it
     falls back to comparing the raw text, so a data set's typo would silently score every response 0 (or
-    reward a response that repeats the typo). Checked when problems are loaded, not at every reward."""
+    reward a response that repeats the typo). Checked when problems are loaded, not at every reward.
+
+    A reference that names a task's rule (:mod:`~mars_megatron.rewards.programs`, e.g. ``subset_sum: 1 3 4
+    6 8 = 13``) is read by that rule instead, whole: a malformed one is a ValueError saying what is wrong,
+    and it is returned as it is (the rule, not math-verify, will check answers against it)."""
+    from mars_megatron.rewards.programs import program_of
+
+    program = program_of(reference)
+    if program is not None:
+        program.read(str(reference))
+        return str(reference)
     text = normalize_reference(reference)
     depth = 0
     i = 0

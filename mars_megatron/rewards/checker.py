@@ -1,5 +1,8 @@
 """AnswerChecker: math-verify answer checks in a pool of worker processes, with a hard per-check timeout.
 
+A reference that names a task's rule (``subset_sum: 1 3 4 6 8 = 13``, :mod:`.programs`) is checked by that
+rule in this process instead: many answers can be right, and the rule is a few integer operations.
+
 math-verify bounds its own work with ``signal.alarm``, which only works on a process's main thread (the
 trainer and Ray actors have other threads), and a check stuck in C code ignores the alarm anyway. So the
 checks run in spawned worker processes: each worker applies math-verify's timeout itself
@@ -28,6 +31,7 @@ from typing import Literal
 
 from mars_megatron.rewards import _worker
 from mars_megatron.rewards.answers import extract_boxed, normalize_reference
+from mars_megatron.rewards.programs import program_of
 
 Status = Literal["ok", "no_answer", "parse_error", "timeout"]
 
@@ -47,6 +51,13 @@ _RESULT_OF_CODE = {
     _worker.TIMEOUT: CheckResult(False, "timeout"),
 }
 NO_ANSWER = CheckResult(False, "no_answer")
+_PROGRAM_RESULT = {
+    True: CheckResult(True, "ok"),
+    False: CheckResult(False, "ok"),
+    None: _RESULT_OF_CODE[_worker.PARSE_ERROR],
+}
+"""A programmatic check's judgement (:mod:`.programs`): an unreadable answer is a parse error, as a boxed
+answer that math-verify cannot parse is."""
 
 
 @dataclass(frozen=True)
@@ -176,8 +187,11 @@ class AnswerChecker:
         todo = []
         for index, (response, reference) in enumerate(pairs):
             answer = extract_boxed(response)
+            program = program_of(reference)
             if answer is None:
                 results[index] = NO_ANSWER
+            elif program is not None:  # a task's rule decides, here (no math-verify)
+                results[index] = _PROGRAM_RESULT[program.check(answer, str(reference))]
             else:
                 todo.append((index, (answer, normalize_reference(reference))))
         # Several chunks per worker, so that the workers finish close together.
