@@ -28,7 +28,7 @@ RUNS_BY_DEFAULT = {
     "train_step.py": ["--model", "--shapes", "--nproc", "--repeats", "--quick"],
     "weight_sync.py": ["--layers", "--engines", "--bucket-mb", "--repeats"],
     "tiny_run.py": ["--out", "--steps"],
-    "paper_table.py": ["--out", "--sft", "--samples"],
+    "paper_table.py": ["--task", "--out", "--sft", "--seeds", "--shared-warm-start", "--samples"],
 }
 # Benchmarks whose modes are a choice: no arguments prints the usage and exits 2.
 ASKS_FOR_A_MODE = {"pipeline.py": ["--real", "--sim", "--sft", "--out", "--train-s-per-token"]}

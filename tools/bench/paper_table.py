@@ -1,189 +1,294 @@
-"""MarsRL's headline table in miniature: the Solver alone against the whole V–C system, before and after RL.
+"""MarsRL's headline table in miniature: the Solver alone against the V–C system, before and after RL, with
+the shared-reward ablation and the spread over seeds.
 
 The paper (MARSRL.md) reports, per model, the accuracy of the Solver alone and of the Verifier–Corrector
 system (avg@32 on AIME 2025): untrained Qwen3-30B-A3B-Thinking, Solver 86.5 and system 85.6 (the system is
 *worse*: its Verifier and Corrector do not help yet); after MarsRL, Solver 91.1 and system 93.3 (both rose,
-and the system now beats its Solver). This benchmark measures the same table for the tiny model on the
-held-out split of the tiny task (``examples/data/arith_test.jsonl``: 25 sums never trained on), from one
-warm start:
+and the system now beats its Solver). This benchmark measures the same table for the tiny model on a tiny
+task's held-out split (problems never trained on), per seed:
 
-  column ``SFT start``    the `mars sft` warm start (examples/tiny_sft.yaml), the shared baseline;
-  column ``RL agent``     `mars train examples/tiny_cpu.yaml`, agent-specific rewards (MarsRL);
+  column ``SFT start``    the `mars sft` warm start of the task, the shared baseline;
+  column ``RL agent``     `mars train` with agent-specific rewards (MarsRL);
   column ``RL shared``    the same run with ``algorithm.reward=shared`` (one trajectory-level reward).
 
-Rows: Solver-alone and system avg@K, their difference, pass@k of both, and why the difference is what it
-is: the Verifier's accuracy on right and on wrong solutions and the Corrector's fix rate (mars eval's
-``roles`` summary). A second table evaluates the same three models on 25 problems they were trained on
-(``--train-limit``), which separates what the system adds where the model has the skill from what it
-cannot add where it lacks it. Evaluation uses `mars eval --checkpoint` on each run's final checkpoint,
-with the run's prompt set (``--config``) and MarsRL's evaluation sampling (temperature 0.6, top-p 0.95).
-The RL runs also evaluate the held-out split every ``--eval-interval`` updates, so their ``rewards.png``
-shows the system against its Solver step by step.
+Each seed builds its own random tiny model and warm start (``--shared-warm-start``: one for all seeds, so
+the spread is RL's alone) and seeds its RL runs. Rows: Solver-alone and system avg@K, their difference,
+pass@k of both, and what explains them: the Verifier's accuracy on right and on wrong solutions, the
+Corrector's fix and break rates, the share of loops the Verifier accepted (``mars eval``'s ``roles``
+summary). Each cell is the mean over seeds and, with several seeds, the range. Evaluation uses `mars eval
+--checkpoint` on each run's final checkpoint with the run's prompt set and MarsRL's evaluation sampling
+(temperature 0.6, top-p 0.95).
 
-With no arguments it builds its warm start (about 4 min on 2 cores), trains both runs (about 4 min each)
-and evaluates the three models on both splits (about 1-2 min each), about 20 minutes in all; it prints
-the Markdown table and writes ``table.md``/``table.json`` under ``--out``.
+The goal, stated before measuring (issue 31): after RL with agent-specific rewards the system beats its
+Solver by ≥ 5 points held-out on every seed, and by more than with the shared reward (mean over seeds).
+The last lines say whether it was met.
 
+Tasks (``--task``): ``subset_sum`` (pick numbers from a list that add up to a target: checking is a few
+additions, finding is a search; any valid subset is right) and ``sums`` (one-digit sums, where checking is
+computing). The RL runs also evaluate the held-out split every ``--eval-interval`` steps; ``heldout.png``
+draws the Solver against the system during training, agent and shared, averaged over seeds.
+
+    python tools/bench/paper_table.py --task subset_sum [--seeds 3] [--samples 16] [--out DIR] [--sft DIR]
+
+With no arguments it runs ``--task subset_sum`` over 3 seeds (each: a warm start, two RL runs and three
+evaluations on the held-out split) and prints the Markdown table with the goal's verdict; it writes
+``table.md``/``table.json``/``heldout.png`` under ``--out``. ``--sft`` uses an existing warm start of the
+task for every seed.
 Anything here starts Ray: run it inside a loopback-only network namespace, e.g.
-    unshare -n sh -c 'ip link set lo up && python tools/bench/paper_table.py'
+    unshare -n sh -c 'ip link set lo up && python tools/bench/paper_table.py --task subset_sum'
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import REPO, mars, warm_start
+from common import REPO, mars
 
-TEST = "examples/data/arith_test.jsonl"
-TRAIN = "examples/data/arith_train.jsonl"
-CONFIG = "examples/tiny_cpu.yaml"
+
+@dataclass(frozen=True)
+class Task:
+    """The files of one tiny task: its warm start, its RL config and its two splits."""
+
+    sft: str
+    config: str
+    train: str
+    test: str
+    what: str
+
+
+TASKS = {
+    "subset_sum": Task(
+        "examples/subset_sft.yaml",
+        "examples/subset_cpu.yaml",
+        "examples/data/subset_train.jsonl",
+        "examples/data/subset_test.jsonl",
+        "subset sums",
+    ),
+    "sums": Task(
+        "examples/tiny_sft.yaml",
+        "examples/tiny_cpu.yaml",
+        "examples/data/arith_train.jsonl",
+        "examples/data/arith_test.jsonl",
+        "sums",
+    ),
+}
 PAPER = {  # MARSRL.md: Qwen3-30B-A3B-Thinking-2507 on AIME 2025, avg@32
     "Solver alone": ("86.5", "91.1"),
     "V–C system": ("85.6", "93.3"),
 }
 RUNS = {"sft": "SFT start", "agent": "RL agent", "shared": "RL shared"}
+GOAL_POINTS = 5.0
 
 
-def evaluate(
-    out: Path,
-    name: str,
-    samples: int,
-    data: str,
-    limit: int | None,
-    *,
-    model: Path | None = None,
-    run: Path | None = None,
-) -> dict:
+def evaluate(out: Path, samples: int, data: str, *, config: str, model: Path | None = None,
+             run: Path | None = None, limit: int | None = None) -> dict:  # fmt: skip
     """`mars eval` of a warm start (``model``) or of a run's final checkpoint (``run``) on ``data``."""
-    target = ["--model", str(model)] if model is not None else ["--checkpoint", str(run / "ckpt")]
-    config = str(run / "config.yaml") if run is not None else CONFIG
-    folder = out / f"eval_{name}"
+    target = ["--model", str(model)] if model is not None else ["--checkpoint", str(run / "ckpt")]  # type: ignore[operator]
+    config = str(run / "config.yaml") if run is not None else config
     first = ["--limit", str(limit)] if limit else []
     mars("eval", "--data", data, *first, *target, "--config", config, "--engine", "transformers",
-         "--samples", str(samples), "--out", str(folder), "--checker-workers", "1")  # fmt: skip
-    return json.loads((folder / "summary.json").read_text())
+         "--samples", str(samples), "--out", str(out), "--checker-workers", "1")  # fmt: skip
+    return json.loads((out / "summary.json").read_text())
 
 
-def train(out: Path, sft: Path, reward: str, steps: int | None, interval: int, eval_samples: int) -> Path:
-    run = out / reward
-    extra = [f"train.steps={steps}"] if steps else []
-    mars("train", CONFIG, f"model.mcore_dir={sft}", f"algorithm.reward={reward}", f"logging.run_dir={run}",
-         f"checkpoint.save_dir={run / 'ckpt'}", f"evaluation.test_file={TEST}",
-         f"evaluation.interval={interval}", f"evaluation.samples={eval_samples}", *extra)  # fmt: skip
+def warm_start(task: Task, folder: Path, seed: int) -> Path:
+    """A random tiny-moe of ``seed`` and its `mars sft` warm start (SFT seed shifted by ``seed``)."""
+    mars("init-model", "--preset", "tiny-moe", "--seed", str(seed), "--out", str(folder / "hf"))
+    sft_seed = [f"seed={1234 + seed}"] if seed else []  # seed 0: the task's own warm start, as the demo's
+    mars("sft", task.sft, "--model-dir", str(folder / "hf"), "--out", str(folder / "sft"), *sft_seed)
+    return folder / "sft"
+
+
+def train(task: Task, run: Path, sft: Path, reward: str, seed: int, args: argparse.Namespace) -> Path:
+    extra = [f"train.steps={args.steps}"] if args.steps else []
+    train_seed = [f"train.seed={1234 + seed}"] if seed else []
+    mars("train", task.config, f"model.mcore_dir={sft}", f"algorithm.reward={reward}",
+         f"logging.run_dir={run}", f"checkpoint.save_dir={run / 'ckpt'}", f"evaluation.test_file={task.test}",
+         f"evaluation.interval={args.eval_interval}", f"evaluation.samples={args.eval_samples}",
+         *train_seed, *extra)  # fmt: skip
     return run
 
 
-def pct(value: float | None) -> str:
-    return "–" if value is None else f"{100 * value:.1f}"
+# ------------------------------------------------------------------------------------------- the table
+def _get(summary: dict, path: str) -> float | None:
+    node: Any = summary
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, int | float) else None
 
 
-def rows(summaries: dict[str, dict]) -> list[tuple[str, list[str]]]:
-    """The table's rows, one value per run (percent)."""
-
-    def get(path: str) -> list[float | None]:
-        values = []
-        for s in summaries.values():
-            node: Any = s
-            for part in path.split("."):
-                node = node.get(part) if isinstance(node, dict) else None
-            values.append(node)
-        return values
-
-    k = str(next(iter(summaries.values()))["samples"])
-    solver, system = get("solver_acc"), get("system_acc")
-    gap = [None if a is None or b is None else b - a for a, b in zip(solver, system, strict=True)]
-    out = [
-        ("Solver alone, avg@" + k, [pct(v) for v in solver]),
-        ("V–C system, avg@" + k, [pct(v) for v in system]),
-        ("system − Solver (points)", ["–" if g is None else f"{100 * g:+.1f}" for g in gap]),
-    ]
-    for kk in ("1", "2", "4", k):
-        if kk in next(iter(summaries.values()))["pass@k"]["system"] and kk != "1":
-            out.append(
-                (f"Solver pass@{kk}", [pct(s["pass@k"]["solver"].get(kk)) for s in summaries.values()])
-            )
-            out.append(
-                (f"system pass@{kk}", [pct(s["pass@k"]["system"].get(kk)) for s in summaries.values()])
-            )
-    out += [
-        ("Verifier: Correct on right solutions", [pct(v) for v in get("roles.verifier.acc_on_right")]),
-        ("Verifier: Wrong on wrong solutions", [pct(v) for v in get("roles.verifier.acc_on_wrong")]),
-        ("Corrector: fixes a wrong solution", [pct(v) for v in get("roles.corrector.fix_rate")]),
-        ("Corrector: breaks a right one", [pct(v) for v in get("roles.corrector.break_rate")]),
-        ("loops accepted by the Verifier", [pct(v) for v in get("accepted_rate")]),
-    ]
+def row_values(summary: dict, k: str) -> dict[str, float | None]:
+    """One run's rows (fractions; the gap in fractions too)."""
+    solver, system = _get(summary, "solver_acc"), _get(summary, "system_acc")
+    out: dict[str, float | None] = {
+        f"Solver alone, avg@{k}": solver,
+        f"V–C system, avg@{k}": system,
+        "system − Solver (points)": None if solver is None or system is None else system - solver,
+    }
+    for kk in ("2", "4", k):
+        if kk != "1" and kk in summary.get("pass@k", {}).get("system", {}):
+            out[f"Solver pass@{kk}"] = summary["pass@k"]["solver"].get(kk)
+            out[f"system pass@{kk}"] = summary["pass@k"]["system"].get(kk)
+    out |= {
+        "Verifier: Correct on right solutions": _get(summary, "roles.verifier.acc_on_right"),
+        "Verifier: Wrong on wrong solutions": _get(summary, "roles.verifier.acc_on_wrong"),
+        "Corrector: fixes a wrong solution": _get(summary, "roles.corrector.fix_rate"),
+        "Corrector: breaks a right one": _get(summary, "roles.corrector.break_rate"),
+        "loops accepted by the Verifier": _get(summary, "accepted_rate"),
+    }
     return out
 
 
-def markdown(tables: dict[str, dict[str, dict]]) -> str:
-    lines: list[str] = []
-    for title, summaries in tables.items():
-        names = [RUNS[n] for n in summaries]
-        lines += [f"| {title} | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
-        lines += [f"| {label} | {' | '.join(values)} |" for label, values in rows(summaries)]
-        lines.append("")
-    lines += ["| paper: AIME 2025, avg@32 | Qwen3-30B-A3B-Thinking | after MarsRL |", "|---|---|---|"]
+def cell(values: list[float | None], signed: bool) -> str:
+    """Mean over seeds in percent (points), with the range when there are several."""
+    present = [100 * v for v in values if v is not None]
+    if not present:
+        return "–"
+    fmt = "{:+.1f}" if signed else "{:.1f}"
+    mean = fmt.format(statistics.fmean(present))
+    if len(present) == 1:
+        return mean
+    return f"{mean} ({fmt.format(min(present))} to {fmt.format(max(present))})"
+
+
+def markdown(title: str, per_seed: list[dict[str, dict]]) -> str:
+    """The table: one column per run kind, each cell the mean (and range) over seeds."""
+    k = str(per_seed[0]["sft"]["samples"])
+    columns = [name for name in RUNS if all(name in seed for seed in per_seed)]
+    rows = list(row_values(per_seed[0][columns[0]], k))
+    lines = [f"| {title} | {' | '.join(RUNS[c] for c in columns)} |", "|---" * (len(columns) + 1) + "|"]
+    for label in rows:
+        cells = [
+            cell([row_values(seed[c], k).get(label) for seed in per_seed], "points" in label) for c in columns
+        ]
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    lines += ["", "| paper: AIME 2025, avg@32 | Qwen3-30B-A3B-Thinking | after MarsRL |", "|---|---|---|"]
     lines += [f"| {label} | {before} | {after} |" for label, (before, after) in PAPER.items()]
     return "\n".join(lines)
+
+
+def gaps(per_seed: list[dict[str, dict]], run: str) -> list[float]:
+    """System − Solver in points, per seed, of one run kind."""
+    return [100 * (s[run]["system_acc"] - s[run]["solver_acc"]) for s in per_seed if run in s]
+
+
+def verdict(per_seed: list[dict[str, dict]]) -> list[str]:
+    """The goal, line by line: met or not, with the figures."""
+    agent, shared = gaps(per_seed, "agent"), gaps(per_seed, "shared")
+    every = all(g >= GOAL_POINTS for g in agent)
+    mean_agent, mean_shared = statistics.fmean(agent), statistics.fmean(shared)
+    listed = {name: ", ".join(f"{g:+.1f}" for g in values) for name, values in (("a", agent), ("s", shared))}
+    return [
+        f"goal {'MET' if every else 'NOT MET'}: system − Solver ≥ {GOAL_POINTS:.0f} points with agent "
+        f"rewards on every seed ({listed['a']})",
+        f"goal {'MET' if mean_agent > mean_shared else 'NOT MET'}: more than with the shared reward (mean "
+        f"{mean_agent:+.1f} against {mean_shared:+.1f}; per seed {listed['s']})",
+    ]
+
+
+def plot_held_out(runs: dict[str, list[Path]], out_png: Path) -> Path | None:
+    """Held-out Solver alone and system per evaluated step, each run kind averaged over its seeds."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2), dpi=100)
+    ax = fig.add_subplot()
+    drawn = False
+    for (name, folders), color in zip(runs.items(), ("tab:blue", "tab:orange"), strict=False):
+        records = [[json.loads(x) for x in (f / "eval.jsonl").read_text().splitlines() if x.strip()]
+                   for f in folders if (f / "eval.jsonl").is_file()]  # fmt: skip
+        if not records:
+            continue
+        steps = sorted(set.intersection(*[{r["step"] for r in rs} for rs in records]))
+        for key, style, label in (
+            ("eval/system_acc", "-o", "system"),
+            ("eval/solver_acc", "--s", "Solver alone"),
+        ):
+            means = [statistics.fmean(r[key] for rs in records for r in rs if r["step"] == s) for s in steps]
+            ax.plot(steps, means, style, color=color, markersize=4, label=f"{RUNS[name]}: {label}")
+            drawn = True
+    if not drawn:
+        return None
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out accuracy (avg@K, mean over seeds)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out_png, format="png")
+    return out_png
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--task", choices=sorted(TASKS), default="subset_sum")
     parser.add_argument(
-        "--out", default="runs/bench_paper_table", help="new output folder (refused if it exists)"
+        "--out", default=None, help="new output folder (default runs/bench_paper_table_<task>)"
     )
-    parser.add_argument(
-        "--sft", default=None, help="an existing warm start (mars sft output) instead of a new one"
-    )
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (mean and range over them)")
+    parser.add_argument("--shared-warm-start", action="store_true", help="one warm start for every seed")
+    parser.add_argument("--sft", default=None, help="an existing warm start of the task (mars sft output)")
     parser.add_argument("--samples", type=int, default=16, help="K of avg@K (>= 8)")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N held-out problems only")
     parser.add_argument("--steps", type=int, default=None, help="override train.steps of the RL runs")
     parser.add_argument("--eval-interval", type=int, default=15, help="held-out curve during training")
     parser.add_argument("--eval-samples", type=int, default=4, help="K of the curve during training")
-    parser.add_argument(
-        "--train-limit", type=int, default=25, help="trained-on problems in the second table (0 = no table)"
-    )
     args = parser.parse_args()
     if args.samples < 8:
         parser.error(f"--samples must be >= 8 (avg@K with K >= 8), got {args.samples}")
+    if args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.sft is not None and not (Path(args.sft) / "mars_checkpoint.json").is_file():
         parser.error(f"--sft {args.sft}: not a mars sft output (no mars_checkpoint.json)")
-    if args.sft is None:
-        out, _ = warm_start(args.out)
-        sft = out / "sft"
-    else:
-        out = (REPO / args.out).resolve()
-        if out.exists():
-            parser.error(f"--out {out} exists; remove it or pass another --out")
-        out.mkdir(parents=True)
-        sft = Path(args.sft).resolve()
-    held_out = {"sft": evaluate(out, "sft", args.samples, TEST, None, model=sft)}
-    trained = {}
-    if args.train_limit:
-        trained["sft"] = evaluate(out, "sft_train", args.samples, TRAIN, args.train_limit, model=sft)
-    for reward in ("agent", "shared"):
-        run = train(out, sft, reward, args.steps, args.eval_interval, args.eval_samples)
-        held_out[reward] = evaluate(out, reward, args.samples, TEST, None, run=run)
-        if args.train_limit:
-            trained[reward] = evaluate(out, f"{reward}_train", args.samples, TRAIN, args.train_limit, run=run)
-    tables = {"held-out (25 sums never trained on)": held_out}
-    if trained:
-        tables[f"trained on ({args.train_limit} of the training sums)"] = trained
-    table = markdown(tables)
-    (out / "table.md").write_text(table + "\n")
+    task = TASKS[args.task]
+    out = (REPO / (args.out or f"runs/bench_paper_table_{args.task}")).resolve()
+    if out.exists():
+        parser.error(f"--out {out} exists; remove it or pass another --out")
+    out.mkdir(parents=True)
+    start = time.perf_counter()
+    per_seed: list[dict[str, dict]] = []
+    runs: dict[str, list[Path]] = {"agent": [], "shared": []}
+    sft: Path | None = None if args.sft is None else Path(args.sft).resolve()
+    shared = args.shared_warm_start or args.sft is not None
+    for seed in range(args.seeds):
+        folder = out / f"seed{seed}"
+        folder.mkdir()
+        if seed == 0 or not shared:  # a warm start of this seed, or the one all seeds share
+            if sft is None or not shared:
+                sft = warm_start(task, folder, seed)
+            sft_summary = evaluate(folder / "eval_sft", args.samples, task.test, config=task.config,
+                                   model=sft, limit=args.limit)  # fmt: skip
+        results = {"sft": sft_summary}
+        for reward in ("agent", "shared"):
+            run = train(task, folder / reward, sft, reward, seed, args)
+            runs[reward].append(run)
+            results[reward] = evaluate(folder / f"eval_{reward}", args.samples, task.test, config=task.config,
+                                       run=run, limit=args.limit)  # fmt: skip
+        per_seed.append(results)
+        print(f"seed {seed} done after {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    problems = per_seed[0]["sft"].get("problems", "?")
+    title = f"held-out ({problems} {task.what} never trained on), {args.seeds} seed(s)"
+    table = markdown(title, per_seed)
+    lines = verdict(per_seed)
+    png = plot_held_out(runs, out / "heldout.png")
+    minutes = (time.perf_counter() - start) / 60
+    (out / "table.md").write_text(table + "\n\n" + "\n".join(lines) + f"\n\nwall time: {minutes:.1f} min\n")
     (out / "table.json").write_text(
-        json.dumps({t: {RUNS[n]: s for n, s in ss.items()} for t, ss in tables.items()}, indent=1) + "\n"
+        json.dumps({"task": args.task, "seeds": per_seed, "verdict": lines, "minutes": minutes}, indent=1)
+        + "\n"
     )
     print(table)
-    print(
-        "\ntraining curves with the held-out panel: "
-        + ", ".join(str(out / reward / "rewards.png") for reward in ("agent", "shared"))
-    )
+    print()
+    print("\n".join(lines))
+    print(f"wall time: {minutes:.1f} min; held-out curves: {png or 'none (no evaluation during training)'}")
     return 0
 
 
