@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from mars_megatron import runtime_env
 from mars_megatron.config import ConfigError, ParallelConfig, describe_config, load_config
 
 
@@ -299,7 +300,17 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand and turn its errors into one line on stderr and an exit status: 2 for bad input
-    (config, values, files), 1 for a failed run (a rank's traceback follows its last line)."""
+    (config, values, files), 1 for a failed run (a rank's traceback follows its last line).
+
+    Run as a program (``argv`` None: the ``mars`` script, ``python -m mars_megatron.cli``), it first puts
+    the numerics environment into this process, before torch is imported, for every process the command
+    starts (:mod:`mars_megatron.runtime_env`); a caller passing ``argv`` keeps its own environment."""
+    if argv is None:
+        try:
+            runtime_env.apply()
+        except ValueError as e:
+            print(f"mars: error: {e}", file=sys.stderr)
+            return 2
     args = _parse(argv)
     try:
         status = COMMANDS[args.command](args)

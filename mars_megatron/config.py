@@ -358,7 +358,11 @@ class RolloutConfig(Section):
     )
     max_batch: int = _field(64, "Requests one engine call decodes together (transformers engine).", min=1)
     threads: int | None = _field(
-        None, "CPU threads of the rollout engine process; null = all cores. At most 4096.", min=1, max=4096
+        None,
+        "CPU threads of the rollout engine process; null = OMP_NUM_THREADS (1 unless set: a constant, so the "
+        "run repeats on any core count, mars_megatron/runtime_env.py). At most 4096.",
+        min=1,
+        max=4096,
     )
     tp: int = _field(
         1,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mars_megatron import runtime_env
 from mars_megatron.agents.graph import prompt_set_of
 from mars_megatron.agents.graph_file import graph_for
 from mars_megatron.config import ConfigError, MarsConfig, dump_config
@@ -146,12 +147,18 @@ def _start_ray(num_cpus: int, actors: int) -> bool:
     """Start a local Ray with ``num_cpus`` unless this process is already connected to one (a test's),
     or ``RAY_ADDRESS`` names a cluster to join (a Slurm job's); True if started here (then the run shuts
     it down at the end). Every actor of the run
-    takes one CPU, so a cluster with fewer is refused now rather than after a placement timeout."""
+    takes one CPU, so a cluster with fewer is refused now rather than after a placement timeout. A joined
+    cluster's workers get this process's numerics environment through the job's ``runtime_env`` (a local
+    one's inherit it: :mod:`mars_megatron.runtime_env`)."""
     import ray
 
     if not ray.is_initialized() and os.environ.get("RAY_ADDRESS"):
         # A cluster started outside this process (`mars launch --executor slurm`): join it as the driver.
-        ray.init(log_to_driver=os.environ.get("MARS_RAY_LOGS", "0") == "1", configure_logging=False)
+        ray.init(
+            log_to_driver=os.environ.get("MARS_RAY_LOGS", "0") == "1",
+            configure_logging=False,
+            runtime_env=runtime_env.ray_runtime_env(),
+        )
     if ray.is_initialized():
         have = ray.cluster_resources().get("CPU", 0.0)
         if have < actors:
@@ -187,7 +194,7 @@ class MarsRLTrainer:
         p = cfg.pipeline
         actors = plan.world_size + len(self.names) * p.rollout_workers + p.reward_workers
         self._own_ray = _start_ray(max(cores, actors), actors)
-        self._threads = cfg.rollout.threads or cores
+        self._threads = cfg.rollout.threads or runtime_env.cpu_threads()
         self.placement = None
         engines = len(self.names) * p.rollout_workers
         if p.placement == "none":
@@ -204,7 +211,7 @@ class MarsRLTrainer:
             cfg,
             plan.model_dir,
             self.names,
-            threads_per_rank=max(1, cores // plan.world_size),
+            threads_per_rank=runtime_env.cpu_threads(),  # a constant: reductions split alike on any host
             **self._trainer_placement(),
         )
         info = self.group.call("rank_info")

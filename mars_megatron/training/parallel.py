@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mars_megatron import runtime_env
 from mars_megatron.config import ParallelConfig
 from mars_megatron.training import cpu_compat
 
@@ -237,11 +238,13 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
     Returns each rank's return value (which must be picklable). If any rank fails, the others are
     terminated and a RuntimeError carries that rank's traceback. ``fn`` must be importable (module level),
     because processes are spawned, not forked: forking a process that already ran torch ops can hang in
-    OpenMP.
+    OpenMP. Each rank runs ``runtime_env.cpu_threads()`` threads, a constant rather than a share of this
+    host's cores, so its reductions split alike on any machine; the ranks inherit this process's
+    environment (the ``mars`` command's numerics pins, :mod:`mars_megatron.runtime_env`).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    threads = runtime_env.cpu_threads()
     with tempfile.TemporaryDirectory(prefix="mars-dist-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
