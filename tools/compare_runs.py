@@ -1,8 +1,10 @@
-"""Compare two runs' ``metrics.jsonl`` (and ``eval.jsonl``) step for step.
+"""Compare two runs' ``metrics.jsonl`` (and ``eval.jsonl``) step for step, and two checkpoints' weights.
 
-Why: the tiny run is deterministic, so a refactor proves it changed no behaviour when every metric of
-every step matches the run before it. Wall-clock figures (``time/*``, the trainer's busy fraction) are
-the only fields allowed to differ.
+Why: the tiny run is deterministic (docs/train.md, "What repeats"), so a refactor proves it changed no
+behaviour when every metric of every step matches the run before it. Wall-clock figures (``time/*``, the
+trainer's busy fraction) are the only fields allowed to differ. A directory holding a mars checkpoint
+(``mars sft --out``: its ``MANIFEST.sha256.json``) is compared by the digests of its weight files
+(``*.safetensors``, ``*.distcp``), byte for byte; its metadata files name the run and are not compared.
 
     python tools/compare_runs.py BEFORE_DIR AFTER_DIR   # exit 0: identical; 1: the differences, listed
 """
@@ -18,6 +20,11 @@ from pathlib import Path
 WALL_CLOCK_PREFIXES = ("time/", "pipeline/trainer_busy")
 WALL_CLOCK_SUFFIXES = ("/time",)
 """Fields that measure elapsed time (``time/step``, ``eval/time``, …), so differ between identical runs."""
+
+
+MANIFEST = "MANIFEST.sha256.json"  # as mars_megatron/checkpoint/manifest.py writes it
+WEIGHT_SUFFIXES = (".safetensors", ".distcp")
+"""Files of a checkpoint that hold its tensors (the rest, e.g. ``model/.metadata``, differ between runs)."""
 
 
 def _wall_clock(key: str) -> bool:
@@ -51,10 +58,32 @@ def compare(before: Path, after: Path) -> list[str]:
     return out
 
 
+def _weights(run: Path) -> dict[str, str]:
+    with (run / MANIFEST).open(encoding="utf-8") as f:
+        files = json.load(f)["files"]
+    return {name: entry["sha256"] for name, entry in files.items() if name.endswith(WEIGHT_SUFFIXES)}
+
+
+def compare_weights(before: Path, after: Path) -> tuple[list[str], int]:
+    """Every weight file of two checkpoint directories whose digest differs or that only one holds, and
+    how many files were compared."""
+    a, b = _weights(before), _weights(after)
+    out = [
+        f"{MANIFEST}: {name} only {'before' if name in a else 'after'}"
+        for name in sorted(a.keys() ^ b.keys())
+    ]
+    out += [f"{MANIFEST}: {name} differs" for name in sorted(a.keys() & b.keys()) if a[name] != b[name]]
+    return out, len(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("before", type=Path, help="run directory (holding metrics.jsonl) before the change")
-    parser.add_argument("after", type=Path, help="run directory after the change")
+    parser.add_argument(
+        "before",
+        type=Path,
+        help="run directory (metrics.jsonl) or checkpoint (mars sft --out) before the change",
+    )
+    parser.add_argument("after", type=Path, help="the same after the change")
     args = parser.parse_args(argv)
     diffs: list[str] = []
     compared = 0
@@ -67,13 +96,23 @@ def main(argv: list[str] | None = None) -> int:
             continue
         diffs += compare(a, b)
         compared += len(_rows(a))
-    if compared == 0:
-        print("no metrics.jsonl or eval.jsonl in either directory", file=sys.stderr)
+    weights = 0
+    if (args.before / MANIFEST).is_file() or (args.after / MANIFEST).is_file():
+        if not (args.before / MANIFEST).is_file() or not (args.after / MANIFEST).is_file():
+            diffs.append(f"{MANIFEST}: present in only one run")
+        else:
+            found, weights = compare_weights(args.before, args.after)
+            diffs += found
+    if compared == 0 and weights == 0 and not diffs:
+        print(f"no metrics.jsonl, eval.jsonl or {MANIFEST} in either directory", file=sys.stderr)
         return 2
     for line in diffs[:200]:
         print(line)
     ignored = ", ".join([f"{p}*" for p in WALL_CLOCK_PREFIXES] + [f"*{s}" for s in WALL_CLOCK_SUFFIXES])
-    print(f"{compared} rows compared, {len(diffs)} differences (wall-clock fields ignored: {ignored})")
+    print(
+        f"{compared} rows and {weights} weight files compared, {len(diffs)} differences "
+        f"(wall-clock fields ignored: {ignored})"
+    )
     return 1 if diffs else 0
 
 
