@@ -22,15 +22,13 @@ loaded, whatever its core count (docs/train.md, "What repeats"). Left alone, thr
 it: an explicit value always wins) before torch is imported: the ``mars`` command calls it first thing,
 its spawned gloo ranks, its Ray cluster's workers (and reward workers) inherit it, and a Ray cluster the
 run joins gets it through the job's ``runtime_env`` (:func:`ray_runtime_env`). The variables are read when
-the libraries load, so a process that imported torch before :func:`apply` keeps its own paths
-(:func:`check` says which).
+the libraries load, so a process that imported torch before :func:`apply` keeps its own paths.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import sys
 from collections.abc import MutableMapping
 
 X86_PINS: dict[str, str] = {
@@ -97,19 +95,3 @@ def ray_runtime_env() -> dict[str, dict[str, str]]:
     """A Ray ``runtime_env`` carrying the values in effect, for a cluster this process did not start (whose
     workers would not inherit this process's environment)."""
     return {"env_vars": in_effect()}
-
-
-def check() -> list[str]:
-    """What this process's torch does unlike :data:`NUMERICS_ENV` in effect (empty: as pinned), e.g. when
-    torch was imported before :func:`apply`."""
-    problems: list[str] = []
-    wanted = in_effect()
-    if "torch" not in sys.modules:
-        return problems
-    import torch
-
-    isa = wanted.get("ATEN_CPU_CAPABILITY")
-    have = torch.backends.cpu.get_cpu_capability()
-    if isa is not None and have.lower() != isa.lower():
-        problems.append(f"ATen uses {have}, ATEN_CPU_CAPABILITY={isa}")
-    return problems

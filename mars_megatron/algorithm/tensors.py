@@ -43,7 +43,7 @@ class PackedSequence:
         Built where it is used: a host-built mask is T*T booleans (64 MiB at 8k) that the CPU makes and
         copies from pageable memory once per micro-batch, a copy that waits for the stream to drain. On
         the H100 (2026-11-26) our step took 1.18x the bare loop's, which builds its masks once on the
-        device, and this was the largest per-pack work it did that the bare loop does not. The pack is a
+        device; this per-pack work is the likely cause (not yet re-measured on a GPU). The pack is a
         host object, so the boundaries are read here without a device sync; the mask is one fill, one
         triangle and a block per segment (43 ms at 8k on 2 CPU cores, against 89 for the old host build).
         """
