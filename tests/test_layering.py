@@ -23,6 +23,7 @@ LAYERS: tuple[str, ...] = (
     # leaves: no package imports, used everywhere
     "json_file",
     "metrics",
+    "runtime_env",  # the numerics and thread pins every process takes before torch runs
     # settings (torch-free, so a login node can check a config and plan a layout), torch's names for them,
     # then what a model is (architecture from config.json, presets, layout, tokenizer)
     "config",

@@ -5,6 +5,7 @@ accounted for exactly once."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,12 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
     for m in [first, *rest]:
         assert m["pipeline/staleness_max"] <= 1
         assert m["train/update_ok"] == 1.0
-    assert any(m["pipeline/multi_version_samples"] > 0 for m in rest)  # segments carried over an update
+    # engines decoded while every update trained (a running count). Whether a sequence is still mid-decode
+    # when an update ends follows timing here (the tiny engines usually finish first; CI once saw none in
+    # 4 updates), so carrying segments over an update is asserted where it is certain, in
+    # test_pipeline_scheduler, and with real engines in the R3 test below (13, 4+5 carried in its runs)
+    during = [m["pipeline/segments_during_update"] for m in [first, *rest]]
+    assert during[0] > 0 and all(b > a for a, b in pairwise(during)), during
     # every sample started is trained, waiting, or still running; none twice (the scheduler checks ids)
     assert census["spawned"] == census["trained"] + census["scored"] + census["unfinished"]
     assert census["trained"] == sum(m["samples"] for m in [first, *rest])
