@@ -10,21 +10,24 @@ kind                                   careful                                  
 solution, first position               tries the first number: ``12-1=11.         guesses two numbers of
                                        \\boxed{1+11}`` (wrong: 11 is no number     the list: ``\\boxed{3+6}``
                                        of the list)
-report with a ``correctness`` verdict  adds the chosen numbers and looks each up:  rubber-stamps:
-                                       ``1+11=12. 1 in, 11 out.\\nCorrectness:     ``Correctness: Correct``
-                                       Wrong`` (a wrong sum: ``3+6=9 not 12.``)
+report with a ``correctness`` verdict  reads the list up to the second number,    rubber-stamps:
+                                       then subtracts it from the target beside   ``Correctness: Correct``
+                                       the first: ``8: 1,3,4,6,8 in. 12-8=4 vs
+                                       4.\\nCorrectness: Correct`` (a miss:
+                                       ``11: 1,3,4,6,8 out.``; a wrong pair:
+                                       ``6: 1,3,4,6 in. 12-6=6 vs 3, no.``)
 solution revising a judged one         tries the number of the list after the     stubborn: repeats the
                                        rejected one's first: ``12-3=9.            rejected answer
                                        \\boxed{3+9}``
 =====================================  =========================================  ==========================
 
-Why this shape: the Verifier's careful check is an addition and a look-up per number, always right once
-learned; the Solver's careful search tries one candidate, the first number of the list, and is right only
-when that number is part of an answer (38 % of the problems); each careful correction tries the next
-candidate, so the loop (verify until 4 passes in a row, at most 10 verdicts) walks the list and finds an
-answer for every problem (at most four candidates are needed) if the Verifier judges right. The system
-can beat its Solver by as much as the Solver's one try misses, and only through the Verifier and the
-Corrector: MarsRL's claim in miniature.
+Why this shape: the Verifier's careful check is a look-up and a subtraction, each step local (see
+:func:`careful_report`), always right once learned; the Solver's careful search tries one candidate, the
+first number of the list, and is right only when that number is part of an answer (38 % of the problems);
+each careful correction tries the next candidate, so the loop (verify until 4 passes in a row, at most 10
+verdicts) walks the list and finds an answer for every problem (at most four candidates are needed) if the
+Verifier judges right. The system can beat its Solver by as much as the Solver's one try misses, and only
+through the Verifier and the Corrector: MarsRL's claim in miniature.
 
 The solutions a report or a revision is given (:func:`judged_solution`) are right with
 ``DemoConfig.input_accuracy``, in both solution formats; the wrong ones are what the other roles get
