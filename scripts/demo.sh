@@ -7,7 +7,8 @@
 #      and the held-out accuracy of the V–C system and of its Solver alone before, halfway and after.
 # Extra arguments are config overrides for `mars train` (e.g. algorithm.reward=shared train.steps=20).
 # GRAPH=imo_refine or GRAPH=tool_pair runs another shipped agent graph on its tiny task instead
-# (examples/<graph>_sft.yaml, examples/<graph>_cpu.yaml).
+# (examples/<graph>_sft.yaml, examples/<graph>_cpu.yaml). TASK=subset runs MarsRL on the subset-sum task
+# (examples/subset_sft.yaml, examples/subset_cpu.yaml), where checking is easier than solving.
 # Ray listens on every interface; as root, the run goes into a network namespace with only loopback up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,14 @@ case "$GRAPH" in
   marsrl) SFT=examples/tiny_sft.yaml TRAIN=examples/tiny_cpu.yaml ;;
   imo_refine | tool_pair) SFT="examples/${GRAPH}_sft.yaml" TRAIN="examples/${GRAPH}_cpu.yaml" ;;
   *) echo "GRAPH must be marsrl, imo_refine or tool_pair, got '$GRAPH'" >&2; exit 2 ;;
+esac
+TASK=${TASK:-sums}
+case "$TASK" in
+  sums) ;;
+  subset)
+    [ "$GRAPH" = marsrl ] || { echo "TASK=subset runs the marsrl graph, got GRAPH=$GRAPH" >&2; exit 2; }
+    SFT=examples/subset_sft.yaml TRAIN=examples/subset_cpu.yaml ;;
+  *) echo "TASK must be sums or subset, got '$TASK'" >&2; exit 2 ;;
 esac
 RUN=${RUN:-runs/demo}
 rm -rf "$RUN" && mkdir -p "$RUN"

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mars_megatron.agents.graph import Strategy, prompt_set_of
 from mars_megatron.agents.graph_file import load_graph
@@ -62,6 +62,12 @@ class SFTConfig(Section):
         min=0,
         max=1,
     )
+    task: Literal["arith", "subset_sum"] = _field(
+        "arith",
+        "The tiny task the demos teach: arith (sums a+b, tasks/arith.py and tasks/demos.py) or subset_sum "
+        "(pick numbers of a list that add up to a target, tasks/subset_sum.py and tasks/subset_demos.py). "
+        "problems, max_operand, max_sum and problem_seed are arith's.",
+    )
     demos_per_step: int = _field(64, "Demonstrations per optimizer step (all roles mixed).", min=1)
     pack_length: int = _field(
         512, "Tokens per packed training sequence (one pack per micro-batch).", min=2, max=MAX_TOKENS
@@ -88,8 +94,9 @@ class SFTConfig(Section):
     )
     train_file: str | None = _field(
         None,
-        "JSONL of the addition problems the demos are drawn from (the RL run's data.train_file), so the "
-        "warm start never sees a held-out problem; null = generate `problems` from max_operand/problem_seed.",
+        "JSONL of the task's problems the demos are drawn from (the RL run's data.train_file), so the "
+        "warm start never sees a held-out problem; null = generate them (arith: `problems` from "
+        "max_operand/problem_seed; subset_sum: the training split of tasks/subset_sum.py).",
     )
     problems: int = _field(100, "Distinct addition problems the demos are drawn from.", min=1)
     max_operand: int = _field(
@@ -110,6 +117,8 @@ class SFTConfig(Section):
             if not Path(self.train_file).is_file():
                 raise ConfigError(f"{self.train_file}: no such file", "train_file")
             return
+        if self.task != "arith":
+            return
         available = len(operand_pairs(self.max_operand, self.max_sum))
         if self.problems > available:
             raise ConfigError(
@@ -119,6 +128,12 @@ class SFTConfig(Section):
             )
 
     def problem_set(self) -> list[Problem]:
+        if self.task == "subset_sum":
+            from mars_megatron.tasks import subset_sum
+
+            if self.train_file is not None:
+                return subset_sum.load_subset_file(self.train_file)
+            return subset_sum.train_test_split()[0]
         if self.train_file is not None:
             return load_arith_file(self.train_file)
         return arith_problems(
@@ -150,6 +165,10 @@ def step_batches(sft: SFTConfig, tokenizer_path: str | Path) -> list[tuple[list[
     # A graph whose roles call tools learns multi-turn responses (turns, observations masked).
     tools = any(r.tool is not None for r in graph.roles.values())
     build, encode = (build_tool_demos, encode_tool_demo) if tools else (build_demos, encode_demo)
+    if sft.task == "subset_sum":
+        from mars_megatron.tasks.subset_demos import build_subset_demos
+
+        build, encode = build_subset_demos, encode_demo  # type: ignore[assignment]
     phases = (
         (sft.demos.with_careful(sft.skill_careful), sft.skill_steps),
         (sft.demos, sft.steps - sft.skill_steps),
