@@ -44,7 +44,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from mars_megatron.agents.graph import AgentGraph
 from mars_megatron.agents.prompts import prompt_variables
@@ -131,16 +131,17 @@ def judge(report: str, shown: int) -> str:
 
 
 _SUM = re.compile(r"=(\d+)\.")
-_Maker = Callable[[Problem, "_Context", random.Random], Demo]
 
 
 @dataclass(frozen=True)
-class _Context:
+class RoleContext:
+    """What a demo maker of one role needs besides the problem and the random draws: the role's prompts
+    in the run's prompt set and its careful share. Every task's demos use it."""
+
     role: str
     graph: AgentGraph
     prompt_set: str
     cfg: DemoConfig
-    top: int
 
     def messages(
         self, problem: Problem, solution: str | None = None, report: str | None = None
@@ -151,6 +152,46 @@ class _Context:
     @property
     def careful_share(self) -> float:
         return self.cfg.careful_share(self.role)
+
+
+@dataclass(frozen=True)
+class _Context(RoleContext):
+    top: int
+    """The largest answer of the problems: guesses and wrong solutions are drawn from ``0..top``."""
+
+
+C = TypeVar("C", bound=RoleContext)
+Maker = Callable[[Problem, C, random.Random], Demo]
+_Maker = Maker[_Context]
+
+
+def draw_demos(
+    problems: Sequence[Problem],
+    graph: AgentGraph,
+    cfg: DemoConfig,
+    n: int,
+    maker_of: Callable[[str], Maker[C]],
+    context_of: Callable[[str], C],
+) -> list[Demo]:
+    """``n`` demos, each of a role of ``graph`` drawn by ``cfg.weights`` on a problem drawn from
+    ``problems``, made by ``maker_of(role)`` with ``context_of(role)``. The one draw order of every task
+    (role, problem, then the maker's draws, from ``cfg.seed``), so a longer list starts with the shorter
+    one. Roles in ``cfg`` that the graph lacks, or weights all zero, are errors naming the field."""
+    unknown = sorted((set(cfg.weights) | set(cfg.careful)) - set(graph.roles))
+    if unknown:
+        raise ConfigError(f"graph {graph.name!r} has no role {unknown[0]!r}", "demos")
+    roles = tuple(graph.roles)
+    weights = tuple(cfg.weights.get(r, 1.0) for r in roles)
+    if not any(weights):
+        raise ConfigError("at least one role needs a positive weight", "demos.weights")
+    makers = {r: maker_of(r) for r in roles}
+    contexts = {r: context_of(r) for r in roles}
+    rng = random.Random(cfg.seed)
+    demos = []
+    for _ in range(n):
+        role = rng.choices(roles, weights)[0]
+        demos.append(makers[role](rng.choice(problems), contexts[role], rng))
+    return demos
 
 
 def wrong_answer(rng: random.Random, answer: int, max_answer: int) -> int:
@@ -193,22 +234,15 @@ def build_demos(
     """
     if not problems:
         raise ValueError("build_demos: no problems")
-    unknown = sorted((set(cfg.weights) | set(cfg.careful)) - set(graph.roles))
-    if unknown:
-        raise ConfigError(f"graph {graph.name!r} has no role {unknown[0]!r}", "demos")
-    rng = random.Random(cfg.seed)
     top = max(int(p.reference) for p in problems)
-    roles = tuple(graph.roles)
-    weights = tuple(cfg.weights.get(r, 1.0) for r in roles)
-    if not any(weights):
-        raise ConfigError("at least one role needs a positive weight", "demos.weights")
-    makers = {r: demo_maker(graph, r) for r in roles}
-    contexts = {r: _Context(r, graph, prompt_set, cfg, top) for r in roles}
-    demos = []
-    for _ in range(n):
-        role = rng.choices(roles, weights)[0]
-        demos.append(makers[role](rng.choice(problems), contexts[role], rng))
-    return demos
+    return draw_demos(
+        problems,
+        graph,
+        cfg,
+        n,
+        lambda role: demo_maker(graph, role),
+        lambda role: _Context(role, graph, prompt_set, cfg, top),
+    )
 
 
 def _solution_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:

@@ -38,17 +38,14 @@ wrong, or a careful try with a slip of the subtraction (``12-4=9.``: the report 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from mars_megatron.agents.graph import AgentGraph
-from mars_megatron.agents.prompts import prompt_variables
 from mars_megatron.agents.roles import Message
-from mars_megatron.config import ConfigError
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.rewards.answers import extract_boxed
 from mars_megatron.rewards.subset_sum import SubsetSum, parse_answer
-from mars_megatron.tasks.demos import Demo, DemoConfig
+from mars_megatron.tasks.demos import Demo, DemoConfig, Maker, RoleContext, draw_demos
 from mars_megatron.tasks.subset_sum import parse_problem
 
 CARELESS_REPORT = "Correctness: Correct"
@@ -152,25 +149,7 @@ def judged_solution(problem: SubsetSum, right: bool, rng: random.Random) -> tupl
     return attempt(problem, first, partner), (first, partner)
 
 
-@dataclass(frozen=True)
-class _Context:
-    role: str
-    graph: AgentGraph
-    prompt_set: str
-    cfg: DemoConfig
-
-    def messages(
-        self, problem: Problem, solution: str | None = None, report: str | None = None
-    ) -> list[Message]:
-        return self.graph.roles[self.role].messages(
-            self.prompt_set, prompt_variables(problem.text, solution, report)
-        )
-
-    def careful(self, rng: random.Random) -> bool:
-        return rng.random() < self.cfg.careful_share(self.role)
-
-
-_Maker = Callable[[Problem, _Context, random.Random], Demo]
+_Maker = Maker[RoleContext]
 
 
 def demo_maker(graph: AgentGraph, role: str) -> _Maker:
@@ -195,44 +174,37 @@ def build_subset_demos(
     Deterministic for a given ``cfg.seed`` (a longer list starts with the shorter one)."""
     if not problems:
         raise ValueError("build_subset_demos: no problems")
-    unknown = sorted((set(cfg.weights) | set(cfg.careful)) - set(graph.roles))
-    if unknown:
-        raise ConfigError(f"graph {graph.name!r} has no role {unknown[0]!r}", "demos")
-    roles = tuple(graph.roles)
-    weights = tuple(cfg.weights.get(r, 1.0) for r in roles)
-    if not any(weights):
-        raise ConfigError("at least one role needs a positive weight", "demos.weights")
-    makers = {r: demo_maker(graph, r) for r in roles}
-    contexts = {r: _Context(r, graph, prompt_set, cfg) for r in roles}
-    rng = random.Random(cfg.seed)
-    demos = []
-    for _ in range(n):
-        role = rng.choices(roles, weights)[0]
-        demos.append(makers[role](rng.choice(problems), contexts[role], rng))
-    return demos
+    return draw_demos(
+        problems,
+        graph,
+        cfg,
+        n,
+        lambda role: demo_maker(graph, role),
+        lambda role: RoleContext(role, graph, prompt_set, cfg),
+    )
 
 
-def _solution_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
+def _solution_demo(p: Problem, c: RoleContext, rng: random.Random) -> Demo:
     problem = parse_problem(p)
-    careful = c.careful(rng)
+    careful = rng.random() < c.careful_share
     response = attempt(problem, first_try(problem)) if careful else boxed(guess(problem, rng))
     return _answer_demo(c.role, p, problem, c.messages(p), response, careful)
 
 
-def _report_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
+def _report_demo(p: Problem, c: RoleContext, rng: random.Random) -> Demo:
     problem = parse_problem(p)
     right = rng.random() < c.cfg.input_accuracy
     solution, chosen = judged_solution(problem, right, rng)
-    careful = c.careful(rng)
+    careful = rng.random() < c.careful_share
     response = careful_report(problem, chosen) if careful else CARELESS_REPORT
     return Demo(c.role, p.problem_id, c.messages(p, solution), response, careful, careful or right)
 
 
-def _revision_demo(p: Problem, c: _Context, rng: random.Random) -> Demo:
+def _revision_demo(p: Problem, c: RoleContext, rng: random.Random) -> Demo:
     problem = parse_problem(p)
     solution, chosen = judged_solution(problem, False, rng)
     report = careful_report(problem, chosen)  # the careful report that rejected it
-    careful = c.careful(rng)
+    careful = rng.random() < c.careful_share
     response = attempt(problem, next_try(problem, chosen[0])) if careful else boxed(chosen)
     return _answer_demo(c.role, p, problem, c.messages(p, solution, report), response, careful)
 
