@@ -28,7 +28,7 @@ RUNS_BY_DEFAULT = {
     "train_step.py": ["--model", "--shapes", "--nproc", "--repeats", "--quick"],
     "weight_sync.py": ["--layers", "--engines", "--bucket-mb", "--repeats"],
     "tiny_run.py": ["--out", "--steps"],
-    "paper_table.py": ["--task", "--out", "--sft", "--seeds", "--shared-warm-start", "--samples"],
+    "paper_table.py": ["--task", "--out", "--resume", "--sft", "--seeds", "--warm-start-per-seed", "--jobs"],
 }
 # Benchmarks whose modes are a choice: no arguments prints the usage and exits 2.
 ASKS_FOR_A_MODE = {"pipeline.py": ["--real", "--sim", "--sft", "--out", "--train-s-per-token"]}
@@ -107,6 +107,15 @@ def test_paper_table_names_a_missing_sft(tmp_path: Path) -> None:
     out = tmp_path / "run"
     refused(run("paper_table.py", "--sft", tmp_path / "missing", "--out", out), "--sft")
     assert not out.exists()
+
+
+def test_paper_table_finishes_an_out_only_with_the_same_options(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    refused(run("paper_table.py", "--out", out), "--out")  # a folder that exists is never mixed into
+    (out / "bench_args.json").write_text('{"seeds": 5}\n')
+    refused(run("paper_table.py", "--out", out, "--resume"), "--resume")
+    assert [p.name for p in out.iterdir()] == ["bench_args.json"]  # nothing ran
 
 
 def test_pipeline_names_a_missing_or_wrong_sft(tmp_path: Path) -> None:

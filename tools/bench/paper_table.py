@@ -11,13 +11,13 @@ task's held-out split (problems never trained on), per seed:
   column ``RL agent``     `mars train` with agent-specific rewards (MarsRL);
   column ``RL shared``    the same run with ``algorithm.reward=shared`` (one trajectory-level reward).
 
-Each seed builds its own random tiny model and warm start (``--shared-warm-start``: one for all seeds, so
-the spread is RL's alone) and seeds its RL runs. Rows: Solver-alone and system avg@K, their difference,
-pass@k of both, and what explains them: the Verifier's accuracy on right and on wrong solutions, the
-Corrector's fix and break rates, the share of loops the Verifier accepted (``mars eval``'s ``roles``
-summary). Each cell is the mean over seeds and, with several seeds, the range. Evaluation uses `mars eval
---checkpoint` on each run's final checkpoint with the run's prompt set and MarsRL's evaluation sampling
-(temperature 0.6, top-p 0.95).
+One warm start serves every seed, so the spread is RL's (the paper, too, trains one base model);
+``--warm-start-per-seed`` builds a random tiny model and a warm start per seed instead. Rows: Solver alone and
+system avg@K, their difference, pass@k of both, and what explains them: the Verifier's accuracy on right and
+on wrong solutions, the Corrector's fix and break rates, the share of loops the Verifier accepted (``mars
+eval``'s ``roles`` summary). Each cell is the mean over seeds and, with several seeds, the range. Evaluation
+uses `mars eval --checkpoint` on each run's final checkpoint with the run's prompt set and MarsRL's evaluation
+sampling (temperature 0.6, top-p 0.95).
 
 The goal, stated before measuring (issue 31): after RL with agent-specific rewards the system beats its
 Solver by ≥ 5 points held-out on every seed, and by more than with the shared reward (mean over seeds).
@@ -30,10 +30,13 @@ draws the Solver against the system during training, agent and shared, averaged 
 
     python tools/bench/paper_table.py --task subset_sum [--seeds 3] [--samples 16] [--out DIR] [--sft DIR]
 
-With no arguments it runs ``--task subset_sum`` over 3 seeds (each: a warm start, two RL runs and three
-evaluations on the held-out split) and prints the Markdown table with the goal's verdict; it writes
-``table.md``/``table.json``/``heldout.png`` under ``--out``. ``--sft`` uses an existing warm start of the
-task for every seed.
+With no arguments it runs ``--task subset_sum`` over 3 seeds (one warm start and its evaluation, then per
+seed two RL runs and their evaluations on the held-out split: 15 commands, 2 side by side, about 30 min on
+2 cores) and prints the Markdown table with the goal's verdict; it writes ``table.md``/``table.json``/
+``heldout.png`` under ``--out``, each command's output under ``--out``/logs. Every process uses one CPU
+thread, so ``--jobs 2`` fills two cores without changing a figure (tests/test_repeat.py: the same figures
+idle or loaded). ``--sft`` uses an existing warm start of the task; ``--resume`` finishes an interrupted
+``--out``, keeping the commands that had finished.
 Anything here starts Ray: run it inside a loopback-only network namespace, e.g.
     unshare -n sh -c 'ip link set lo up && python tools/bench/paper_table.py --task subset_sum'
 """
@@ -49,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import REPO, mars
+from common import REPO, Job, JobFailed, mars_argv, run_jobs
 
 
 @dataclass(frozen=True)
@@ -87,33 +90,152 @@ RUNS = {"sft": "SFT start", "agent": "RL agent", "shared": "RL shared"}
 GOAL_POINTS = 5.0
 
 
-def evaluate(out: Path, samples: int, data: str, *, config: str, model: Path | None = None,
-             run: Path | None = None, limit: int | None = None) -> dict:  # fmt: skip
+def eval_argv(
+    out: Path,
+    samples: int,
+    data: str,
+    *,
+    config: str,
+    model: Path | None = None,
+    run: Path | None = None,
+    limit: int | None = None,
+) -> tuple[str, ...]:
     """`mars eval` of a warm start (``model``) or of a run's final checkpoint (``run``) on ``data``."""
     target = ["--model", str(model)] if model is not None else ["--checkpoint", str(run / "ckpt")]  # type: ignore[operator]
     config = str(run / "config.yaml") if run is not None else config
     first = ["--limit", str(limit)] if limit else []
-    mars("eval", "--data", data, *first, *target, "--config", config, "--engine", "transformers",
-         "--samples", str(samples), "--out", str(out), "--checker-workers", "1")  # fmt: skip
-    return json.loads((out / "summary.json").read_text())
+    return mars_argv(
+        "eval",
+        "--data",
+        data,
+        *first,
+        *target,
+        "--config",
+        config,
+        "--engine",
+        "transformers",
+        "--samples",
+        str(samples),
+        "--out",
+        str(out),
+        "--checker-workers",
+        "1",
+    )
 
 
-def warm_start(task: Task, folder: Path, seed: int) -> Path:
-    """A random tiny-moe of ``seed`` and its `mars sft` warm start (SFT seed shifted by ``seed``)."""
-    mars("init-model", "--preset", "tiny-moe", "--seed", str(seed), "--out", str(folder / "hf"))
+def warm_start_jobs(task: Task, folder: Path, seed: int, args: argparse.Namespace) -> list[Job]:
+    """A random tiny-moe of ``seed``, its `mars sft` warm start (SFT seed shifted by ``seed``) and the
+    warm start's evaluation (the ``SFT start`` column)."""
+    name = folder.name
     sft_seed = [f"seed={1234 + seed}"] if seed else []  # seed 0: the task's own warm start, as the demo's
-    mars("sft", task.sft, "--model-dir", str(folder / "hf"), "--out", str(folder / "sft"), *sft_seed)
-    return folder / "sft"
+    return [
+        Job(
+            f"{name}/init",
+            mars_argv("init-model", "--preset", "tiny-moe", "--seed", str(seed), "--out", str(folder / "hf")),
+            writes=folder / "hf",
+        ),
+        Job(
+            f"{name}/sft",
+            mars_argv(
+                "sft", task.sft, "--model-dir", str(folder / "hf"), "--out", str(folder / "sft"), *sft_seed
+            ),
+            (f"{name}/init",),
+            folder / "sft",
+        ),
+        Job(
+            f"{name}/eval_sft",
+            eval_argv(
+                folder / "eval_sft",
+                args.samples,
+                task.test,
+                config=task.config,
+                model=folder / "sft",
+                limit=args.limit,
+            ),
+            (f"{name}/sft",),
+            folder / "eval_sft",
+        ),
+    ]
 
 
-def train(task: Task, run: Path, sft: Path, reward: str, seed: int, args: argparse.Namespace) -> Path:
+def train_argv(
+    task: Task, run: Path, sft: Path, reward: str, seed: int, args: argparse.Namespace
+) -> tuple[str, ...]:
+    """`mars train` of the task's RL config from ``sft`` with one reward kind, seeded by ``seed``."""
     extra = [f"train.steps={args.steps}"] if args.steps else []
     train_seed = [f"train.seed={1234 + seed}"] if seed else []
-    mars("train", task.config, f"model.mcore_dir={sft}", f"algorithm.reward={reward}",
-         f"logging.run_dir={run}", f"checkpoint.save_dir={run / 'ckpt'}", f"evaluation.test_file={task.test}",
-         f"evaluation.interval={args.eval_interval}", f"evaluation.samples={args.eval_samples}",
-         *train_seed, *extra)  # fmt: skip
-    return run
+    return mars_argv(
+        "train",
+        task.config,
+        f"model.mcore_dir={sft}",
+        f"algorithm.reward={reward}",
+        f"logging.run_dir={run}",
+        f"checkpoint.save_dir={run / 'ckpt'}",
+        f"evaluation.test_file={task.test}",
+        f"evaluation.interval={args.eval_interval}",
+        f"evaluation.samples={args.eval_samples}",
+        *train_seed,
+        *extra,
+    )
+
+
+def plan(task: Task, out: Path, args: argparse.Namespace) -> tuple[list[Job], list[dict[str, Path]]]:
+    """Every job of the table, and per seed the evaluation folder (``summary.json``) of each column.
+
+    One warm start serves every seed (the spread is RL's: the paper too reports RL from one base model)
+    unless ``--warm-start-per-seed``; ``--sft`` gives that one warm start. Jobs are listed so that a
+    free lane takes an evaluation as soon as its run is finished, before the next seed's runs."""
+    jobs: list[Job] = []
+    warm: dict[int, tuple[Path, Path, tuple[str, ...]]] = {}  # seed -> (sft, its summary, its job)
+    per_seed: list[dict[str, Path]] = []
+    for seed in range(args.seeds):
+        folder = out / f"seed{seed}"
+        if seed == 0 or args.warm_start_per_seed:
+            if args.sft is not None:
+                sft = Path(args.sft).resolve()
+                jobs.append(
+                    Job(
+                        "seed0/eval_sft",
+                        eval_argv(
+                            folder / "eval_sft",
+                            args.samples,
+                            task.test,
+                            config=task.config,
+                            model=sft,
+                            limit=args.limit,
+                        ),
+                        writes=folder / "eval_sft",
+                    )
+                )
+                warm[seed] = (sft, folder / "eval_sft", ())
+            else:
+                jobs += warm_start_jobs(task, folder, seed, args)
+                warm[seed] = (folder / "sft", folder / "eval_sft", (f"seed{seed}/sft",))
+        sft, sft_eval, after = warm[seed] if seed in warm else warm[0]
+        runs = []
+        for reward in ("agent", "shared"):
+            run = folder / reward
+            runs.append(
+                Job(f"seed{seed}/{reward}", train_argv(task, run, sft, reward, seed, args), after, run)
+            )
+            runs.append(
+                Job(
+                    f"seed{seed}/eval_{reward}",
+                    eval_argv(
+                        folder / f"eval_{reward}",
+                        args.samples,
+                        task.test,
+                        config=task.config,
+                        run=run,
+                        limit=args.limit,
+                    ),
+                    (f"seed{seed}/{reward}",),
+                    folder / f"eval_{reward}",
+                )
+            )
+        jobs += runs[0::2] + runs[1::2]
+        per_seed.append({"sft": sft_eval, "agent": folder / "eval_agent", "shared": folder / "eval_shared"})
+    return jobs, per_seed
 
 
 # ------------------------------------------------------------------------------------------- the table
@@ -193,8 +315,9 @@ def verdict(per_seed: list[dict[str, dict]]) -> list[str]:
     ]
 
 
-def plot_held_out(runs: dict[str, list[Path]], out_png: Path) -> Path | None:
-    """Held-out Solver alone and system per evaluated step, each run kind averaged over its seeds."""
+def plot_held_out(runs: dict[str, list[Path]], out_png: Path, samples: int) -> Path | None:
+    """Held-out Solver alone and system per evaluated step (avg@``samples``, the evaluation during
+    training), each run kind averaged over its seeds."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.2), dpi=100)
@@ -216,7 +339,7 @@ def plot_held_out(runs: dict[str, list[Path]], out_png: Path) -> Path | None:
     if not drawn:
         return None
     ax.set_xlabel("RL step")
-    ax.set_ylabel("held-out accuracy (avg@K, mean over seeds)")
+    ax.set_ylabel(f"held-out accuracy (avg@{samples}, mean over seeds)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize="small")
@@ -233,52 +356,61 @@ def main() -> int:
     parser.add_argument(
         "--out", default=None, help="new output folder (default runs/bench_paper_table_<task>)"
     )
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (mean and range over them)")
-    parser.add_argument("--shared-warm-start", action="store_true", help="one warm start for every seed")
+    parser.add_argument("--resume", action="store_true", help="finish an interrupted or failed --out")
+    parser.add_argument("--seeds", type=int, default=3, help="RL seeds 0..N-1 (mean and range over them)")
+    parser.add_argument(
+        "--warm-start-per-seed", action="store_true", help="a warm start per seed (default: one for all)"
+    )
     parser.add_argument("--sft", default=None, help="an existing warm start of the task (mars sft output)")
     parser.add_argument("--samples", type=int, default=16, help="K of avg@K (>= 8)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N held-out problems only")
     parser.add_argument("--steps", type=int, default=None, help="override train.steps of the RL runs")
     parser.add_argument("--eval-interval", type=int, default=15, help="held-out curve during training")
     parser.add_argument("--eval-samples", type=int, default=4, help="K of the curve during training")
+    parser.add_argument("--jobs", type=int, default=2, help="commands run side by side (one CPU thread each)")
     args = parser.parse_args()
     if args.samples < 8:
         parser.error(f"--samples must be >= 8 (avg@K with K >= 8), got {args.samples}")
-    if args.seeds < 1:
-        parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    for flag in ("seeds", "jobs"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.sft is not None and not (Path(args.sft) / "mars_checkpoint.json").is_file():
         parser.error(f"--sft {args.sft}: not a mars sft output (no mars_checkpoint.json)")
+    if args.sft is not None and args.warm_start_per_seed:
+        parser.error("--sft gives one warm start for every seed; drop --warm-start-per-seed")
     task = TASKS[args.task]
     out = (REPO / (args.out or f"runs/bench_paper_table_{args.task}")).resolve()
-    if out.exists():
-        parser.error(f"--out {out} exists; remove it or pass another --out")
-    out.mkdir(parents=True)
+    if out.exists() and not args.resume:
+        parser.error(f"--out {out} exists; remove it, pass another --out, or --resume to finish it")
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in sorted(vars(args).items()) if k not in ("resume", "jobs", "out")}
+    recorded = out / "bench_args.json"
+    if recorded.is_file() and json.loads(recorded.read_text()) != settings:
+        parser.error(
+            f"--resume: {out} was started with {recorded.read_text().strip()}; give the same options"
+        )
+    recorded.write_text(json.dumps(settings) + "\n")
     start = time.perf_counter()
-    per_seed: list[dict[str, dict]] = []
-    runs: dict[str, list[Path]] = {"agent": [], "shared": []}
-    sft: Path | None = None if args.sft is None else Path(args.sft).resolve()
-    shared = args.shared_warm_start or args.sft is not None
-    for seed in range(args.seeds):
-        folder = out / f"seed{seed}"
-        folder.mkdir()
-        if seed == 0 or not shared:  # a warm start of this seed, or the one all seeds share
-            if sft is None or not shared:
-                sft = warm_start(task, folder, seed)
-            sft_summary = evaluate(folder / "eval_sft", args.samples, task.test, config=task.config,
-                                   model=sft, limit=args.limit)  # fmt: skip
-        results = {"sft": sft_summary}
-        for reward in ("agent", "shared"):
-            run = train(task, folder / reward, sft, reward, seed, args)
-            runs[reward].append(run)
-            results[reward] = evaluate(folder / f"eval_{reward}", args.samples, task.test, config=task.config,
-                                       run=run, limit=args.limit)  # fmt: skip
-        per_seed.append(results)
-        print(f"seed {seed} done after {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    jobs, summaries = plan(task, out, args)
+    print(f"{len(jobs)} jobs, {args.jobs} at a time; logs in {out / 'logs'}", file=sys.stderr, flush=True)
+    try:
+        run_jobs(jobs, out, args.jobs, log=lambda line: print(line, file=sys.stderr, flush=True))
+    except JobFailed as e:
+        print(f"paper_table: {e}", file=sys.stderr)
+        return 1
+    per_seed = [
+        {column: json.loads((folder / "summary.json").read_text()) for column, folder in seed.items()}
+        for seed in summaries
+    ]
+    runs = {
+        reward: [out / f"seed{seed}" / reward for seed in range(args.seeds)] for reward in ("agent", "shared")
+    }
     problems = per_seed[0]["sft"].get("problems", "?")
-    title = f"held-out ({problems} {task.what} never trained on), {args.seeds} seed(s)"
+    spread = "a warm start per seed" if args.warm_start_per_seed else "one warm start"
+    title = f"held-out ({problems} {task.what} never trained on), {args.seeds} RL seed(s), {spread}"
     table = markdown(title, per_seed)
     lines = verdict(per_seed)
-    png = plot_held_out(runs, out / "heldout.png")
+    png = plot_held_out(runs, out / "heldout.png", args.eval_samples)
     minutes = (time.perf_counter() - start) / 60
     (out / "table.md").write_text(table + "\n\n" + "\n".join(lines) + f"\n\nwall time: {minutes:.1f} min\n")
     (out / "table.json").write_text(
