@@ -26,11 +26,12 @@ case "$GRAPH" in
   *) echo "GRAPH must be marsrl, imo_refine or tool_pair, got '$GRAPH'" >&2; exit 2 ;;
 esac
 TASK=${TASK:-sums}
+EVAL_EVERY=30  # held-out evaluations at steps 0, halfway and last (subset sum trains 30 steps)
 case "$TASK" in
   sums) ;;
   subset)
     [ "$GRAPH" = marsrl ] || { echo "TASK=subset runs the marsrl graph, got GRAPH=$GRAPH" >&2; exit 2; }
-    SFT=examples/subset_sft.yaml TRAIN=examples/subset_cpu.yaml ;;
+    SFT=examples/subset_sft.yaml TRAIN=examples/subset_cpu.yaml EVAL_EVERY=15 ;;
   *) echo "TASK must be sums or subset, got '$TASK'" >&2; exit 2 ;;
 esac
 RUN=${RUN:-runs/demo}
@@ -38,5 +39,5 @@ rm -rf "$RUN" && mkdir -p "$RUN"
 mars init-model --preset tiny-moe --out "$RUN/hf"
 mars sft "$SFT" --model-dir "$RUN/hf" --out "$RUN/sft"
 mars train "$TRAIN" model.mcore_dir="$RUN/sft" logging.run_dir="$RUN/train" \
-  checkpoint.save_dir="$RUN/checkpoints" evaluation.interval=30 "$@"
+  checkpoint.save_dir="$RUN/checkpoints" evaluation.interval="$EVAL_EVERY" "$@"
 echo "metrics: $RUN/train/metrics.jsonl   plot: $RUN/train/rewards.png   tensorboard: $RUN/train/tensorboard"
