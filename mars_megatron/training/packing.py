@@ -29,6 +29,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -181,28 +182,35 @@ def _best_pair(pool: list[tuple[int, int]], room: int, top: int, tries: int = 48
     return best
 
 
-def _swap(
-    packs: list[list[int]],
-    pack_of: list[int],
-    free: list[int],
-    lengths: Sequence[int],
-    a: int,
-    A: int,
-    b: int,
-    B: int,
+class Exchange(NamedTuple):
+    """A move between two packs: sample ``out`` leaves pack ``source`` for pack ``target`` and, unless
+    ``back`` is -1, sample ``back`` of ``target`` returns to ``source``. ``score`` ranks candidates: the room
+    left in ``source`` after it takes the pending sample (:meth:`_Room.make_room`, lower is tighter) or the
+    room ``source`` has after the exchange (:meth:`_Room.grow_room`, higher is better)."""
+
+    score: int
+    out: int
+    source: int
+    back: int
+    target: int
+
+
+def _exchange(
+    packs: list[list[int]], pack_of: list[int], free: list[int], lengths: Sequence[int], move: Exchange
 ) -> None:
-    """Sample ``a`` from pack A to pack B and (when ``b >= 0``) sample ``b`` from B to A."""
-    packs[A].remove(a)
-    packs[B].append(a)
-    pack_of[a] = B
-    free[A] += lengths[a]
-    free[B] -= lengths[a]
-    if b >= 0:
-        packs[B].remove(b)
-        packs[A].append(b)
-        pack_of[b] = A
-        free[B] += lengths[b]
-        free[A] -= lengths[b]
+    """Carry out ``move``: its ``out`` sample to the target pack, its ``back`` sample (if any) home."""
+    out, source, back, target = move.out, move.source, move.back, move.target
+    packs[source].remove(out)
+    packs[target].append(out)
+    pack_of[out] = target
+    free[source] += lengths[out]
+    free[target] -= lengths[out]
+    if back >= 0:
+        packs[target].remove(back)
+        packs[source].append(back)
+        pack_of[back] = source
+        free[target] += lengths[back]
+        free[source] -= lengths[back]
 
 
 def _place_longest_pending(
@@ -239,62 +247,64 @@ class _Room:
                 pack_of[i] = k
         return cls(packs, free, pack_of, lengths, sorted((lengths[i], i) for i in range(len(lengths))))
 
-    def make_room(self, x: int, by_free: list[int]) -> tuple[int, int, int, int, int] | None:
-        """A move or swap that leaves a pack A room for a sample of length ``x``: sample ``a`` of A into
-        the room of pack B (and, when ``b >= 0``, a shorter ``b`` of B back). The tightest fit first (a
-        leftover shorter than the shortest sample is as tight as it gets): ``(left, a, A, b, B)``."""
+    def make_room(self, x: int, by_free: list[int]) -> Exchange | None:
+        """An exchange that leaves a pack (its ``source``) room for a sample of length ``x``: a sample of
+        it into the room of the ``target`` pack and, optionally, a shorter sample of the target back. The
+        tightest fit first (a leftover shorter than the shortest sample is as tight as it gets); its
+        ``score`` is the room left after the pending sample goes in."""
         n, order, free = len(self.lengths), self.order, self.free
         good = order[0][0]
         fmax = free[by_free[0]]
-        best = None
-        for B in by_free[:16]:
-            fB = free[B]
-            if fB + fmax < x:
+        best: Exchange | None = None
+        for target in by_free[:16]:
+            target_free = free[target]
+            if target_free + fmax < x:
                 break
-            for b_len, b in [(0, -1)] + [(self.lengths[j], j) for j in self.packs[B]]:
-                lo = bisect.bisect_left(order, (b_len + x - fmax, -1))
-                hi = bisect.bisect_right(order, (b_len + fB, n))
-                for a_len, a in order[lo:hi]:
-                    k = self.pack_of[a]
-                    if k < 0 or k == B:
+            for back_len, back in [(0, -1)] + [(self.lengths[j], j) for j in self.packs[target]]:
+                lo = bisect.bisect_left(order, (back_len + x - fmax, -1))
+                hi = bisect.bisect_right(order, (back_len + target_free, n))
+                for out_len, out in order[lo:hi]:
+                    source = self.pack_of[out]
+                    if source < 0 or source == target:
                         continue
-                    left = free[k] + a_len - b_len - x
-                    if left >= 0 and (best is None or left < best[0]):
-                        best = (left, a, k, b, B)
+                    left = free[source] + out_len - back_len - x
+                    if left >= 0 and (best is None or left < best.score):
+                        best = Exchange(left, out, source, back, target)
                         if left < good:
                             break
-                if best is not None and best[0] < good:
+                if best is not None and best.score < good:
                     break
-            if best is not None and best[0] < good:
+            if best is not None and best.score < good:
                 break
         return best
 
-    def grow_room(self, anchor: int, by_free: list[int]) -> tuple[int, int, int, int, int] | None:
-        """Consolidate: the move or swap that most grows the free room of one pack A (the ``anchor``, or
-        one of the emptiest packs), as ``(room after, b, B, a, A)``; None when none grows it."""
+    def grow_room(self, anchor: int, by_free: list[int]) -> Exchange | None:
+        """Consolidate: the exchange that most grows the free room of one pack (its ``source``: the
+        ``anchor``, or one of the emptiest packs), scored by that room after it; None when none grows
+        it."""
         order, free, lengths = self.order, self.free, self.lengths
         fmax = free[by_free[0]]
-        best = None
-        for A in [anchor] if anchor >= 0 else by_free[:8]:
-            for a in self.packs[A]:
-                a_len = lengths[a]
-                lo = bisect.bisect_left(order, (a_len - fmax, -1))
-                hi = bisect.bisect_left(order, (a_len, -1))
-                for b_len, b in order[lo:hi]:  # swap a for a shorter b of another pack
-                    B = self.pack_of[b]
-                    if B < 0 or B == A:
+        best: Exchange | None = None
+        for source in [anchor] if anchor >= 0 else by_free[:8]:
+            for out in self.packs[source]:
+                out_len = lengths[out]
+                lo = bisect.bisect_left(order, (out_len - fmax, -1))
+                hi = bisect.bisect_left(order, (out_len, -1))
+                for back_len, back in order[lo:hi]:  # swap out for a shorter sample of another pack
+                    target = self.pack_of[back]
+                    if target < 0 or target == source:
                         continue
-                    d = a_len - b_len
-                    if d <= free[B]:
-                        gain = free[A] + d
-                        if best is None or gain > best[0]:
-                            best = (gain, b, B, a, A)
-                for B in by_free[:4]:  # plain moves of a
-                    if B != A and free[B] >= a_len:
-                        gain = free[A] + a_len
-                        if best is None or gain > best[0]:
-                            best = (gain, -1, B, a, A)
-        if best is None or best[0] <= free[best[4]]:
+                    d = out_len - back_len
+                    if d <= free[target]:
+                        gain = free[source] + d
+                        if best is None or gain > best.score:
+                            best = Exchange(gain, out, source, back, target)
+                for target in by_free[:4]:  # plain moves of out
+                    if target != source and free[target] >= out_len:
+                        gain = free[source] + out_len
+                        if best is None or gain > best.score:
+                            best = Exchange(gain, out, source, -1, target)
+        if best is None or best.score <= free[best.source]:
             return None
         return best
 
@@ -341,16 +351,14 @@ def _empty_pack(room: _Room, pending: list[tuple[int, int]], max_steps: int) -> 
         by_free = sorted(range(len(free)), key=lambda k: (-free[k], k))
         made = room.make_room(x, by_free) if anchor < 0 else None
         if made is not None:
-            _, a, k, b, B = made
-            _swap(room.packs, room.pack_of, free, room.lengths, a, k, b, B)
-            _place_longest_pending(pending, room.packs, room.pack_of, free, k)
+            _exchange(room.packs, room.pack_of, free, room.lengths, made)
+            _place_longest_pending(pending, room.packs, room.pack_of, free, made.source)
             anchor = -1
             continue
         grown = room.grow_room(anchor, by_free)
         if grown is not None:
-            _, b, B, a, A = grown
-            _swap(room.packs, room.pack_of, free, room.lengths, a, A, b, B)
-            anchor = A
+            _exchange(room.packs, room.pack_of, free, room.lengths, grown)
+            anchor = grown.source
             continue
         if not room.displace(pending, x, free[by_free[0]]):
             break
