@@ -44,7 +44,7 @@ def _check_model(model_dir: str, layout: ParallelConfig, hf_only: bool = False) 
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"{model_dir}: no such model directory")
     if hf_only:
-        from checkpoints_conversion.convert import is_mcore_checkpoint
+        from mars_megatron.convert import is_mcore_checkpoint
 
         if is_mcore_checkpoint(model_dir):
             raise ValueError(
@@ -170,8 +170,8 @@ def _init_model(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from checkpoints_conversion.convert import check_output_dir, preflight
     from mars_megatron import jobs
+    from mars_megatron.convert import check_output_dir, preflight
 
     check_output_dir(args.dst)
     layout = _layout(args)
@@ -220,8 +220,8 @@ def _score(args: argparse.Namespace) -> None:
 
 
 def _sft(args: argparse.Namespace) -> None:
-    from checkpoints_conversion.convert import check_output_dir
     from mars_megatron import jobs
+    from mars_megatron.convert import check_output_dir
     from mars_megatron.tasks.sft import SFTConfig, sft_job
 
     sft = load_config(args.config, [*args.overrides, f"out_dir={args.out}"], root=SFTConfig)

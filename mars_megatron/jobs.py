@@ -60,9 +60,9 @@ def load_engine(
     """A :class:`MegatronEngine` with weights from an HF directory or a mars Megatron checkpoint
     (``fp8``, ``recompute``, ``routing_replay``: ``model.fp8``, ``train.recompute``, whether
     ``moe.routing_replay`` is on)."""
-    from checkpoints_conversion.convert import is_mcore_checkpoint, load_mcore, read_meta
-    from checkpoints_conversion.hf_io import HFReader
-    from checkpoints_conversion.model_io import load_weights, validate_hf_checkpoint
+    from mars_megatron.conversion.hf_io import HFReader
+    from mars_megatron.conversion.model_io import load_weights, validate_hf_checkpoint
+    from mars_megatron.convert import is_mcore_checkpoint, load_mcore, read_meta
     from mars_megatron.models.hf_config import load_hf_config
     from mars_megatron.training.engine import MegatronEngine
 
@@ -100,7 +100,7 @@ def load_engine(
 
 def tokenizer_dir(model_dir: str) -> Path:
     """HF directories carry their tokenizer; mars checkpoints keep it under ``hf/``."""
-    from checkpoints_conversion.convert import is_mcore_checkpoint
+    from mars_megatron.convert import is_mcore_checkpoint
 
     return Path(model_dir) / "hf" if is_mcore_checkpoint(model_dir) else Path(model_dir)
 
@@ -109,7 +109,7 @@ def tokenizer_dir(model_dir: str) -> Path:
 def hf_to_mcore_job(
     hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype: str | None, impl: str
 ) -> None:
-    from checkpoints_conversion.convert import hf_to_mcore
+    from mars_megatron.convert import hf_to_mcore
 
     par.init_model_parallel(parallel, seed=0)
     hf_to_mcore(hf_dir, out_dir, parallel, dtype=dtype, transformer_impl=impl)
@@ -118,7 +118,7 @@ def hf_to_mcore_job(
 def mcore_to_hf_job(
     mcore_dir: str, out_dir: str, parallel: ParallelConfig, max_shard_bytes: int, impl: str
 ) -> None:
-    from checkpoints_conversion.convert import mcore_to_hf
+    from mars_megatron.convert import mcore_to_hf
 
     par.init_model_parallel(parallel, seed=0)
     mcore_to_hf(mcore_dir, out_dir, parallel, max_shard_bytes=max_shard_bytes, transformer_impl=impl)
@@ -127,7 +127,7 @@ def mcore_to_hf_job(
 # -------------------------------------------------------------------------------------------------- score
 def model_arch(model_dir: str) -> Any:
     """Architecture of an HF directory or a mars Megatron checkpoint, read from its metadata only."""
-    from checkpoints_conversion.convert import is_mcore_checkpoint, preflight
+    from mars_megatron.convert import is_mcore_checkpoint, preflight
     from mars_megatron.models.hf_config import load_hf_config
 
     if is_mcore_checkpoint(model_dir):
@@ -138,9 +138,9 @@ def model_arch(model_dir: str) -> Any:
 def check_model_files(model_dir: str) -> Any:
     """:func:`model_arch`, and for an HF folder its safetensors checked against config.json (names, shapes,
     dtypes; headers only): what :func:`load_engine` checks on the ranks, in the launching process."""
-    from checkpoints_conversion.convert import is_mcore_checkpoint
-    from checkpoints_conversion.hf_io import HFReader
-    from checkpoints_conversion.model_io import validate_hf_checkpoint
+    from mars_megatron.conversion.hf_io import HFReader
+    from mars_megatron.conversion.model_io import validate_hf_checkpoint
+    from mars_megatron.convert import is_mcore_checkpoint
 
     arch = model_arch(model_dir)
     if not is_mcore_checkpoint(model_dir):

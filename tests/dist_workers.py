@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from checkpoints_conversion.convert import hf_to_mcore, mcore_to_hf
 from mars_megatron.config import ParallelConfig
+from mars_megatron.convert import hf_to_mcore, mcore_to_hf
 from mars_megatron.training import parallel
 
 Layout = tuple[int, int, int, int | None]  # (tp, pp, ep, etp); etp None = same as tp

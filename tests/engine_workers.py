@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from checkpoints_conversion.hf_io import HFReader
-from checkpoints_conversion.model_io import load_weights
 from mars_megatron.config import OptimizerConfig, ParallelConfig
+from mars_megatron.conversion.hf_io import HFReader
+from mars_megatron.conversion.model_io import load_weights
 from mars_megatron.models.hf_config import load_hf_config
 from mars_megatron.training import parallel
 from mars_megatron.training.logprobs import vocab_parallel_logprobs

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from checkpoints_conversion.model_io import SeededInit, load_weights
 from mars_megatron.config import ParallelConfig
+from mars_megatron.conversion.model_io import SeededInit, load_weights
 from mars_megatron.models.hf_config import parse_hf_config
 from mars_megatron.training import parallel
 from mars_megatron.training.model_provider import build_model

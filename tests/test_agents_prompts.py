@@ -3,7 +3,8 @@
 import pytest
 
 from mars_megatron.agents.graph_file import load_graph
-from mars_megatron.agents.prompts import prompt_variables, strip_thinking
+from mars_megatron.agents.prompts import prompt_variables
+from mars_megatron.agents.thinking import strip_thinking
 from mars_megatron.agents.verdict import bug_report
 
 PROBLEM = "Find the sum of all positive integers n < 10."

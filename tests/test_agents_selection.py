@@ -5,9 +5,9 @@ import random
 import pytest
 
 from mars_megatron.agents.graph_file import load_graph
-from mars_megatron.agents.sample import Sample
+from mars_megatron.agents.sample import Sample, group_id
 from mars_megatron.agents.selection import select_inputs
-from mars_megatron.agents.trajectory import PromptInputs, chain, group_id
+from mars_megatron.agents.trajectory import PromptInputs, chain
 from mars_megatron.config import AgentsConfig, ConfigError
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from mars_megatron.agents.trajectory import group_id
+from mars_megatron.agents.sample import group_id
 from mars_megatron.algorithm import (
     Sample,
     Segment,

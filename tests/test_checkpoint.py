@@ -264,7 +264,7 @@ def test_checkpoint_files_that_could_run_code_are_refused(tmp_path: Path) -> Non
     """pipeline_state.pt and the other torch.save files are loaded with weights_only and numeric numpy
     arrays only: a crafted file is refused naming it, before anything in it runs; a real schedule state
     (token ids, log-probs, uint8 expert ids, plain containers) loads unchanged; a cut file is named too."""
-    from checkpoints_conversion.hf_io import CheckpointError
+    from mars_megatron.checkpoint.errors import CheckpointError
     from mars_megatron.checkpoint.safe_load import load_plain
 
     marker = tmp_path / "ran"

@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoints_conversion.hf_io import CheckpointError
 from mars_megatron.checkpoint import CheckpointStore, python_rng_state
 from mars_megatron.checkpoint.dist_load import MetadataUnpickler, read_metadata
+from mars_megatron.checkpoint.errors import CheckpointError
 from mars_megatron.checkpoint.manifest import MANIFEST, list_files, seal, verify_manifest, write_manifest
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel

@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from checkpoints_conversion.hf_io import INDEX
 from mars_megatron.checkpoint.manifest import seal
 from mars_megatron.config import ParallelConfig
+from mars_megatron.conversion.hf_io import INDEX
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 from tests.dist_workers import Layout, Op, run_expecting_errors, run_ops

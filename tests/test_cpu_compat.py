@@ -189,8 +189,8 @@ from mars_megatron.config import ParallelConfig
 from mars_megatron.training import parallel
 from mars_megatron.models.hf_config import parse_hf_config
 from mars_megatron.training.model_provider import build_model
-from checkpoints_conversion.model_io import SeededInit, load_weights
-from checkpoints_conversion.qwen3_mapping import init_tensor
+from mars_megatron.conversion.model_io import SeededInit, load_weights
+from mars_megatron.conversion.qwen3_mapping import init_tensor
 
 if not USE_LAYER:
     # What a process without the layer gets: the entry points' install() calls do nothing.

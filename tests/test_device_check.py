@@ -163,7 +163,7 @@ def test_package_imports_without_ray_vllm_transformer_engine_math_verify() -> No
         "mars_megatron.rl.worker",
         "mars_megatron.training.weight_sync",
         "mars_megatron.checkpoint.rank_state",
-        "checkpoints_conversion.convert",
+        "mars_megatron.convert",
         "transformers.models.qwen3_moe.modeling_qwen3_moe",
     ]
     code = BLOCKER.format(blocked=sorted(ABSENT), modules=modules)

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from checkpoints_conversion.hf_io import INDEX, CheckpointError, HFReader, HFWriter
+from mars_megatron.conversion.hf_io import INDEX, CheckpointError, HFReader, HFWriter
 
 LAYOUT = {
     "a": ((3, 5), torch.bfloat16),  # 30 bytes

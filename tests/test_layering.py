@@ -4,7 +4,9 @@ functions included, relative ones resolved).
 Why a test: a newcomer reads the package bottom-up, and a layer that imports one above it (or two that
 import each other) means neither can be understood, tested or moved alone. ``LAYERS`` is the one order;
 every import of one top-level package/module of ``mars_megatron`` by another must go *down* it, which also
-rules out circles (checked on its own too, so a circle is reported as a circle).
+rules out circles (checked on its own too, so a circle is reported as a circle). Modules inside a layer
+may not import each other either. HF ↔ Megatron conversion is part of the package (``conversion``,
+``convert``), so no second top-level package can import it and be imported back.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ LAYERS: tuple[str, ...] = (
     # torch.distributed plumbing (collectives' device rule, the one-address store), then weight transfer
     "comm",
     "transfer",
+    # HF ↔ Megatron weights (mapping, safetensors I/O, the export the weight push walks), then the trainer,
+    # then building a model to read or write its dist checkpoint (`mars convert`)
+    "conversion",
     "training",
+    "convert",
     # one job on a trainer rank (build engine, train steps): used by rl's workers and tasks' SFT
     "jobs",
     "rollout",
@@ -136,12 +142,13 @@ def upward(edges: list[Edge], layers: tuple[str, ...], package: str) -> list[str
     return bad
 
 
-def cycles(edges: list[Edge], package: str) -> list[str]:
-    """Circles between top-level layers (Tarjan's strongly connected components), each with one import
-    per step so the message shows where to cut."""
+def cycles(edges: list[Edge], package: str, *, modules: bool = False) -> list[str]:
+    """Circles between top-level layers, or with ``modules`` between modules (inside one layer too),
+    found as Tarjan's strongly connected components, each with one import per step so the message shows
+    where to cut."""
     graph: dict[str, dict[str, Edge]] = defaultdict(dict)
     for edge in edges:
-        low, high = edge.layers(package)
+        low, high = (edge.source, edge.target) if modules else edge.layers(package)
         if low != high:
             graph[low].setdefault(high, edge)
     index: dict[str, int] = {}
@@ -196,6 +203,13 @@ def test_no_import_circles():
     assert found == [], "\n".join(found)
 
 
+def test_no_module_imports_another_that_imports_it_back():
+    """Inside a layer too: two modules that import each other (even lazily, or for annotations only)
+    can be read only together; one of them holds what both need."""
+    found = cycles(EDGES, PACKAGE, modules=True)
+    assert found == [], "\n".join(found)
+
+
 def test_imports_go_down():
     found = upward(EDGES, LAYERS, PACKAGE)
     assert found == [], "\n".join(found)
@@ -233,6 +247,8 @@ def test_checker_finds_a_planted_circle(planted: Path):
     assert "circle between high, low" in found[0]
     assert "pkg/low/core.py:2: pkg.low.core imports pkg.high.top" in found[0]
     assert "pkg/high/top.py:1: pkg.high.top imports pkg.low.core" in found[0]
+    found = cycles(edges, "pkg", modules=True)
+    assert len(found) == 1 and "circle between pkg.high.top, pkg.low.core" in found[0]
 
 
 def test_checker_finds_a_planted_upward_import(planted: Path):

@@ -1,4 +1,4 @@
-"""checkpoints_conversion.qwen3_mapping: Megatron parameter names -> HF tensors, TP sharding, seeded init."""
+"""conversion.qwen3_mapping: Megatron parameter names -> HF tensors, TP sharding, seeded init."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints_conversion.hf_io import HFReader
-from checkpoints_conversion.qwen3_mapping import (
+from mars_megatron.conversion.hf_io import HFReader
+from mars_megatron.conversion.qwen3_mapping import (
     MappingError,
     ParamPlan,
     expected_hf_tensors,

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 import pytest
 
 from mars_megatron.agents.graph_file import load_graph
-from mars_megatron.agents.sample import Sample
-from mars_megatron.agents.trajectory import group_id
+from mars_megatron.agents.sample import Sample, group_id
 from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.models.presets import init_model

@@ -15,7 +15,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from checkpoints_conversion.qwen3_mapping import expected_hf_tensors  # noqa: E402
+from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors  # noqa: E402
 from mars_megatron.models.hf_config import load_hf_config  # noqa: E402
 from mars_megatron.models.presets import init_model  # noqa: E402
 from mars_megatron.rollout.engine import GenerationRequest, SamplingParams  # noqa: E402

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints_conversion.convert import is_mcore_checkpoint
 from mars_megatron.config import ParallelConfig
+from mars_megatron.convert import is_mcore_checkpoint
 from mars_megatron.models.presets import init_model
 from mars_megatron.tasks.arith import arith_problems
 from mars_megatron.tasks.sft import SFTConfig, role_accuracy, sft_job, step_batches

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
+from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors
 from mars_megatron.models.hf_config import load_hf_config
 from mars_megatron.models.presets import init_model
 from mars_megatron.rollout.engine import GenerationRequest, SamplingParams

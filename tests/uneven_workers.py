@@ -8,7 +8,7 @@ from mars_megatron.training import parallel
 
 def convert_and_score(hf: str, mcore: str, out: str, seqs: list[list[int]]) -> list[list[float]] | None:
     """Write with stages of 1 + 2 layers, read back and score with 2 + 1."""
-    from checkpoints_conversion.convert import hf_to_mcore, mcore_to_hf
+    from mars_megatron.convert import hf_to_mcore, mcore_to_hf
     from mars_megatron.jobs import load_engine
 
     write = ParallelConfig(pp=2, first_stage_layers=1)

@@ -14,11 +14,11 @@ from mars_megatron.agents.loop import (
     Request,
     choose_fallback,
 )
-from mars_megatron.agents.prompts import strip_thinking
 from mars_megatron.agents.roles import Message
-from mars_megatron.agents.sample import Sample, Segment
+from mars_megatron.agents.sample import Sample, Segment, group_id
 from mars_megatron.agents.selection import eligible_inputs, select_inputs
-from mars_megatron.agents.trajectory import PromptInputs, group_id
+from mars_megatron.agents.thinking import strip_thinking
+from mars_megatron.agents.trajectory import PromptInputs
 from mars_megatron.agents.verdict import bug_report, parse_verdict
 
 __all__ = [

@@ -34,8 +34,8 @@ from mars_megatron.agents.graph import (
     ToolSpec,
     prompt_set_of,
 )
-from mars_megatron.agents.prompts import strip_thinking
 from mars_megatron.agents.roles import Message
+from mars_megatron.agents.thinking import strip_thinking
 from mars_megatron.agents.tools import observation, parse_call, run_tool
 from mars_megatron.agents.verdict import bug_report, read_verdict
 from mars_megatron.config import EvalConfig

@@ -1,30 +1,14 @@
-"""Prompt text helpers shared by every agent graph: the visible part of an output and the template
-variables a graph's prompts are rendered with.
+"""Prompt text helpers shared by every agent graph: the template variables a graph's prompts are rendered
+with (an output's visible part: :mod:`.thinking`).
 
 The prompt texts themselves are the graphs' (``agents/graphs/<name>/prompts/<set>/*.txt``): a change to
 them is a visible, versioned diff of a data file, and tests pin the texts the tiny run was trained with.
 Applying a chat template and tokenising is the engine adapter's job.
 """
 
-_THINK_OPEN = "<think>"
-_THINK_CLOSE = "</think>"
+from __future__ import annotations
 
-
-def strip_thinking(text: str) -> str:
-    """The visible part of a model output: everything after the last ``</think>``, stripped.
-
-    Why the dangling case matters: a truncated output may open ``<think>`` and never close it; all
-    of its text is then reasoning, so the visible solution is empty (a judge must not judge
-    half a thought). A ``</think>`` without an opening tag (templates that pre-fill ``<think>``)
-    still marks the end of the reasoning.
-    """
-    close = text.rfind(_THINK_CLOSE)
-    if close >= 0:
-        text = text[close + len(_THINK_CLOSE) :]
-    open_ = text.find(_THINK_OPEN)
-    if open_ >= 0:
-        text = text[:open_]
-    return text.strip()
+from mars_megatron.agents.thinking import strip_thinking
 
 
 def prompt_variables(

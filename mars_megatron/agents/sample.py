@@ -20,10 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mars_megatron.agents.trajectory import group_id
-
 if TYPE_CHECKING:  # numpy only for the annotation: the launcher's environment (NeMo-Run) has no numpy
     import numpy as np
+
+
+def group_id(problem_id: str, position: str, parent_id: str | None) -> str:
+    """Identify a group: same problem, same position, same parent sample (so the same input)."""
+    return f"{problem_id}/{position}/{parent_id or '-'}"
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class Sample:
     problem_id: str
     group_id: str = ""
     """Samples sharing it share role, position and input; GRPO normalises over them. Empty: derived from
-    the trajectory, position and parent (:func:`~mars_megatron.agents.trajectory.group_id`)."""
+    the trajectory, position and parent (:func:`group_id`)."""
     reward: float | None = None
     """The agent-specific reward (:mod:`mars_megatron.rewards.agent_rewards`); None until scored."""
     advantage: float | None = None

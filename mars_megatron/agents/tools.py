@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from mars_megatron.agents.prompts import strip_thinking
+from mars_megatron.agents.thinking import strip_thinking
 
 CALL_WORD = "use"
 """The word a call line starts with."""

@@ -1,4 +1,4 @@
-"""Training trajectories: group ids and the chain of outputs a prompt is built from.
+"""Training trajectories: the chain of outputs a prompt is built from.
 
 The positions of a trajectory, their order and which earlier position feeds each are the agent graph's
 (:class:`~mars_megatron.agents.graph.AgentGraph`, ``trajectory``); the first position samples a group of G
@@ -12,14 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mars_megatron.agents.sample import Sample
+
 if TYPE_CHECKING:
     from mars_megatron.agents.graph import AgentGraph
-    from mars_megatron.agents.sample import Sample
-
-
-def group_id(problem_id: str, position: str, parent_id: str | None) -> str:
-    """Identify a group: same problem, same position, same parent sample (so the same input)."""
-    return f"{problem_id}/{position}/{parent_id or '-'}"
 
 
 def chain(parent: Sample | None, samples: Mapping[str, Sample]) -> list[Sample]:

@@ -8,7 +8,7 @@ All of them read the output with its thinking stripped: a model may muse about "
 import re
 from collections.abc import Callable
 
-from mars_megatron.agents.prompts import strip_thinking
+from mars_megatron.agents.thinking import strip_thinking
 
 # "correctness" as a whole word, so "incorrectness" in a finding is not mistaken for the section.
 _SECTION = re.compile(r"\bcorrectness\b", re.IGNORECASE)

@@ -31,7 +31,7 @@ from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner, 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from checkpoints_conversion.hf_io import CheckpointError
+from mars_megatron.checkpoint.errors import CheckpointError
 from mars_megatron.checkpoint.safe_load import TORCH_LOAD_ERRORS, load_plain, refusal_reason
 
 __all__ = ["MetadataUnpickler", "load", "load_content_metadata", "read_metadata"]

@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from checkpoints_conversion.hf_io import CheckpointError
+from mars_megatron.checkpoint.atomic import write_text_atomic
+from mars_megatron.checkpoint.errors import CheckpointError
 from mars_megatron.json_file import read_json
 
 __all__ = [
@@ -109,8 +110,6 @@ def digest_files(directory: str | Path, names: Iterable[str]) -> dict[str, Entry
 def write_manifest(directory: str | Path, entries: dict[str, Entry] | None = None) -> Path:
     """Write ``directory``'s manifest atomically (``entries``: already hashed, e.g. by several ranks;
     default: hash every file now). Call it last, when no other file will change."""
-    from mars_megatron.checkpoint.store import write_text_atomic
-
     root = Path(directory)
     if entries is None:
         entries = digest_files(root, list_files(root))

@@ -19,7 +19,7 @@ them back the same way; a non-distributed optimizer is saved per parameter, like
 with the Adam step counters and the RNG states this makes a resumed step bit-identical to the same step of
 an uninterrupted run. The price is that the layout on load must equal the layout on save, which is checked
 first, with an error that names both. (For a different layout, convert the model alone with
-``checkpoints_conversion``; model weights in ``dist/`` are layout-independent.)
+``mars convert``; model weights in ``dist/`` are layout-independent.)
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoints_conversion.hf_io import CheckpointError
-from mars_megatron.checkpoint.store import write_text_atomic
+from mars_megatron.checkpoint.atomic import write_text_atomic
+from mars_megatron.checkpoint.errors import CheckpointError
 from mars_megatron.json_file import read_json
 
 __all__ = [
@@ -207,7 +207,7 @@ def save_rank_state(
     Collective over the engine's world. ``directory`` is normally a staging directory from
     :meth:`CheckpointStore.begin`; ``name`` the policy (``"policy"``, ``"solver"``, ...). ``assets``:
     a folder with the model's config and tokenizer files; with it the policy folder is also a mars
-    checkpoint (:mod:`checkpoints_conversion.convert`).
+    checkpoint (:mod:`mars_megatron.convert`).
     """
     from megatron.core import dist_checkpointing
 
@@ -240,8 +240,7 @@ def save_rank_state(
 
 
 def _write_checkpoint_meta(out: Path, engine: Any, assets: Path, metadata: dict[str, Any]) -> None:
-    from checkpoints_conversion.convert import write_meta
-    from checkpoints_conversion.hf_io import copy_assets
+    from mars_megatron.checkpoint.model_meta import copy_assets, write_meta
 
     (out / "hf").mkdir(exist_ok=True)
     copy_assets(assets, out / "hf")

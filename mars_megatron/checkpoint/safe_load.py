@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints_conversion.hf_io import CheckpointError
+from mars_megatron.checkpoint.errors import CheckpointError
 
 _ARRAY_DTYPES = (
     np.bool_,

@@ -34,7 +34,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from checkpoints_conversion.hf_io import CheckpointError
+from mars_megatron.checkpoint.atomic import fsync_dir, write_text_atomic
+from mars_megatron.checkpoint.errors import CheckpointError
 from mars_megatron.checkpoint.manifest import verify_manifest, write_manifest
 from mars_megatron.json_file import read_json
 
@@ -56,20 +57,6 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or new entry in ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(path: Path) -> None:
     """fsync every file and directory under ``path``: ranks may have left data in the page cache."""
     for dirpath, _, filenames in os.walk(path):
@@ -82,22 +69,7 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that readers see the old or the new content, never a part."""
-    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+        fsync_dir(Path(dirpath))
 
 
 class CheckpointStore:
@@ -143,7 +115,7 @@ class CheckpointStore:
             # in between leaves no step_NNNNNN, so latest() falls back to the previous checkpoint.
             self._discard(final)
         staging.rename(final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         write_text_atomic(self.root / LATEST_FILE, final.name + "\n")
         self._prune(step)
         return final
@@ -168,7 +140,7 @@ class CheckpointStore:
         trash = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}discard-{path.name}-", dir=self.root))
         target = trash / path.name
         path.rename(target)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         shutil.rmtree(trash, ignore_errors=True)
 
     def _prune(self, committed: int) -> None:

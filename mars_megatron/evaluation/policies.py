@@ -44,7 +44,7 @@ def _is_hf_model(path: Path) -> bool:
 
 
 def _is_mars_checkpoint(path: Path) -> bool:
-    from checkpoints_conversion.convert import is_mcore_checkpoint
+    from mars_megatron.convert import is_mcore_checkpoint
 
     return is_mcore_checkpoint(path)
 

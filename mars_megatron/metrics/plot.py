@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.metrics.sink import METRICS_FILE, REWARD_PREFIX, read_metrics
+from mars_megatron.metrics.records import METRICS_FILE, REWARD_PREFIX, read_metrics
 
 _COMPARE_STYLES = ("--", ":", "-.")
 

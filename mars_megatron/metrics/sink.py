@@ -33,12 +33,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-METRICS_FILE = "metrics.jsonl"
-EVAL_FILE = "eval.jsonl"
-EVAL_PREFIX = "eval/"
-TENSORBOARD_DIR = "tensorboard"
-REWARDS_PNG = "rewards.png"
-REWARD_PREFIX = "reward/"
+from mars_megatron.metrics.records import (
+    EVAL_FILE,
+    EVAL_PREFIX,
+    METRICS_FILE,
+    REWARDS_PNG,
+    TENSORBOARD_DIR,
+    parse_line,
+)
+
 # Progress-bar postfix: role initial -> metric, e.g. "S 0.41 V 0.80 C 0.33".
 _POSTFIX = (("S", "reward/solver"), ("V", "reward/verifier"), ("C", "reward/corrector"))
 
@@ -61,33 +64,6 @@ def _json_value(value: int | float) -> int | float | None:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def _parse_line(path: Path, number: int, line: str) -> dict[str, Any]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}): {line[:80]!r}") from err
-    if not isinstance(record, dict):
-        raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-    step = record.get("step")
-    if not isinstance(step, int) or isinstance(step, bool):
-        raise ValueError(f"{path}:{number}: no integer 'step' in {line[:80]!r}")
-    return record
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` (blank lines skipped); ``null`` stays ``None``.
-
-    A line that is not a JSON object with an integer ``step`` raises ``ValueError`` naming file and line.
-    """
-    path = Path(path)
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                records.append(_parse_line(path, number, line))
-    return records
-
-
 def _truncate_metrics(path: Path, keep_through: int) -> tuple[list[dict[str, Any]], int]:
     """Keep the lines of steps ``<= keep_through``; returns (kept records, dropped line count).
 
@@ -103,7 +79,7 @@ def _truncate_metrics(path: Path, keep_through: int) -> tuple[list[dict[str, Any
         if not line.strip():
             continue
         try:
-            record = _parse_line(path, number, line)
+            record = parse_line(path, number, line)
         except ValueError:
             if number == len(lines) and not text.endswith("\n"):
                 warnings.warn(f"{path}:{number}: dropping a cut-off last line (a killed run?)", stacklevel=3)

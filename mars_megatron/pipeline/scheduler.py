@@ -55,9 +55,9 @@ from typing import Any
 import numpy as np
 
 from mars_megatron.agents.graph import AgentGraph
-from mars_megatron.agents.sample import Sample, Segment
+from mars_megatron.agents.sample import Sample, Segment, group_id
 from mars_megatron.agents.selection import select_inputs
-from mars_megatron.agents.trajectory import PromptInputs, group_id
+from mars_megatron.agents.trajectory import PromptInputs
 from mars_megatron.config import AgentsConfig, MarsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.rl.rollout import derive_seed

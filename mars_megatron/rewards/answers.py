@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-from mars_megatron.agents.prompts import strip_thinking
+from mars_megatron.agents.thinking import strip_thinking
 
 # ``\boxed{`` or ``\fbox{``, optionally with spaces before the brace. The name must not continue
 # (``\boxedx{`` is some other command).

@@ -247,7 +247,7 @@ def remove_placement_group(group: Any) -> None:
 
 def weight_bytes(model_dir: str | Path, dtype: str, tensor_parallel_size: int = 1) -> int:
     """Bytes of one worker's share of the model's weights in ``dtype`` (from its config.json)."""
-    from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
+    from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors
     from mars_megatron.dtypes import torch_dtype
 
     shapes = expected_hf_tensors(load_hf_config(model_dir))

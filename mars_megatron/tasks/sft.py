@@ -202,8 +202,8 @@ def sft_job(
     """
     import torch.distributed as dist
 
-    from checkpoints_conversion.convert import check_output_dir
     from mars_megatron.config import OptimizerConfig
+    from mars_megatron.convert import check_output_dir
     from mars_megatron.jobs import load_engine, tokenizer_dir
     from mars_megatron.training import parallel as par
     from mars_megatron.training.engine import lm_loss
@@ -240,15 +240,16 @@ def save_sft_checkpoint(engine: Any, source_dir: str, out_dir: str | Path, paral
     """Write ``engine``'s weights as a mars Megatron checkpoint whose ``hf/`` is a complete HF model.
 
     Layout: ``mars_checkpoint.json`` + ``model/`` (megatron dist checkpoint, loadable in any layout) as
-    ``checkpoints_conversion.convert.hf_to_mcore`` writes them, and ``hf/`` with the HF safetensors,
+    ``mars_megatron.convert.hf_to_mcore`` writes them, and ``hf/`` with the HF safetensors,
     config and tokenizer of ``source_dir``. Collective; staged and renamed like the converter's outputs.
     """
     import torch.distributed as dist
 
-    from checkpoints_conversion.convert import save_mcore, staged_output, write_meta
-    from checkpoints_conversion.hf_io import HFWriter, copy_assets
-    from checkpoints_conversion.model_io import export_weights
-    from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
+    from mars_megatron.checkpoint.model_meta import copy_assets
+    from mars_megatron.conversion.hf_io import HFWriter
+    from mars_megatron.conversion.model_io import export_weights
+    from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors
+    from mars_megatron.convert import save_mcore, staged_output, write_meta
     from mars_megatron.dtypes import torch_dtype
     from mars_megatron.jobs import tokenizer_dir
 

@@ -19,7 +19,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -162,41 +161,6 @@ def destroy() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-@dataclass(frozen=True)
-class RankCoords:
-    """Where this rank sits in every megatron group; gathered once so any rank can find a tensor's owner."""
-
-    rank: int
-    pp: int
-    tp: int
-    cp: int
-    dp: int
-    ep: int
-    etp: int
-    edp: int
-
-
-def rank_coords() -> RankCoords:
-    from megatron.core import parallel_state as ps
-
-    return RankCoords(
-        rank=dist.get_rank(),
-        pp=ps.get_pipeline_model_parallel_rank(),
-        tp=ps.get_tensor_model_parallel_rank(),
-        cp=ps.get_context_parallel_rank(),
-        dp=ps.get_data_parallel_rank(),
-        ep=ps.get_expert_model_parallel_rank(),
-        etp=ps.get_expert_tensor_parallel_rank(),
-        edp=ps.get_expert_data_parallel_rank(),
-    )
-
-
-def all_rank_coords() -> list[RankCoords]:
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, rank_coords())
-    return gathered
 
 
 # ---------------------------------------------------------------------------------------------- launching

@@ -1,6 +1,6 @@
 """A trainer rank's part in pushing a policy's weights to its rollout engines.
 
-Every rank walks the export (:func:`~checkpoints_conversion.model_io.export_at_senders`): the holders of a
+Every rank walks the export (:func:`~mars_megatron.conversion.model_io.export_at_senders`): the holders of a
 parameter gather it over their TP/expert-TP group, and its *sender* (the lowest rank holding it in
 TP/expert-TP rank 0 of data-parallel replica 0: one per pipeline stage and expert-parallel rank) packs it
 into a bucket and broadcasts the bucket over its transfer group (:mod:`mars_megatron.transfer`) to every
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from checkpoints_conversion.model_io import ExportStep, export_at_senders, export_senders, plan_export
 from mars_megatron.comm.collectives import comm_device
+from mars_megatron.conversion.model_io import ExportStep, export_at_senders, export_senders, plan_export
 from mars_megatron.models.hf_config import Qwen3Arch
 from mars_megatron.transfer.channel import TransferStats, send_buckets
 from mars_megatron.transfer.group import GroupSpec, TransferGroup

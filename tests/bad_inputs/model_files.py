@@ -27,8 +27,8 @@ TENSOR = "model.layers.0.mlp.down_proj.weight"
 
 def check_model(path: Path) -> Any:
     """What every command that builds a model checks first (see jobs.load_engine)."""
-    from checkpoints_conversion.hf_io import HFReader
-    from checkpoints_conversion.model_io import validate_hf_checkpoint
+    from mars_megatron.conversion.hf_io import HFReader
+    from mars_megatron.conversion.model_io import validate_hf_checkpoint
     from mars_megatron.models.hf_config import load_hf_config
 
     arch = load_hf_config(path)

@@ -44,9 +44,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints_conversion.convert import hf_to_mcore, mcore_to_hf
-from checkpoints_conversion.hf_io import INDEX
 from mars_megatron.config import ParallelConfig
+from mars_megatron.conversion.hf_io import INDEX
+from mars_megatron.convert import hf_to_mcore, mcore_to_hf
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 

@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.block < 1 or args.updates < 1:
         parser.error("--block and --updates must be >= 1")
     if args.sft is not None:
-        from checkpoints_conversion.convert import is_mcore_checkpoint
+        from mars_megatron.convert import is_mcore_checkpoint
 
         if not args.sft.is_dir():
             parser.error(

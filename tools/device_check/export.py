@@ -7,7 +7,7 @@ the export failed exactly there. Here the wrappers get host tensors under NCCL a
 tensors with the same values (the figures also record whether a raw ``dist.all_reduce`` of a host
 tensor is refused under this backend: why the rule exists).
 
-The export (``checkpoints_conversion/model_io.py``): the weight push walks ``export_at_senders`` with the
+The export (``mars_megatron/conversion/model_io.py``): the weight push walks ``export_at_senders`` with the
 plan ``plan_export`` resolves (``training/weight_sync.py``), HF checkpoints are written from
 ``export_weights``. For a dense (tied embeddings) and a MoE Qwen3 loaded from an HF checkpoint (check 1's
 models, written once per run), both must give back every HF tensor bit for bit (same name, dtype, shape,
@@ -91,9 +91,9 @@ def _compare(
 
 def export_model(model_dir: str, device: torch.device) -> dict[str, Any]:
     """Load ``model_dir`` into megatron, export it both ways, change it, export again."""
-    from checkpoints_conversion.hf_io import HFReader
-    from checkpoints_conversion.model_io import export_at_senders, export_weights, plan_export
     from mars_megatron.config import ParallelConfig
+    from mars_megatron.conversion.hf_io import HFReader
+    from mars_megatron.conversion.model_io import export_at_senders, export_weights, plan_export
     from mars_megatron.jobs import load_engine
     from mars_megatron.training.weight_sync import WeightSender
 

@@ -1,4 +1,4 @@
-"""Check 5: HF → Megatron → HF (``checkpoints_conversion``) on the device, bit-identical.
+"""Check 5: HF → Megatron → HF (``mars convert``'s code) on the device, bit-identical.
 
 ``hf_to_mcore`` builds the model on the GPU, fills it from the HF safetensors and saves a megatron
 distributed checkpoint (torch_dist) with its manifest; ``mcore_to_hf`` verifies the manifest, loads it
@@ -41,8 +41,8 @@ CPU_MODELS: dict[str, tuple[str, dict[str, Any]]] = {"dense": ("tiny-dense", {})
 def convert(jobs: list[tuple[str, str, str, str]]) -> dict[str, Any]:
     """Spawned: for each ``(name, hf_dir, mcore_dir, out_dir)`` HF → Megatron → HF in this world of 1;
     per model the seconds each way, or the traceback of a failure."""
-    from checkpoints_conversion.convert import hf_to_mcore, mcore_to_hf
     from mars_megatron.config import ParallelConfig
+    from mars_megatron.convert import hf_to_mcore, mcore_to_hf
     from mars_megatron.training import parallel
 
     layout = ParallelConfig()

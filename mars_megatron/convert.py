@@ -21,8 +21,6 @@ weights load, split between the ranks) and unpickles nothing but plain data
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,17 +31,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoints_conversion.hf_io import CheckpointError, HFReader, HFWriter, copy_assets
-from checkpoints_conversion.model_io import export_weights, load_weights, validate_hf_checkpoint
-from checkpoints_conversion.qwen3_mapping import expected_hf_tensors
+from mars_megatron.checkpoint.errors import CheckpointError
+from mars_megatron.checkpoint.model_meta import META, copy_assets, read_meta, write_meta
 from mars_megatron.config import ParallelConfig
+from mars_megatron.conversion.hf_io import HFReader, HFWriter
+from mars_megatron.conversion.model_io import export_weights, load_weights, validate_hf_checkpoint
+from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors
 from mars_megatron.dtypes import torch_dtype
-from mars_megatron.json_file import read_json
 from mars_megatron.models.hf_config import Qwen3Arch, load_hf_config
 from mars_megatron.training.model_provider import build_model
-
-FORMAT = "mars-mcore-v1"
-META = "mars_checkpoint.json"
 
 
 def check_output_dir(out_dir: str | Path) -> Path:
@@ -118,56 +114,6 @@ def check_loadable(hf_dir: Path) -> None:
 def is_mcore_checkpoint(path: str | Path) -> bool:
     """True for a directory written by :func:`hf_to_mcore` (as opposed to an HF model directory)."""
     return (Path(path) / META).is_file()
-
-
-def read_meta(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:
-    """Architecture and metadata of a checkpoint written by :func:`hf_to_mcore`, after checking the
-    checkpoint against its manifest (every file present with its size, and the digest of every file but
-    the data shards: cheap, so a cut or altered checkpoint is refused before any start-up)."""
-    from mars_megatron.checkpoint.manifest import verify_manifest
-
-    path = Path(mcore_dir) / META
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing; {mcore_dir} is not a mars Megatron checkpoint")
-    verify_manifest(mcore_dir)
-    meta = read_json(path, CheckpointError)
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: holds a JSON {type(meta).__name__}, not an object")
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
-    arch_fields = dict(meta["arch"])
-    arch_fields["moe_layers"] = tuple(arch_fields.get("moe_layers", ()))
-    return Qwen3Arch(**arch_fields), meta
-
-
-def write_meta(
-    directory: Path,
-    arch: Qwen3Arch,
-    dtype: str,
-    vocab_pad_multiple: int,
-    parallel: ParallelConfig,
-    *,
-    weights: str = "model",
-    state_key: str | None = None,
-    sharded_metadata: dict[str, Any] | None = None,
-) -> None:
-    """The metadata file that makes ``directory`` a mars checkpoint (:func:`read_meta` reads it back).
-
-    ``weights`` is the dist-checkpoint folder holding the model; ``state_key`` the key the model's state
-    sits under in it (a training checkpoint saves ``{"model": ..., "optimizer": ...}``; a converted one
-    the model's state alone); ``sharded_metadata`` the content metadata it was saved with.
-    """
-    meta = {
-        "format": FORMAT,
-        "arch": dataclasses.asdict(arch),
-        "dtype": dtype,
-        "vocab_pad_multiple": vocab_pad_multiple,
-        "written_by_layout": {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep},
-        "weights": weights,
-        "state_key": state_key,
-        "sharded_metadata": sharded_metadata,
-    }
-    (directory / META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def save_mcore(model: torch.nn.Module, directory: Path) -> None:

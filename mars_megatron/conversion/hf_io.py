@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,26 +16,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from mars_megatron.checkpoint.errors import CheckpointError
 from mars_megatron.dtypes import SAFETENSORS_TAGS
 from mars_megatron.json_file import read_json
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Files an HF model directory carries besides its weights; copied through conversions unchanged.
-ASSET_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that is missing, unreadable or does not hold what the model needs."""
 
 
 def _read_index(index: Path) -> dict[str, str]:
@@ -235,16 +221,6 @@ class HFWriter:
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def copy_assets(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy config/tokenizer/generation files that exist in ``src`` into ``dst``; returns their names."""
-    copied = []
-    for name in ASSET_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copy2(Path(src) / name, Path(dst) / name)
-            copied.append(name)
-    return copied
 
 
 def iter_tensors(reader: HFReader) -> Iterator[tuple[str, torch.Tensor]]:

@@ -16,8 +16,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from checkpoints_conversion.hf_io import CheckpointError
-from checkpoints_conversion.qwen3_mapping import (
+from mars_megatron.checkpoint.errors import CheckpointError
+from mars_megatron.comm import collectives
+from mars_megatron.conversion.qwen3_mapping import (
     ParamPlan,
     expected_hf_tensors,
     init_tensor,
@@ -26,7 +27,6 @@ from checkpoints_conversion.qwen3_mapping import (
     shard_shape,
     unshard,
 )
-from mars_megatron.comm import collectives
 from mars_megatron.dtypes import SAFETENSORS_TAGS, torch_dtype
 from mars_megatron.models.hf_config import Qwen3Arch
 
@@ -332,7 +332,7 @@ def _gather(step: ExportStep, me: int, arch: Qwen3Arch) -> list[torch.Tensor] | 
 
 
 def _all_coords() -> list[Any]:
-    from mars_megatron.training.parallel import all_rank_coords
+    from mars_megatron.comm.coords import all_rank_coords
 
     return all_rank_coords()
 
