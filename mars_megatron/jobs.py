@@ -60,9 +60,10 @@ def load_engine(
     """A :class:`MegatronEngine` with weights from an HF directory or a mars Megatron checkpoint
     (``fp8``, ``recompute``, ``routing_replay``: ``model.fp8``, ``train.recompute``, whether
     ``moe.routing_replay`` is on)."""
+    from mars_megatron.checkpoint.model_meta import read_meta
     from mars_megatron.conversion.hf_io import HFReader
     from mars_megatron.conversion.model_io import load_weights, validate_hf_checkpoint
-    from mars_megatron.convert import is_mcore_checkpoint, load_mcore, read_meta
+    from mars_megatron.convert import is_mcore_checkpoint, load_mcore
     from mars_megatron.models.hf_config import load_hf_config
     from mars_megatron.training.engine import MegatronEngine
 

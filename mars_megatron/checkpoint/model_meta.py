@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from mars_megatron.checkpoint.errors import CheckpointError
+from mars_megatron.checkpoint.manifest import verify_manifest
 from mars_megatron.config import ParallelConfig
 from mars_megatron.json_file import read_json
 from mars_megatron.models.hf_config import Qwen3Arch
 
 FORMAT = "mars-mcore-v1"
 META = "mars_checkpoint.json"
+# Files an HF model directory carries besides its weights; copied through conversions unchanged.
 ASSET_FILES = (
     "config.json",
     "generation_config.json",
@@ -37,8 +39,6 @@ def read_meta(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:
     """Architecture and metadata of a mars checkpoint (``mars convert``'s, ``mars sft``'s or a policy's),
     after checking it against its manifest (every file present with its size, and the digest of every
     file but the data shards: cheap, so a cut or altered checkpoint is refused before any start-up)."""
-    from mars_megatron.checkpoint.manifest import verify_manifest
-
     path = Path(mcore_dir) / META
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; {mcore_dir} is not a mars Megatron checkpoint")

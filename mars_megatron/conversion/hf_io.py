@@ -22,7 +22,6 @@ from mars_megatron.json_file import read_json
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# Files an HF model directory carries besides its weights; copied through conversions unchanged.
 
 
 def _read_index(index: Path) -> dict[str, str]:

@@ -245,11 +245,11 @@ def save_sft_checkpoint(engine: Any, source_dir: str, out_dir: str | Path, paral
     """
     import torch.distributed as dist
 
-    from mars_megatron.checkpoint.model_meta import copy_assets
+    from mars_megatron.checkpoint.model_meta import copy_assets, write_meta
     from mars_megatron.conversion.hf_io import HFWriter
     from mars_megatron.conversion.model_io import export_weights
     from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors
-    from mars_megatron.convert import save_mcore, staged_output, write_meta
+    from mars_megatron.convert import save_mcore, staged_output
     from mars_megatron.dtypes import torch_dtype
     from mars_megatron.jobs import tokenizer_dir
 
