@@ -15,7 +15,7 @@ def train_samples(hf: str, overrides: list[str], samples: list[Sample], steps: i
 
     cfg = load_config(None, [f"model.hf_dir={hf}", "model.transformer_impl=local", *overrides])
     worker = PolicyWorker(cfg, hf, ["shared"])
-    return [worker.train({"shared": samples}) for _ in range(steps)]
+    return [worker.train(worker.local_shares({"shared": samples})) for _ in range(steps)]
 
 
 def train_once_counting(hf: str, overrides: list[str], samples: list[Sample]) -> dict[str, Any]:
@@ -34,5 +34,5 @@ def train_once_counting(hf: str, overrides: list[str], samples: list[Sample]) ->
         return scoring(*args, **kwargs)
 
     engine.forward_logprobs = counted
-    metrics = worker.train({"shared": samples})
+    metrics = worker.train(worker.local_shares({"shared": samples}))
     return {**metrics, "scoring_forwards": len(calls)}

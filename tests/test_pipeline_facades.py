@@ -7,16 +7,18 @@ import pytest
 
 from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.agents.sample import Sample
-from mars_megatron.config import AgentsConfig
+from mars_megatron.config import AgentsConfig, TrainConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import ScoreRequest, score_requests
-from mars_megatron.pipeline.facades import ProblemFeed, TrainerGroup
+from mars_megatron.pipeline.facades import ProblemFeed, TrainerGroup, TrainerRanks
 from mars_megatron.pipeline.scheduler import Limits, Scheduler
 from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
 from mars_megatron.rl.data import ProblemStream
+from mars_megatron.training.packing import PackSpec
 
 GRAPH = load_graph("marsrl")
 ROLES = tuple(GRAPH.roles)
+ONE_RANK = TrainerRanks(writer_rank=0, dp_ranks=(0,), spec=PackSpec(dp=1, seq_multiple=1), backend="gloo")
 VERDICT = "**Final Verdict**: broken.\n\n**List of Findings**: step 2.\n\n**Correctness**: Wrong"
 
 
@@ -32,7 +34,7 @@ def _record(position: str, sid: str) -> Sample:
     ],
 )
 def test_trainer_group_splits_records_by_policy(names: list[str], expected: dict[str, list[str]]) -> None:
-    group = TrainerGroup(None, None, names, writer_rank=0, graph=GRAPH)  # type: ignore[arg-type]  # no ranks
+    group = TrainerGroup(None, None, names, GRAPH, TrainConfig(), ONE_RANK)  # type: ignore[arg-type]  # no ranks
     records = [
         _record("solver", "s"),
         _record("verifier_1", "v"),
@@ -53,7 +55,7 @@ def test_a_graph_grouping_trains_each_group_of_roles_as_one_policy() -> None:
     grouped = dataclasses.replace(GRAPH, policies=policies)
     names = grouped.policy_names("graph")
     assert names == ["thinker", "judge"]
-    group = TrainerGroup(None, None, names, writer_rank=0, graph=grouped)  # type: ignore[arg-type]
+    group = TrainerGroup(None, None, names, grouped, TrainConfig(), ONE_RANK)  # type: ignore[arg-type]
     split = group.split([_record("solver", "s"), _record("verifier_1", "v"), _record("corrector_2", "c")])
     assert {name: [s.sample_id for s in batch] for name, batch in split.items()} == {
         "thinker": ["s", "c"],

@@ -18,7 +18,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # numpy only for the annotation: the launcher's environment (NeMo-Run) has no numpy
     import numpy as np
@@ -265,3 +265,13 @@ class Sample:
         if current_version < oldest:
             raise ValueError(f"staleness: current_version {current_version} is older than segment {oldest}")
         return current_version - oldest
+
+
+class SampleLookup(Protocol):
+    """Samples by index in their mini-batch: the whole mini-batch (a list), or the part of it one trainer
+    rank holds (:class:`~mars_megatron.rl.shares.MiniBatchShare`). The packs name samples by these
+    indices; ``len`` is the whole mini-batch's size either way."""
+
+    def __getitem__(self, index: int, /) -> Sample: ...
+
+    def __len__(self) -> int: ...

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from mars_megatron.agents.sample import Sample
+from mars_megatron.agents.sample import SampleLookup
 from mars_megatron.algorithm.objective import response_span
 from mars_megatron.algorithm.tensors import MicroBatch, PackedSequence
 
@@ -107,7 +107,7 @@ def mismatch_metrics(sums: Mapping[str, Sequence[float]]) -> dict[str, float]:
     return out
 
 
-def engine_layout(samples: Sequence[Sample], pack: PackedSequence) -> tuple[torch.Tensor, torch.Tensor]:
+def engine_layout(samples: SampleLookup, pack: PackedSequence) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's log-probs laid out like the trainer's log-probs of ``pack`` (``[1, T]`` float64), and
     each position's sequence (its index into ``samples``), ``-1`` where nothing is compared: prompts,
     padding, tokens cut off by truncation, samples without engine log-probs, and tokens the policy did not
@@ -142,10 +142,20 @@ class MismatchTally:
         self._sums: list[torch.Tensor] = []
         self._packs: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
 
-    def add_batch(self, samples: Sequence[Sample], micro_batches: Sequence[MicroBatch]) -> None:
-        """A mini-batch: its samples and this rank's packs of them."""
+    def add_batch(
+        self,
+        samples: SampleLookup,
+        micro_batches: Sequence[MicroBatch],
+        roles: Sequence[str] | None = None,
+    ) -> None:
+        """A mini-batch: its samples (a rank's share of them: then ``roles``, every sample's role, by
+        index) and this rank's packs of them."""
         k = len(self._sums)
-        self._roles.append([s.role for s in samples])
+        if roles is None:
+            roles = [samples[i].role for i in range(len(samples))]
+        if len(roles) != len(samples):
+            raise ValueError(f"{len(roles)} roles for a mini-batch of {len(samples)} samples")
+        self._roles.append(list(roles))
         self._sums.append(torch.zeros(len(samples), len(SEQUENCE_KEYS), dtype=torch.float64))
         for mb in micro_batches:
             if mb.pack is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mars_megatron.agents.sample import Sample
+from mars_megatron.agents.sample import Sample, SampleLookup
 from mars_megatron.algorithm import losses as L
 from mars_megatron.algorithm.tensors import MicroBatch, PackedSequence
 from mars_megatron.config import AlgorithmConfig
@@ -195,7 +195,7 @@ def response_span(sample: Sample, start: int, end: int) -> tuple[int, int]:
 
 
 def packed_loss_inputs(
-    samples: Sequence[Sample],
+    samples: SampleLookup,
     pack: PackedSequence,
     config: AlgorithmConfig,
     *,

@@ -10,34 +10,68 @@ process) is :func:`mars_megatron.pipeline.local.run_round`, which scores through
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mars_megatron.agents.graph import AgentGraph
 from mars_megatron.agents.sample import Sample
+from mars_megatron.config import TrainConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import ScoreRequest, score_requests
 from mars_megatron.pipeline.fleet import EngineFleet
 from mars_megatron.rl.data import ProblemStream
+from mars_megatron.rl.shares import BatchShare, shard_batch
+from mars_megatron.training.packing import PackSpec
+
+
+@dataclass(frozen=True)
+class TrainerRanks:
+    """What the driver needs to know of the trainer ranks to address them: asked once at start."""
+
+    writer_rank: int
+    """The rank whose metrics are an update's (it holds every policy's reduced figures)."""
+    dp_ranks: tuple[int, ...]
+    """Each rank's data-parallel rank: the ranks of one replica (TP/PP/CP) get the same share."""
+    spec: PackSpec
+    """How the trainer packs a batch; every rank's engine has the same."""
+    backend: str
+    """The ranks' torch.distributed backend (``nccl`` or ``gloo``: the devices they really have)."""
+
+    @classmethod
+    def ask(cls, group: Any) -> TrainerRanks:
+        info = group.call("rank_info")
+        return cls(
+            writer_rank=next(i for i, rank in enumerate(info) if rank["writer"]),
+            dp_ranks=tuple(int(rank["dp_rank"]) for rank in info),
+            spec=group.call_rank(0, "pack_spec"),
+            backend=str(info[0]["backend"]),
+        )
 
 
 class TrainerGroup:
     """The trainer ranks of every policy (:class:`~mars_megatron.rl.worker.PolicyWorker` actors) and the
     weights they push into the engines.
 
-    An update is :meth:`submit` (the samples of each policy; returns the handles to wait on) and then
-    :meth:`finish` (the writer rank's metrics, and the new weights in every engine as the next policy
-    version)."""
+    An update is :meth:`submit` (the samples of each policy, cut here into each data-parallel rank's
+    share: :mod:`~mars_megatron.rl.shares`; returns the handles to wait on) and then :meth:`finish` (the
+    writer rank's metrics, and the new weights in every engine as the next policy version)."""
 
     def __init__(
-        self, group: Any, fleet: EngineFleet, names: Sequence[str], writer_rank: int, graph: AgentGraph
+        self,
+        group: Any,
+        fleet: EngineFleet,
+        names: Sequence[str],
+        graph: AgentGraph,
+        train: TrainConfig,
+        ranks: TrainerRanks,
     ) -> None:
         self.group = group
-        self.graph = graph
         """The ranks (:class:`~mars_megatron.training.ray_group.RayWorkerGroup`)."""
+        self.graph = graph
         self.fleet = fleet
         self.names = list(names)
-        self.writer_rank = writer_rank
-        """The rank whose metrics are the update's (it holds every policy's reduced figures)."""
+        self.train = train
+        self.ranks = ranks
         self.versions: dict[str, int] = dict.fromkeys(self.names, 0)
         """The policy version each policy's engines hold."""
 
@@ -55,14 +89,26 @@ class TrainerGroup:
             batches[self.policy_of(s.role)].append(s)
         return batches
 
+    def shares(self, batches: Mapping[str, Sequence[Sample]]) -> list[dict[str, BatchShare]]:
+        """Per data-parallel rank, its share of every policy's batch (policies without samples left out),
+        each mini-batch planned once here."""
+        per_policy = {
+            name: shard_batch(samples, self.ranks.spec, self.train.pack_length, self.train.updates_per_batch)
+            for name, samples in batches.items()
+            if samples
+        }
+        return [{name: shares[dp] for name, shares in per_policy.items()} for dp in range(self.ranks.spec.dp)]
+
     def submit(self, batches: Mapping[str, list[Sample]]) -> list[Any]:
-        """Start one update on every rank; the handles to wait on, the writer rank's among them."""
-        return self.group.call_async("train", dict(batches))
+        """Start one update on every rank, each sent only its replica's share; the handles to wait on,
+        the writer rank's among them."""
+        per_dp = [(share,) for share in self.shares(batches)]
+        return self.group.call_async_each("train", [per_dp[dp] for dp in self.ranks.dp_ranks])
 
     def finish(self, results: Sequence[Any]) -> dict[str, float]:
         """An update's per-rank ``results`` are in: its metrics, after the new weights (every version + 1)
         are pushed into the engines."""
-        metrics: dict[str, float] = dict(results[self.writer_rank])
+        metrics: dict[str, float] = dict(results[self.ranks.writer_rank])
         metrics.update(self.push({name: v + 1 for name, v in self.versions.items()}))
         metrics["policy_version"] = float(max(self.versions.values()))
         if len(self.names) > 1:

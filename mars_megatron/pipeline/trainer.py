@@ -181,7 +181,7 @@ class MarsRLTrainer:
     """Owns the engines, the trainer ranks and the loop of one run."""
 
     def __init__(self, cfg: MarsConfig, plan: Plan, *, log: Callable[[str], None] = print) -> None:
-        from mars_megatron.pipeline.facades import TrainerGroup
+        from mars_megatron.pipeline.facades import TrainerGroup, TrainerRanks
         from mars_megatron.pipeline.fleet import EngineFleet
         from mars_megatron.pipeline.placement import place, unplaced_gpus, unplaced_launch
         from mars_megatron.rollout.chat import ChatCodec
@@ -214,20 +214,19 @@ class MarsRLTrainer:
             threads_per_rank=runtime_env.cpu_threads(),  # a constant: reductions split alike on any host
             **self._trainer_placement(),
         )
-        info = self.group.call("rank_info")
-        writer_rank = next(i for i, rank in enumerate(info) if rank["writer"])
+        ranks = TrainerRanks.ask(self.group)
         fleet = EngineFleet(
             self.group,
             workers,
             self._start_engine,
             host=rendezvous_host(),  # loopback on one node: the store listens nowhere else
-            backend="nccl" if "nccl" in info[0]["backend"] else "gloo",  # the devices the ranks really have
+            backend="nccl" if "nccl" in ranks.backend else "gloo",  # the devices the ranks really have
             timeout_s=p.transfer_timeout_s,
             log=log,
             colocation=self._colocation(),
         )
         self.fleet = fleet
-        self.trainers = TrainerGroup(self.group, fleet, self.names, writer_rank, self.graph)
+        self.trainers = TrainerGroup(self.group, fleet, self.names, self.graph, cfg.train, ranks)
         self.stream: ProblemStream[Any] = ProblemStream(
             plan.problems, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )

@@ -20,23 +20,11 @@ from mars_megatron.algorithm import losses as L
 from mars_megatron.algorithm.mismatch import SUM_KEYS, MismatchTally, mismatch_metrics
 from mars_megatron.algorithm.objective import make_loss_fn, packed_loss_inputs
 from mars_megatron.config import MarsConfig
+from mars_megatron.rl.shares import BatchShare, MiniBatchShare, shard_batch
 from mars_megatron.training import parallel as par
 from mars_megatron.training.batches import MicroBatch
+from mars_megatron.training.packing import PackSpec
 from mars_megatron.training.weight_sync import SendsWeights, WeightSender
-
-
-def split_groups(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
-    """``parts`` mini-batches of whole GRPO groups, in order, with about equal sample counts."""
-    groups: dict[str, list[Sample]] = {}
-    for s in samples:
-        groups.setdefault(s.group_id, []).append(s)
-    target = len(samples) / parts
-    out: list[list[Sample]] = [[]]
-    for members in groups.values():
-        if out[-1] and len(out) < parts and len(out[-1]) + len(members) / 2 > target:
-            out.append([])
-        out[-1].extend(members)
-    return [mb for mb in out if mb]
 
 
 def check_sample_routing(samples: Sequence[Sample], arch: Any) -> None:
@@ -73,7 +61,7 @@ class ForwardPlan:
     """The single update's own forward measures the mismatch (and R3's routing changes) on the way."""
 
 
-def forward_plan(cfg: MarsConfig, samples: Sequence[Sample], updates: int) -> ForwardPlan:
+def forward_plan(cfg: MarsConfig, engine_logprobs: bool, updates: int) -> ForwardPlan:
     """The "old" policy is the one before this batch's first update: score every mini-batch now when the
     loss needs it (importance other than POIS; R2, which records its routing there for the reference and
     every update to replay), or when the mismatch is watched and the update cannot measure it: MIS must
@@ -83,8 +71,9 @@ def forward_plan(cfg: MarsConfig, samples: Sequence[Sample], updates: int) -> Fo
     is taken once, from the whole batch's entropy under the old weights, before any loss sees a pack (one
     pack's or rank's entropy would let the packs and ranks of one update disagree)."""
     a, replay = cfg.algorithm, cfg.moe.routing_replay
-    # mismatch needs the engine's log-probs (samples built without an engine have none)
-    watch = (a.mismatch_metrics or a.mis) and any(s.behaviour_logprobs is not None for s in samples)
+    # mismatch needs the engine's log-probs (samples built without an engine have none): ``engine_logprobs``
+    # says whether any sample of the whole batch has them, so every rank plans the same forwards
+    watch = (a.mismatch_metrics or a.mis) and engine_logprobs
     loss_needs_old = a.importance != "pois" or replay == "R2" or a.dmmpt
     in_update = not loss_needs_old and updates == 1 and not a.mis
     return ForwardPlan(watch=watch, need_old=loss_needs_old or (watch and not in_update), in_update=in_update)
@@ -138,43 +127,59 @@ class PolicyWorker(SendsWeights):
         return {name: (p.engine.model, p.sender) for name, p in self.policies.items()}
 
     # --------------------------------------------------------------------------------------------- train
-    def train(self, batches: Mapping[str, Sequence[Sample]]) -> dict[str, float]:
-        """One rollout batch per policy: ``train.updates_per_batch`` optimizer steps on packed samples.
+    def pack_spec(self) -> PackSpec:
+        """How this trainer packs a batch (the same for every policy: one layout), for the driver to cut
+        batches into data-parallel shares (:func:`~mars_megatron.rl.shares.shard_batch`)."""
+        return next(iter(self.policies.values())).engine.pack_spec()
+
+    def local_shares(self, batches: Mapping[str, Sequence[Sample]]) -> dict[str, BatchShare]:
+        """This rank's shares of whole batches it holds itself: for tools and tests that run ranks without
+        a driver (the driver sends each rank only its share)."""
+        spec = self.pack_spec()
+        rank = next(iter(self.policies.values())).engine.dp_rank
+        train = self.cfg.train
+        return {
+            name: shard_batch(samples, spec, train.pack_length, train.updates_per_batch)[rank]
+            for name, samples in batches.items()
+            if samples
+        }
+
+    def train(self, batches: Mapping[str, BatchShare]) -> dict[str, float]:
+        """One rollout batch per policy, as this rank's share of it (:mod:`~mars_megatron.rl.shares`):
+        ``train.updates_per_batch`` optimizer steps on packed samples.
 
         Returns metrics prefixed ``train/`` (the last update's loss and grad norm; loss-term statistics
         averaged over this rank's micro-batches, so only rank 0's view of them — enough to watch a run).
         """
         out: dict[str, float] = {}
-        for name, samples in batches.items():
-            if not samples:
-                continue
+        for name, share in batches.items():
             prefix = "train/" if len(self.policies) == 1 else f"train/{name}/"
-            for key, value in self._train_policy(self.policies[name], samples).items():
+            for key, value in self._train_policy(self.policies[name], share).items():
                 out[prefix + key] = value
         return out
 
-    def _train_policy(self, policy: _Policy, samples: Sequence[Sample]) -> dict[str, float]:
-        """One rollout batch of one policy: pack it, take the forwards the loss and the metrics need under
-        the pre-update weights (:func:`forward_plan`), run the updates, and report."""
+    def _train_policy(self, policy: _Policy, share: BatchShare) -> dict[str, float]:
+        """One rollout batch of one policy: pack this rank's share, take the forwards the loss and the
+        metrics need under the pre-update weights (:func:`forward_plan`), run the updates, and report."""
         engine, replay, a = policy.engine, self.cfg.moe.routing_replay, self.cfg.algorithm
         if replay == "R3":
-            check_sample_routing(samples, engine.arch)
-        packed = self._pack(engine, samples)
-        plan = forward_plan(self.cfg, samples, len(packed))
+            check_sample_routing(share.own(), engine.arch)
+        packed = self._pack(engine, share)
+        plan = forward_plan(self.cfg, share.engine_logprobs, len(packed))
         stores: list[dict | None] = [{} if replay == "R2" else None for _ in packed]
         tally = MismatchTally(a.mismatch_threshold) if plan.watch else None
         if tally is not None:
-            for mini, _, mbs in packed:
-                tally.add_batch(mini, mbs)
+            for mini, mbs in packed:
+                tally.add_batch(mini, mbs, roles=mini.roles)
         old = [
             engine.forward_logprobs(mbs, record_routing=store) if plan.need_old else None
-            for (_, _, mbs), store in zip(packed, stores, strict=True)
+            for (_, mbs), store in zip(packed, stores, strict=True)
         ]
         ref = [
             policy.reference.forward_logprobs(mbs, replay_routing=store)
             if policy.reference is not None
             else None
-            for (_, _, mbs), store in zip(packed, stores, strict=True)
+            for (_, mbs), store in zip(packed, stores, strict=True)
         ]
         measure = tally is not None or replay == "R3"
         sums: dict[str, list[float]] = {}
@@ -216,8 +221,8 @@ class PolicyWorker(SendsWeights):
         if entropy is not None and dmmpt_on is not None:  # the same on every rank
             metrics["dmmpt_active"] = float(dmmpt_on)
             metrics["dmmpt_batch_entropy"] = entropy
-        metrics["packs"] = float(sum(len(mbs) for _, _, mbs in packed))
-        metrics["truncated_samples"] = float(sum(len(plan_.truncated) for _, plan_, _ in packed))
+        metrics["packs"] = float(sum(len(mbs) for _, mbs in packed))
+        metrics["truncated_samples"] = float(sum(mini.truncated for mini, _ in packed))
         metrics.update(mismatch_metrics(sums))
         if a.mis and sums:
             metrics["mis_masked_samples"] = sums["all"][SUM_KEYS.index("seqs_over")]
@@ -227,12 +232,12 @@ class PolicyWorker(SendsWeights):
         self,
         engine: Any,
         tally: MismatchTally | None,
-        packed: Sequence[tuple[Sequence[Sample], Any, Sequence[MicroBatch]]],
+        packed: Sequence[tuple[MiniBatchShare, Sequence[MicroBatch]]],
         old: Sequence[Sequence[torch.Tensor] | None],
     ) -> tuple[dict[str, list[float]], list[set[int]], float | None]:
         """:meth:`_first_forward_sums` of the scoring forward under the pre-update weights."""
         if tally is not None:
-            for (_, _, mbs), old_lp in zip(packed, old, strict=True):
+            for (_, mbs), old_lp in zip(packed, old, strict=True):
                 if old_lp is None:
                     continue  # not the last pipeline stage
                 for mb, lp in zip(mbs, old_lp, strict=True):
@@ -240,20 +245,27 @@ class PolicyWorker(SendsWeights):
         # the old log-probs are whole packs on every CP rank: count them once
         return self._first_forward_sums(engine, tally, self.cfg.moe.routing_replay == "R3", whole_packs=True)
 
-    def _pack(self, engine: Any, samples: Sequence[Sample]) -> list[tuple[Sequence[Sample], Any, Any]]:
-        """(mini-batch, pack plan, this rank's micro-batches) per update of the batch."""
-        replay = self.cfg.moe.routing_replay
-        packed = []
-        for mini in split_groups(samples, self.cfg.train.updates_per_batch):
-            plan = engine.plan([len(s.tokens) for s in mini], self.cfg.train.pack_length)
-            routing = [s.routed_experts for s in mini] if replay == "R3" else None
-            packed.append((mini, plan, engine.rank_packs([s.tokens for s in mini], plan, routing=routing)))
-        return packed
+    def _pack(self, engine: Any, share: BatchShare) -> list[tuple[MiniBatchShare, list[MicroBatch]]]:
+        """(mini-batch share, this rank's micro-batches) per update of the batch."""
+        r3 = self.cfg.moe.routing_replay == "R3"
+        return [
+            (
+                mini,
+                engine.pack_micro_batches(
+                    mini.packs,
+                    {i: s.tokens for i, s in mini.samples.items()},
+                    mini.capacity,
+                    mini.sample_multiple,
+                    routing={i: s.routed_experts for i, s in mini.samples.items()} if r3 else None,
+                ),
+            )
+            for mini in share.minis
+        ]
 
     def _update(
         self,
         engine: Any,
-        packed: Sequence[tuple[Sequence[Sample], Any, Sequence[MicroBatch]]],
+        packed: Sequence[tuple[MiniBatchShare, Sequence[MicroBatch]]],
         old: Sequence[Sequence[torch.Tensor] | None],
         ref: Sequence[Sequence[torch.Tensor] | None],
         stores: Sequence[dict | None],
@@ -272,9 +284,7 @@ class PolicyWorker(SendsWeights):
         replay = self.cfg.moe.routing_replay
         pass_old = self.loss.importance != "pois"
         metrics: dict[str, float] = {}
-        for (mini, _, mbs), old_lp, ref_lp, store, out in zip(
-            packed, old, ref, stores, excluded, strict=True
-        ):
+        for (mini, mbs), old_lp, ref_lp, store, out in zip(packed, old, ref, stores, excluded, strict=True):
             # keyed by pack: a context-parallel rank's share of a micro-batch is a new MicroBatch
             index = {id(mb.pack): k for k, mb in enumerate(mbs)}
 
@@ -305,7 +315,7 @@ class PolicyWorker(SendsWeights):
     def _batch_entropy(
         self,
         engine: Any,
-        packed: Sequence[tuple[Sequence[Sample], Any, Sequence[MicroBatch]]],
+        packed: Sequence[tuple[MiniBatchShare, Sequence[MicroBatch]]],
         old: Sequence[Sequence[torch.Tensor] | None],
     ) -> float:
         """Token-mean entropy estimate (:func:`~mars_megatron.algorithm.losses.entropy_estimate`) of the
@@ -316,7 +326,7 @@ class PolicyWorker(SendsWeights):
         from megatron.core import parallel_state as ps
 
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for (mini, _, mbs), old_lp in zip(packed, old, strict=True):
+        for (mini, mbs), old_lp in zip(packed, old, strict=True):
             if old_lp is None:
                 continue  # not the last pipeline stage: contributes nothing, receives the sum
             for mb, lp in zip(mbs, old_lp, strict=True):
@@ -370,6 +380,7 @@ class PolicyWorker(SendsWeights):
         return {
             "backend": str(dist.get_backend()),
             "rank": dist.get_rank(),
+            "dp_rank": ps.get_data_parallel_rank(),
             "writer": int(
                 ps.is_pipeline_last_stage()
                 and ps.get_tensor_model_parallel_rank() == 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -24,7 +24,7 @@ from mars_megatron.models.hf_config import Qwen3Arch
 from mars_megatron.training.batches import MicroBatch, make_micro_batches
 from mars_megatron.training.logprobs import vocab_parallel_logprobs
 from mars_megatron.training.model_provider import build_model, resolve_impl
-from mars_megatron.training.packing import PackPlan, build_plan_pack, plan_packs
+from mars_megatron.training.packing import PackPlan, PackSpec, build_pack
 
 # (per-token log-probs [b, s], micro-batch) -> (sum of token losses, number of tokens)
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, torch.Tensor]]
@@ -314,17 +314,18 @@ class MegatronEngine:
             out += [lp[row, : n - 1].tolist() for row, n in enumerate(mb.lengths)]
         return out[: len(seqs)]
 
+    def pack_spec(self) -> PackSpec:
+        """What this engine's packs depend on besides the batch: its data-parallel size and the multiples
+        its layout asks of pack and sample lengths."""
+        why = f"tp={self.parallel.tp} under sequence parallel" if self.config.sequence_parallel else ""
+        if self.cp > 1:
+            why = f"{why + ' times ' if why else ''}2*cp = {2 * self.cp} (context parallel)"
+        return PackSpec(self.dp, self._seq_multiple(), self._sample_multiple(), why)
+
     def plan(self, lengths: Sequence[int], pack_length: int) -> PackPlan:
         """The packing of a global batch: every rank computes the same plan (it is deterministic), and
         every DP rank gets the same number of packs (short ranks get empty ones) so the schedules agree."""
-        if pack_length % self._seq_multiple():
-            why = f"tp={self.parallel.tp} under sequence parallel" if self.config.sequence_parallel else ""
-            if self.cp > 1:
-                why = f"{why + ' times ' if why else ''}2*cp = {2 * self.cp} (context parallel)"
-            raise ValueError(f"pack_length {pack_length} must be a multiple of {self._seq_multiple()}: {why}")
-        return plan_packs(
-            lengths, pack_length, self.dp, pad_ranks=True, sample_multiple=self._sample_multiple()
-        )
+        return self.pack_spec().plan(lengths, pack_length)
 
     def rank_packs(
         self,
@@ -333,13 +334,42 @@ class MegatronEngine:
         target_masks: Sequence[Sequence[float]] | None = None,
         routing: Sequence[Any] | None = None,
     ) -> list[MicroBatch]:
-        """This DP rank's packs of ``plan`` as micro-batches, each padded to exactly the pack length
-        (pipeline stages exchange activations of one fixed shape). ``routing[i]``: sample i's experts to
-        replay (``[len(seqs[i]) - 1, moe_layers, k]``, or None), mapped through the packing."""
+        """This DP rank's packs of ``plan`` (made from the whole batch ``seqs``) as micro-batches: see
+        :meth:`pack_micro_batches`."""
+        ids = [plan.packs[k] for k in plan.rank_packs[self.dp_rank]]
+        if any(len(seqs[i]) != plan.lengths[i] for pack in ids for i in pack):
+            raise ValueError("seqs do not match the lengths the plan was made for")
+        return self.pack_micro_batches(
+            ids, seqs, plan.capacity, plan.sample_multiple, target_masks=target_masks, routing=routing
+        )
+
+    def pack_micro_batches(
+        self,
+        packs: Sequence[Sequence[int]],
+        seqs: Sequence[Sequence[int]] | Mapping[int, Sequence[int]],
+        capacity: int,
+        sample_multiple: int = 1,
+        *,
+        target_masks: Sequence[Sequence[float]] | Mapping[int, Sequence[float]] | None = None,
+        routing: Sequence[Any] | Mapping[int, Any] | None = None,
+    ) -> list[MicroBatch]:
+        """``packs`` (each the indices of its samples, in order; empty: a padding pack) as micro-batches,
+        each padded to exactly ``capacity`` tokens (pipeline stages exchange activations of one fixed
+        shape); samples longer than it are cut to it. ``seqs``, ``target_masks`` and ``routing`` are
+        looked up by those indices: the whole batch, or only this rank's samples by index.
+        ``routing[i]``: sample i's experts to replay (``[len(seqs[i]) - 1, moe_layers, k]``, or None),
+        mapped through the packing."""
         out = []
-        for k in plan.rank_packs[self.dp_rank]:
+        for ids in packs:
             mb = MicroBatch.from_pack(
-                build_plan_pack(plan, seqs, k, multiple=plan.capacity, target_masks=target_masks)
+                build_pack(
+                    [seqs[i] for i in ids],
+                    sample_ids=tuple(ids),
+                    max_len=capacity,
+                    multiple=capacity,
+                    sample_multiple=sample_multiple,
+                    target_masks=None if target_masks is None else [target_masks[i] for i in ids],
+                )
             )
             if routing is not None:
                 from mars_megatron.training.routing_replay import pack_routing

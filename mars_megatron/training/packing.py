@@ -617,5 +617,31 @@ def build_plan_pack(
     )
 
 
+@dataclass(frozen=True)
+class PackSpec:
+    """What packing a batch depends on besides its lengths: the trainer's layout. The driver plans each
+    batch once with it and sends every data-parallel rank only its packs' samples; a rank's engine gives
+    the same spec (:meth:`~mars_megatron.training.engine.MegatronEngine.pack_spec`), so a plan made on the
+    driver equals the one the rank would make."""
+
+    dp: int
+    """Data-parallel ranks: every one gets the same number of packs (short ones get empty packs)."""
+    seq_multiple: int
+    """A pack's length must be a multiple of this (TP under sequence parallel, 2*cp)."""
+    sample_multiple: int = 1
+    """Every sample's room in a pack is rounded up to this (THD packs under context parallelism)."""
+    why: str = ""
+    """What sets ``seq_multiple``, for the error when a pack length is not a multiple of it."""
+
+    def plan(self, lengths: Sequence[int], pack_length: int) -> PackPlan:
+        """The packing of one global batch; deterministic, so every caller gets the same plan."""
+        if pack_length % self.seq_multiple:
+            raise ValueError(
+                f"pack_length {pack_length} must be a multiple of {self.seq_multiple}"
+                + (f": {self.why}" if self.why else "")
+            )
+        return plan_packs(lengths, pack_length, self.dp, pad_ranks=True, sample_multiple=self.sample_multiple)
+
+
 def lower_bound(lengths: Sequence[int], capacity: int) -> int:
     return math.ceil(sum(min(x, capacity) for x in lengths) / capacity)

@@ -87,6 +87,11 @@ class WorkerGroup(Protocol):
         """Start the call on every rank; returns per-rank handles for :meth:`wait`."""
         ...
 
+    def call_async_each(self, method: str, args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Start the call on every rank, rank ``r`` with its own positional ``args[r]``; handles for
+        :meth:`wait`."""
+        ...
+
     def wait(self, handles: Sequence[Any]) -> list[Any]:
         """Results of the handles from :meth:`call_async` (in that rank order)."""
         ...
@@ -312,6 +317,22 @@ class RayWorkerGroup:
         payload = ray.put((args, kwargs))
         return [a.run.remote(method, payload) for a in self._live()]
 
+    def call_async_each(self, method: str, args: Sequence[tuple[Any, ...]]) -> list[ObjectRef]:
+        """Like :meth:`call_async`, with rank ``r``'s own positional ``args[r]`` (a rank's share of a
+        batch). Each distinct tuple (by identity: ranks that hold the same share pass the same one) is
+        serialised into the object store once, so a rank receives only what it was given."""
+        import ray
+
+        if len(args) != self.world_size:
+            raise ValueError(
+                f"call_async_each({method!r}): {len(args)} argument tuples for {self.world_size} ranks"
+            )
+        refs: dict[int, ObjectRef] = {}
+        for a in args:
+            if id(a) not in refs:
+                refs[id(a)] = ray.put((a, {}))
+        return [actor.run.remote(method, refs[id(a)]) for actor, a in zip(self._live(), args, strict=True)]
+
     def wait(self, handles: Sequence[ObjectRef]) -> list[Any]:
         return self._gather(list(handles), "call")
 
@@ -484,6 +505,12 @@ class LocalWorkerGroup:
             return [_Done(getattr(self._worker, method)(*args, **kwargs))]
         except Exception:
             return [_Done(error=_rank_error(0, 1, f"{self._name}.{method}", traceback.format_exc()))]
+
+    def call_async_each(self, method: str, args: Sequence[tuple[Any, ...]]) -> list[_Done]:
+        """Rank 0's own positional ``args[0]`` (the one rank)."""
+        if len(args) != 1:
+            raise ValueError(f"call_async_each({method!r}): {len(args)} argument tuples for 1 rank")
+        return self.call_async(method, *args[0])
 
     def wait(self, handles: Sequence[_Done]) -> list[Any]:
         for h in handles:

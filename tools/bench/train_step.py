@@ -330,7 +330,7 @@ def worker(
     grad_diff, grad_scale = _check_same_gradient(trainer, engine, samples, packs)
 
     def ours() -> None:
-        trainer.train({SHARED: samples})
+        trainer.train(trainer.local_shares({SHARED: samples}))
 
     def bare() -> None:
         bare_step(engine, packs)

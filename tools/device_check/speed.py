@@ -143,7 +143,7 @@ def _measure_shape(trainer: Any, shape: Any, repeats: int, warmup: int) -> dict[
     grad_diff, grad_scale = _check_same_gradient(trainer, engine, samples, packs, rtol=math.inf)
 
     def ours() -> None:
-        trainer.train({SHARED: samples})
+        trainer.train(trainer.local_shares({SHARED: samples}))
 
     def bare() -> None:
         bare_step(engine, packs)

@@ -123,7 +123,7 @@ def _steps(worker: Any, first: int, last: int, setup: Setup, save_dir: str | Non
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        metrics = worker.train({POLICY: samples})
+        metrics = worker.train(worker.local_shares({POLICY: samples}))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         metrics["seconds"] = time.perf_counter() - start
