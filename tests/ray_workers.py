@@ -60,6 +60,10 @@ class TrainerRank(SendsWeights):
             self.sender = WeightSender(self.engine.arch, self.bucket_bytes)
         return {"policy": (self.engine.model, self.sender)}
 
+    def received(self, share: list[int]) -> tuple[int, list[int]]:
+        """This rank and what it was sent (``call_async_each``)."""
+        return dist.get_rank(), share
+
     def fail_on(self, rank: int, message: str) -> int:
         if dist.get_rank() == rank:
             raise ValueError(message)

@@ -1,5 +1,6 @@
 """Sample validation and GRPO advantages, against hand-computed values."""
 
+import dataclasses
 import math
 
 import pytest
@@ -63,6 +64,8 @@ def test_a_record_grows_segment_by_segment_and_stays_valid():
         s.add_segment([8, 9], [-0.1], version=3)
     with pytest.raises(ValueError, match="finish_reason"):
         s.finish("eos")
+    with pytest.raises(ValueError, match="NaN log-prob"):  # each segment's values are checked as it is added
+        s.add_segment([8], [math.nan], version=3)
 
 
 @pytest.mark.parametrize(
@@ -129,12 +132,14 @@ def test_assign_advantages_filters_and_keeps_roles_apart():
     assert [s.sample_id for s in kept] == ["a", "v1", "b", "v2"]
     # Solver: mean .5, std .5 → ±.5/(.5 + 1e-6); the Verifier group is not mixed in (it would shift the mean)
     assert [s.advantage for s in kept] == pytest.approx([0.5 / 0.500001, 0.0, -0.5 / 0.500001, 0.0])
-    assert samples[0].advantage is None  # inputs are not mutated
+    assert all(k is s for k, s in zip(kept, samples, strict=True))  # annotated in place: the same records
     assert stats["groups"] == 2 and stats["filtered_groups"] == 0
     assert stats["mean_reward/solver"] == 0.5 and stats["mean_reward/verifier"] == 1.0
 
-    kept, stats = assign_advantages(samples, filter_zero_variance=True)
+    fresh = [dataclasses.replace(s, advantage=None) for s in samples]
+    kept, stats = assign_advantages(fresh, filter_zero_variance=True)
     assert [s.sample_id for s in kept] == ["a", "b"]
+    assert [s.advantage for s in fresh[1::2]] == [None, None]  # a filtered group is left unannotated
     assert stats["filtered_groups"] == 1 and stats["kept_samples"] == 2 and stats["samples"] == 4
 
 

@@ -26,6 +26,7 @@ LAYERS: tuple[str, ...] = (
     "json_file",
     "metrics",
     "runtime_env",  # the numerics and thread pins every process takes before torch runs
+    "seeds",  # seeds derived from names (blake2b), for every random choice of a run
     # settings (torch-free, so a login node can check a config and plan a layout), torch's names for them,
     # then what a model is (architecture from config.json, presets, layout, tokenizer)
     "config",

@@ -9,10 +9,11 @@ from mars_megatron.agents.graph_file import load_graph
 from mars_megatron.agents.sample import Sample
 from mars_megatron.config import AgentsConfig, TrainConfig
 from mars_megatron.evaluation.data import Problem
-from mars_megatron.pipeline.agents import ScoreRequest, score_requests
+from mars_megatron.pipeline.agents import score_request
 from mars_megatron.pipeline.facades import ProblemFeed, TrainerGroup, TrainerRanks
 from mars_megatron.pipeline.scheduler import Limits, Scheduler
 from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
+from mars_megatron.rewards.scoring import score_requests
 from mars_megatron.rl.data import ProblemStream
 from mars_megatron.training.packing import PackSpec
 
@@ -88,7 +89,7 @@ def test_a_score_request_comes_from_the_record_and_its_score_goes_back() -> None
     assert s.on_segment(job.sample_id, [5], [-0.5], stopped=True)
     s.samples[job.sample_id].text = r"so \boxed{3}"
     with AnswerChecker(CheckerConfig(num_workers=1)) as checker:
-        solver = ScoreRequest.of(s, job.sample_id)
+        solver = score_request(s, job.sample_id)
         assert (solver.reward, solver.verdict, solver.reference, solver.judged_right) == (
             "answer",
             None,
@@ -102,7 +103,7 @@ def test_a_score_request_comes_from_the_record_and_its_score_goes_back() -> None
         assert verifier.judged_right is False  # the solution it judges was wrong
         assert s.on_segment(job.sample_id, [6], [-0.5], stopped=True)
         verifier.text = VERDICT
-        ((sid, reward, verdict),) = score_requests([ScoreRequest.of(s, job.sample_id)], checker)
+        ((sid, reward, verdict),) = score_requests([score_request(s, job.sample_id)], checker)
     assert (sid, reward, verdict) == (verifier.sample_id, 1.0, False)  # it rightly found errors
     s.on_scored(sid, reward, verdict)
     assert verifier.reward == 1.0 and verifier.verdict is False and verifier.found_errors

@@ -19,9 +19,9 @@ from mars_megatron.evaluation.data import Problem
 from mars_megatron.models.presets import init_model
 from mars_megatron.pipeline.local import Round, run_round
 from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
-from mars_megatron.rl.rollout import derive_seed
 from mars_megatron.rollout.chat import ChatCodec
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
+from mars_megatron.seeds import derive_seed
 
 PROBLEMS = [Problem(f"add-{a}-{b}", f"Find {a}+{b}.", a + b, i) for i, (a, b) in enumerate([(3, 4), (9, 8)])]
 

@@ -14,7 +14,7 @@ from mars_megatron.config import AgentsConfig, load_config
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.scheduler import Batch, Limits, Scheduler, SeqState
 from mars_megatron.pipeline.simulate import Costs, Lengths, SimResult, Simulation, simple_prompts
-from mars_megatron.rl.rollout import derive_seed
+from mars_megatron.seeds import derive_seed
 
 GRAPH = load_graph("marsrl")
 ROLES = tuple(GRAPH.roles)

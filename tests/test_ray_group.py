@@ -130,6 +130,16 @@ def test_a_failing_rank_is_named_with_its_method(group: RayWorkerGroup) -> None:
         group.call_rank(0, "no_such_method")
 
 
+def test_each_rank_receives_its_own_arguments(group: RayWorkerGroup) -> None:
+    """``call_async_each``: rank r gets ``args[r]`` (a data-parallel share), nothing of the others'."""
+    shares = [([1, 2],), ([3],)]
+    assert group.wait(group.call_async_each("received", shares)) == [(0, [1, 2]), (1, [3])]
+    same = ([4, 5],)  # ranks of one replica pass one tuple: stored once, received by both
+    assert group.wait(group.call_async_each("received", [same, same])) == [(0, [4, 5]), (1, [4, 5])]
+    with pytest.raises(ValueError, match="1 argument tuples for 2 ranks"):
+        group.call_async_each("received", [same])
+
+
 def test_local_group_runs_the_same_worker_in_process(moe: Path, reference_step: list[dict]) -> None:
     with make_worker_group("local", TrainerRank, 1, str(moe), {}, threads_per_rank=1) as g:
         assert isinstance(g, LocalWorkerGroup)

@@ -7,9 +7,10 @@ selection, the reward, the per-role metrics, GRPO (``advantage``), the packer an
 and annotate this one record; nothing copies it into another type.
 
 The checks hold for partial records too (a sample still decoding has fewer tokens, and every per-token
-list has as many entries as ``response_ids``); they run on construction (and on
-:func:`dataclasses.replace`) and again when the record is complete (:meth:`Sample.finish`). Every
-error names the field.
+list has as many entries as ``response_ids``). Every token's values are checked once: all of them on
+construction (and restore), then each segment's as it is added; :meth:`Sample.finish` checks the complete
+record's lengths and segments, and :meth:`Sample.check_scores` the scalars set later. Every error names
+the field.
 """
 
 from __future__ import annotations
@@ -116,7 +117,28 @@ class Sample:
         self.check()
 
     def check(self) -> None:
-        """The record's invariants (they hold while it decodes, too); raises naming the field."""
+        """Every invariant of the record, each token's values included (they hold while it decodes, too);
+        raises naming the field. Runs once, when the record is made (and restored); after that the
+        decoding methods check what they append and :meth:`finish` and :meth:`check_scores` only what can
+        still change, so nothing on the way to the loss scans a response again."""
+        self._check_shape()
+        assert self.loss_mask is not None
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("Sample.loss_mask entries must be 0 or 1")
+        if self.behaviour_logprobs is not None and any(not lp <= 0.0 for lp in self.behaviour_logprobs):
+            raise ValueError("Sample.behaviour_logprobs must all be <= 0 (and not NaN)")
+        self.check_scores()
+
+    def check_scores(self) -> None:
+        """The scalars a record is annotated with on its way (reward, training reward, advantage) are
+        finite."""
+        for name in ("reward", "advantage", "training_reward"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"Sample.{name} must be finite, got {value}")
+
+    def _check_shape(self) -> None:
+        """Names, lengths, segments and routing: what holds by count, not by each token's value."""
         if not isinstance(self.position, str) or not self.position:
             raise ValueError(f"Sample.position must be a position name, got {self.position!r}")
         if len(self.prompt_ids) == 0:
@@ -126,20 +148,10 @@ class Sample:
             self.loss_mask = [1] * n
         if len(self.loss_mask) != n:
             raise ValueError(f"Sample.loss_mask has {len(self.loss_mask)} entries, response_ids has {n}")
-        if any(m not in (0, 1) for m in self.loss_mask):
-            raise ValueError("Sample.loss_mask entries must be 0 or 1")
-        if self.behaviour_logprobs is not None:
-            if len(self.behaviour_logprobs) != n:
-                raise ValueError(
-                    f"Sample.behaviour_logprobs has {len(self.behaviour_logprobs)} entries, "
-                    f"response_ids has {n}"
-                )
-            if any(not lp <= 0.0 for lp in self.behaviour_logprobs):
-                raise ValueError("Sample.behaviour_logprobs must all be <= 0 (and not NaN)")
-        for name in ("reward", "advantage", "training_reward"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"Sample.{name} must be finite, got {value}")
+        if self.behaviour_logprobs is not None and len(self.behaviour_logprobs) != n:
+            raise ValueError(
+                f"Sample.behaviour_logprobs has {len(self.behaviour_logprobs)} entries, response_ids has {n}"
+            )
         self._check_segments(n)
         self._check_routing(self.routed_experts, n)
 
@@ -182,6 +194,8 @@ class Sample:
             raise ValueError(f"{self.sample_id}: {len(token_ids)} tokens but {len(logprobs)} log-probs")
         if not token_ids:
             return
+        if any(lp != lp for lp in logprobs):  # NaN (min() below would keep it)
+            raise ValueError(f"{self.sample_id}: the engine returned a NaN log-prob (behaviour_logprobs)")
         self._check_routing(routed_experts, len(self.response_ids) + len(token_ids))
         if routed_experts is not None:
             self.routed_experts = routed_experts
@@ -221,11 +235,11 @@ class Sample:
 
     def finish(self, finish_reason: str) -> None:
         """Decoding is over: the model ended it (``stop``) or the token budget did (``length``). Checks
-        the complete record."""
+        the complete record's shape (each token's values were checked as its segment was added)."""
         if finish_reason not in ("stop", "length"):
             raise ValueError(f"Sample.finish_reason must be 'stop' or 'length', got {finish_reason!r}")
         self.finish_reason = finish_reason
-        self.check()
+        self._check_shape()
 
     # ------------------------------------------------------------------------------------------- views
     @property

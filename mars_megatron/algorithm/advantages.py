@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import replace
 from typing import TypeVar
 
 from mars_megatron.agents.sample import Sample
@@ -53,7 +52,8 @@ def assign_advantages(
     eps: float = 1e-6,
     normalize_std: bool = True,
 ) -> tuple[list[Sample], dict[str, float]]:
-    """Return copies of ``samples`` with ``advantage`` set, grouped by ``Sample.group_id``.
+    """Annotate ``samples`` in place with their ``advantage``, grouped by ``Sample.group_id``; return the
+    records to train on (the same objects: nothing copies a record on its way to the loss).
 
     GRPO normalises :attr:`Sample.reward_trained_on` (the shared reward where set, else the agent
     reward). Every sample needs one, and a group must hold one position only (a group id shared across
@@ -84,7 +84,9 @@ def assign_advantages(
         index = cursor[s.group_id]
         cursor[s.group_id] += 1
         if s.group_id not in dropped:
-            kept.append(replace(s, advantage=advantages[s.group_id][index]))
+            s.advantage = advantages[s.group_id][index]
+            s.check_scores()
+            kept.append(s)
 
     stats: dict[str, float] = {
         "groups": float(len(rewards)),

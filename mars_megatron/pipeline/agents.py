@@ -1,7 +1,8 @@
 """What the pipeline does with one agent output, wherever the schedule runs (Ray workers or this process):
-its prompt, its engine request, its reward and its metrics. The output is one record from start to
-finish (:class:`~mars_megatron.agents.sample.Sample`); the only conversion is the small
-:class:`ScoreRequest` a reward worker receives, built here from the record.
+its prompt, its engine request, the request its reward is scored from (the rewards themselves are
+:mod:`mars_megatron.rewards.scoring`'s) and its metrics. The output is one record from start to finish
+(:class:`~mars_megatron.agents.sample.Sample`); the only conversion is the small
+:class:`~mars_megatron.rewards.scoring.ScoreRequest` a reward worker receives, built here from the record.
 
 One definition each, so the Ray driver (:mod:`.driver`) and the in-process runner (:mod:`.local`) cannot
 drift apart.
@@ -10,20 +11,18 @@ drift apart.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mars_megatron.agents.graph import AgentGraph, RewardKind, VerdictReader
+from mars_megatron.agents.graph import AgentGraph
 from mars_megatron.agents.prompts import prompt_variables
 from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.tools import observation, parse_call, run_tool
 from mars_megatron.agents.trajectory import PromptInputs
-from mars_megatron.agents.verdict import read_verdict
 from mars_megatron.evaluation.data import Problem
-from mars_megatron.pipeline.scheduler import Batch, Scheduler, SegmentJob, shared_rewards
-from mars_megatron.rewards.agent_rewards import Checker, answer_rewards, verdict_reward
-from mars_megatron.rl.rollout import role_metrics
+from mars_megatron.pipeline.scheduler import Batch, Scheduler, SegmentJob, SeqState
+from mars_megatron.rewards.metrics import role_metrics
+from mars_megatron.rewards.scoring import ScoreRequest, shared_rewards
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
 
 
@@ -121,57 +120,22 @@ def serve_tools(
     return [sample.sample_id]
 
 
-@dataclass(frozen=True)
-class ScoreRequest:
-    """What a reward worker needs of a finished record (small and picklable: no token or routing arrays).
-    Built from the record by :meth:`of`, and only there; the score goes back onto the record
-    (:meth:`~.scheduler.Scheduler.on_scored`)."""
-
-    sample_id: str
-    reward: RewardKind
-    """How the output's role is rewarded (the graph's ``roles.<name>.reward``)."""
-    verdict: VerdictReader | None
-    """How a verdict is read from the output (None: its role reads none)."""
-    text: str
-    reference: Any
-    judged_right: bool
-    """Outputs with an input: whether the solution it judged or revised was right (True otherwise)."""
-
-    @classmethod
-    def of(cls, s: Scheduler, sample_id: str) -> ScoreRequest:
-        sample = s.samples[sample_id]
-        role = s.graph.roles[sample.role]
-        judged_right = True if sample.judged_right is None else sample.judged_right
-        return cls(
-            sample_id, role.reward, role.verdict, sample.text, s.problem(sample).reference, judged_right
-        )
-
-
-def score_requests(
-    requests: Sequence[ScoreRequest], checker: Checker
-) -> list[tuple[str, float, bool | None]]:
-    """``(sample_id, reward, verdict)`` per request, by the role's reward kind. ``answer``: 1 if the last
-    boxed answer matches the reference (one batched math-verify call). ``verdict``: 1 if the verdict is
-    right about the solution it judged. ``outcome``: 0 for now; the scheduler sets the mean reward of what
-    followed once the trajectory is finished. A role's verdict is read whatever its reward."""
-    answers = [(i, r.text, r.reference) for i, r in enumerate(requests) if r.reward == "answer"]
-    rewards = answer_rewards([(text, ref) for _, text, ref in answers], checker)
-    out: list[tuple[str, float, bool | None]] = [
-        (r.sample_id, 0.0, read_verdict(r.verdict, r.text)) for r in requests
-    ]
-    for (i, _, _), reward in zip(answers, rewards, strict=True):
-        out[i] = (requests[i].sample_id, reward, out[i][2])
-    for i, r in enumerate(requests):
-        if r.reward == "verdict":
-            verdict = out[i][2]
-            out[i] = (r.sample_id, verdict_reward(verdict, r.judged_right), verdict)
-    return out
+def score_request(s: Scheduler, sample_id: str) -> ScoreRequest:
+    """What a reward worker receives for the finished record ``sample_id`` (the one conversion of a
+    record: small, no token or routing arrays)."""
+    sample = s.samples[sample_id]
+    return ScoreRequest.of(sample, s.graph.roles[sample.role], s.problem(sample).reference)
 
 
 def set_shared_rewards(s: Scheduler, batch: Batch) -> None:
     """``algorithm.reward=shared``: annotate each record of ``batch`` with the reward it trains on, its
-    trajectory's outcome (:func:`~.scheduler.shared_rewards`)."""
-    for sample_id, reward in shared_rewards(s, batch.samples).items():
+    trajectory's outcome (:func:`~mars_megatron.rewards.scoring.shared_rewards`)."""
+
+    def unfinished(sample_id: str) -> str | None:
+        state = s.state(sample_id)
+        return None if state is SeqState.DONE else state.value
+
+    for sample_id, reward in shared_rewards(s.samples, s.graph, batch.samples, unfinished).items():
         s.samples[sample_id].training_reward = reward
 
 

@@ -32,9 +32,9 @@ from typing import Any
 
 from mars_megatron.algorithm.advantages import assign_advantages, balance_roles
 from mars_megatron.pipeline.agents import (
-    ScoreRequest,
     batch_metrics,
     record_outputs,
+    score_request,
     segment_request,
     set_shared_rewards,
     write_rollouts,
@@ -124,7 +124,7 @@ class PipelineDriver:
             if not free:
                 break
             w = free[0]
-            requests = [ScoreRequest.of(self.s, sid) for sid in self.to_score]
+            requests = [score_request(self.s, sid) for sid in self.to_score]
             ref = self.rewards.score(w, requests)
             self.flight[ref] = _InFlight("reward", w, list(self.to_score))
             self.busy_reward.add(w)

@@ -4,7 +4,7 @@ group, the reward workers and the problem source, each a small class with typed 
 These are the Ray edge of the pipeline: the driver waits on the handles they return (``ray.wait``) and
 never builds an actor itself. The schedule without Ray (engines, answer checker and scoring in this
 process) is :func:`mars_megatron.pipeline.local.run_round`, which scores through the same
-:func:`~.agents.score_requests`.
+:func:`~mars_megatron.rewards.scoring.score_requests`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from mars_megatron.agents.graph import AgentGraph
 from mars_megatron.agents.sample import Sample
 from mars_megatron.config import TrainConfig
 from mars_megatron.evaluation.data import Problem
-from mars_megatron.pipeline.agents import ScoreRequest, score_requests
 from mars_megatron.pipeline.fleet import EngineFleet
+from mars_megatron.rewards.scoring import RewardWorker, ScoreRequest
 from mars_megatron.rl.data import ProblemStream
 from mars_megatron.rl.shares import BatchShare, shard_batch
 from mars_megatron.training.packing import PackSpec
@@ -128,23 +128,9 @@ class TrainerGroup:
         }
 
 
-class RewardActor:
-    """Body of a reward worker (wrap with ``ray.remote``): math-verify answers and parsed verdicts."""
-
-    def __init__(self) -> None:
-        from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
-
-        self.checker = AnswerChecker(CheckerConfig(num_workers=1))
-
-    def score(self, requests: Sequence[ScoreRequest]) -> list[tuple[str, float, bool | None]]:
-        return score_requests(requests, self.checker)
-
-    def ping(self) -> bool:
-        return True
-
-
 class RewardPool:
-    """The reward workers: one Ray actor of :class:`RewardActor` each, replaced when one dies."""
+    """The reward workers: one Ray actor of :class:`~mars_megatron.rewards.scoring.RewardWorker` each,
+    replaced when one dies."""
 
     def __init__(self, workers: int) -> None:
         if workers < 1:
@@ -155,7 +141,7 @@ class RewardPool:
     def _start() -> Any:
         import ray
 
-        return ray.remote(RewardActor).options(num_cpus=1).remote()
+        return ray.remote(RewardWorker).options(num_cpus=1).remote()
 
     def __len__(self) -> int:
         return len(self.actors)

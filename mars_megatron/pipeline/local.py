@@ -17,17 +17,16 @@ from mars_megatron.agents.sample import Sample
 from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.agents import (
-    ScoreRequest,
     batch_metrics,
     prompt_builder,
     record_outputs,
-    score_requests,
+    score_request,
     segment_request,
     set_shared_rewards,
 )
 from mars_megatron.pipeline.scheduler import Batch, Limits, Scheduler
 from mars_megatron.rewards.agent_rewards import Checker
-from mars_megatron.rl.rollout import RewardMode
+from mars_megatron.rewards.scoring import RewardMode, score_requests
 from mars_megatron.rollout.chat import ChatCodec
 from mars_megatron.rollout.engine import RolloutEngine, SamplingParams
 
@@ -93,7 +92,7 @@ def run_round(
         if not issued:  # every sequence waits on a score, and none is being scored: a scheduler bug
             raise RuntimeError(f"run_round stalled: {s.stats()}")
         if finished:
-            requests = [ScoreRequest.of(s, sid) for sid in finished]
+            requests = [score_request(s, sid) for sid in finished]
             for sid, value, verdict in score_requests(requests, checker):
                 s.on_scored(sid, value, verdict)
     batch = s.take_batch()

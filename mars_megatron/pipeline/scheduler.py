@@ -60,7 +60,8 @@ from mars_megatron.agents.selection import select_inputs
 from mars_megatron.agents.trajectory import PromptInputs
 from mars_megatron.config import AgentsConfig, MarsConfig
 from mars_megatron.evaluation.data import Problem
-from mars_megatron.rl.rollout import derive_seed
+from mars_megatron.rewards.scoring import outcome_rewards
+from mars_megatron.seeds import derive_seed
 
 
 class SeqState(StrEnum):
@@ -342,7 +343,7 @@ class Scheduler:
         """Record a finished sequence's reward; completes groups and starts the next position."""
         seq = self._expect(sample_id, SeqState.SCORING)
         seq.reward, seq.verdict = reward, verdict
-        seq.check()
+        seq.check_scores()
         self._flight[sample_id].state = SeqState.DONE
         self._unfinished[seq.role] -= 1
         pid = seq.trajectory_id
@@ -367,25 +368,11 @@ class Scheduler:
             self._retire(pid)
 
     def _resolve_outcomes(self, pid: str) -> None:
-        """Every output of ``pid``'s finished tree whose role is rewarded by its outcome gets the mean reward
-        of the outputs that followed it (deepest first, so an outcome can rest on outcomes). An output that
-        nothing followed keeps the 0 it was scored with."""
-        outcome_roles = {r.name for r in self.graph.roles.values() if r.reward == "outcome"}
-        if not outcome_roles:
-            return
+        """``pid``'s tree is finished: its outputs rewarded by their outcome get it
+        (:func:`~mars_megatron.rewards.scoring.outcome_rewards`)."""
         members = [self.samples[sid] for sid in self._by_problem[pid]]
-        children: dict[str, list[Sample]] = {}
-        for q in members:
-            if q.parent_id is not None:
-                children.setdefault(q.parent_id, []).append(q)
-        for q in sorted(members, key=lambda q: -self._depth[q.position]):
-            kids = children.get(q.sample_id, [])
-            if q.role not in outcome_roles:
-                continue
-            if self.graph.position(q.position).trigger == "tool_call":  # a digest: the response it served
-                q.reward = self.samples[q.parent_id or ""].reward
-            elif kids:
-                q.reward = sum(k.reward or 0.0 for k in kids) / len(kids)
+        for sid, reward in outcome_rewards(members, self.graph, self._depth).items():
+            self.samples[sid].reward = reward
 
     def _enqueue(self, gid: str) -> None:
         """A group becomes trainable (it stays open for the staleness gate until then)."""
@@ -644,38 +631,6 @@ class Scheduler:
 
 def _admission(key: str) -> int:
     return int(key.rsplit("@", 1)[1])
-
-
-def shared_rewards(s: Scheduler, seqs: Iterable[Sample]) -> dict[str, float]:
-    """``algorithm.reward=shared``: each output's reward is the outcome of the trajectories through it —
-    whether their final solution is right, averaged over its continuations (the whole tree must be
-    scored: :attr:`Limits.whole_trajectories`).
-
-    A solution's trajectory ends with it when nothing followed it; any other output's ends with the
-    solution it judged when nothing followed it (it passed the solution, or its branch was not selected).
-    """
-    children: dict[str, list[str]] = {}
-    for q in s.samples.values():
-        if q.parent_id is not None:
-            children.setdefault(q.parent_id, []).append(q.sample_id)
-    memo: dict[str, float] = {}
-
-    def outcome(sid: str) -> float:
-        if sid not in memo:
-            q = s.samples[sid]
-            if s.state(sid) is not SeqState.DONE:
-                state = s.state(sid).value
-                raise ValueError(f"shared reward of {sid}: its trajectory is not finished ({state})")
-            kids = children.get(sid, [])
-            if kids:
-                memo[sid] = sum(outcome(k) for k in kids) / len(kids)
-            elif s.graph.roles[q.role].output != "solution" and q.judged_id is not None:
-                memo[sid] = float(s.samples[q.judged_id].reward or 0.0)
-            else:
-                memo[sid] = float(q.reward or 0.0)
-        return memo[sid]
-
-    return {q.sample_id: outcome(q.sample_id) for q in seqs}
 
 
 # -------------------------------------------------------------------------------------------- checkpoints

@@ -26,7 +26,7 @@ from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.trajectory import PromptInputs
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.scheduler import Batch, PromptFn, Scheduler, SegmentJob
-from mars_megatron.rl.rollout import derive_seed
+from mars_megatron.seeds import derive_seed
 
 Placement = Literal["disaggregated", "colocated"]
 

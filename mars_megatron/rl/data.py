@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from mars_megatron.rl.rollout import derive_seed
+from mars_megatron.seeds import derive_seed
 
 T = TypeVar("T")
 

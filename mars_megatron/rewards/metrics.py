@@ -1,26 +1,13 @@
-"""What every rollout shares, wherever it runs: seeds derived from names, and the per-role metrics of
-scored outputs.
-
-The rollout itself — the agent graph's positions, input selection, groups, segments — is the schedule of
-:mod:`mars_megatron.pipeline`.
-"""
+"""Per-role metrics of scored outputs: the agent-specific rewards by role and position, sample counts,
+lengths and truncation, and the rewards of input-taking roles split by whether their input was right. One
+definition for the in-process rollout and the agentic pipeline's updates."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from typing import Literal
 
 from mars_megatron.agents.graph import AgentGraph
 from mars_megatron.agents.sample import Sample
-
-RewardMode = Literal["agent", "shared"]
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed from any parts (stable across processes and Python versions, unlike ``hash``)."""
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def role_metrics(outputs: Sequence[Sample], graph: AgentGraph) -> dict[str, float]:
