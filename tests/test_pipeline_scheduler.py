@@ -233,13 +233,11 @@ def test_a_saved_schedule_continues_like_the_original(whole: bool) -> None:
     both continue to the same batches, and nothing is trained twice across the restart."""
     import pickle
 
-    from mars_megatron.pipeline.scheduler import restore_scheduler, scheduler_state
-
     original = scheduler(1, segment=4, whole=whole)
     before = drive(original, random.Random(11), updates=3)
-    state = pickle.loads(pickle.dumps(scheduler_state(original)))
+    state = pickle.loads(pickle.dumps(original.state_dict()))
     restored = Scheduler(original.agents, original.limits, original.prompt_fn, GRAPH, seed=original.seed)
-    restore_scheduler(restored, state)
+    restored.load_state_dict(state)
     assert restored.census() == original.census() and restored._held == original._held
     assert not whole or original._held  # complete groups were waiting for their trees at the save
     after = [drive(x, random.Random(12)) for x in (original, restored)]
@@ -254,8 +252,6 @@ def test_routing_of_each_segments_call_replaces_the_sequences_and_is_saved() -> 
     under the newest weights), so it replaces what the sequence held; wrong row counts name the sample;
     the routing survives a save."""
     import numpy as np
-
-    from mars_megatron.pipeline.scheduler import restore_scheduler, scheduler_state
 
     s = scheduler(1, segment=4)
     job = s.take_segments(1)[0]
@@ -274,7 +270,7 @@ def test_routing_of_each_segments_call_replaces_the_sequences_and_is_saved() -> 
     s.on_scored(job.sample_id, 1.0)
     assert s.samples[job.sample_id].routed_experts is second  # the record the trainer reads
     restored = Scheduler(s.agents, s.limits, s.prompt_fn, GRAPH, seed=s.seed)
-    restore_scheduler(restored, scheduler_state(s))
+    restored.load_state_dict(s.state_dict())
     assert np.array_equal(restored.samples[job.sample_id].routed_experts, second)
 
 
@@ -304,14 +300,13 @@ def test_limits_from_the_config() -> None:
 
 def test_a_saved_schedule_resumes_only_under_its_own_graph() -> None:
     """The checkpoint records its agent graph: its rollouts name that graph's positions and roles."""
-    from mars_megatron.pipeline.scheduler import restore_scheduler, scheduler_state
 
     s = scheduler(1, segment=4)
     drive(s, random.Random(3), updates=1)
-    state = scheduler_state(s)
+    state = s.state_dict()
     assert state["graph"] == "marsrl"
     other = load_graph("imo_refine")
     limits = Limits(64, 4, dict.fromkeys(other.roles, 1), 2, 4)
     fresh = Scheduler(s.agents, limits, s.prompt_fn, other, seed=s.seed)
     with pytest.raises(ValueError, match=r"graph 'marsrl', this run's agents\.graph is 'imo_refine'"):
-        restore_scheduler(fresh, state)
+        fresh.load_state_dict(state)

@@ -15,7 +15,7 @@ from mars_megatron.config import AgentsConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.models.presets import init_model
 from mars_megatron.pipeline.local import Round, run_round
-from mars_megatron.pipeline.scheduler import SeqState, restore_scheduler, scheduler_state
+from mars_megatron.pipeline.scheduler import SeqState
 from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
 from mars_megatron.rollout.chat import ChatCodec
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
@@ -169,7 +169,7 @@ def test_a_schedule_saved_while_a_digest_is_written_resumes(codec: ChatCodec) ->
     parked = [sid for sid in s.samples if s.state(sid) is SeqState.TOOL]
     assert len(parked) == 2
     restored = Scheduler(agents, limits, prompts, GRAPH, seed=0)
-    restore_scheduler(restored, scheduler_state(s))
+    restored.load_state_dict(s.state_dict())
     for x in (s, restored):
         while step(x):
             pass

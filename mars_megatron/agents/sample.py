@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # numpy only for the annotation: the launcher's environment (NeMo-Run) has no numpy
     import numpy as np
@@ -279,6 +279,87 @@ class Sample:
         if current_version < oldest:
             raise ValueError(f"staleness: current_version {current_version} is older than segment {oldest}")
         return current_version - oldest
+
+    # ------------------------------------------------------------------------------- saved and written
+    def state(self) -> dict[str, Any]:
+        """The record as plain values, to continue it in a new process (the scheduler's checkpoint): the
+        token, mask and log-prob lists as numpy arrays (compact in ``torch.save``). The annotations made
+        for an update (training reward, advantage) are not kept: a record is saved between updates."""
+        import numpy as np
+
+        return {
+            "sample_id": self.sample_id,
+            "key": self.trajectory_id,
+            "position": self.position,
+            "group_id": self.group_id,
+            "role": self.role,
+            "parent_id": self.parent_id,
+            "judged_id": self.judged_id,
+            "prompt_ids": np.asarray(self.prompt_ids, dtype=np.int64),
+            "tokens": np.asarray(self.response_ids, dtype=np.int64),
+            "loss_mask": np.asarray(self.loss_mask or [], dtype=np.int8),
+            "tool_calls": self.tool_calls,
+            "logprobs": np.asarray(self.behaviour_logprobs or [], dtype=np.float32),
+            "segments": [(g.start, g.end, g.version) for g in self.segment_versions],
+            "routing": self.routed_experts,
+            "finish_reason": self.finish_reason,
+            "text": self.text,
+            "reward": self.reward,
+            "verdict": self.verdict,
+            "judged_right": self.judged_right,
+        }
+
+    @classmethod
+    def from_state(cls, d: Mapping[str, Any], problem_id: str, role: str) -> Sample:
+        """The record :meth:`state` saved (checked like a new one). ``role``: the saved one where the
+        state has it (checkpoints from before agent graphs do not); the keys older checkpoints lack
+        (``group_id``, ``routing``, ``judged_right``, ``loss_mask``, ``tool_calls``) get what they meant
+        then."""
+        key, position = d["key"], str(d["position"])
+        return cls(
+            [int(x) for x in d["prompt_ids"]],
+            [int(x) for x in d["tokens"]],
+            position,
+            problem_id,
+            d.get("group_id") or group_id(key, position, d["parent_id"]),
+            reward=d["reward"],
+            behaviour_logprobs=[min(float(x), 0.0) for x in d["logprobs"]],
+            segment_versions=[Segment(*g) for g in d["segments"]],
+            sample_id=d["sample_id"],
+            routed_experts=d.get("routing"),
+            trajectory_id=key,
+            parent_id=d["parent_id"],
+            judged_id=d["judged_id"],
+            text=d["text"],
+            finish_reason=d["finish_reason"],
+            verdict=d["verdict"],
+            judged_right=d.get("judged_right"),
+            role=d.get("role") or role,
+            loss_mask=[int(x) for x in d["loss_mask"]] if "loss_mask" in d else None,
+            tool_calls=int(d.get("tool_calls", 0)),
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """The record as one JSON object for people and analysis scripts (a run's ``rollouts/``): ids and
+        place in the trajectory, tokens and text, verdict, the agent reward, the reward trained on and the
+        advantage, and which policy version wrote each segment. No log-probs or routing."""
+        return {
+            "sample_id": self.sample_id,
+            "problem_id": self.problem_id,
+            "position": self.position,
+            "role": self.role,
+            "group_id": self.group_id,
+            "parent_id": self.parent_id,
+            "prompt_ids": list(self.prompt_ids),
+            "response_ids": list(self.response_ids),
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "verdict": self.verdict,
+            "agent_reward": self.reward,
+            "reward": self.reward_trained_on,
+            "advantage": self.advantage,
+            "segments": [[g.start, g.end, g.version] for g in self.segment_versions],
+        }
 
 
 class SampleLookup(Protocol):

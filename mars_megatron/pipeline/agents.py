@@ -160,31 +160,15 @@ def write_rollouts(folder: Path, step: int, batch: Batch, trained: Sequence[Samp
     that redoes the step replaces the file."""
     import json
 
-    advantage = {s.sample_id: s.advantage for s in trained}
+    trained_ids = {s.sample_id for s in trained}
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:06d}.jsonl"
     tmp = path.with_suffix(".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for sample in batch.samples:
-            record = {
-                "step": step,
-                "policy_version": batch.version,
-                "sample_id": sample.sample_id,
-                "problem_id": sample.problem_id,
-                "position": sample.position,
-                "role": sample.role,
-                "group_id": sample.group_id,
-                "parent_id": sample.parent_id,
-                "prompt_ids": list(sample.prompt_ids),
-                "response_ids": list(sample.response_ids),
-                "text": sample.text,
-                "finish_reason": sample.finish_reason,
-                "verdict": sample.verdict,
-                "agent_reward": sample.reward,
-                "reward": sample.reward_trained_on,
-                "advantage": advantage.get(sample.sample_id),
-                "segments": [[g.start, g.end, g.version] for g in sample.segment_versions],
-            }
+            record = {"step": step, "policy_version": batch.version, **sample.summary()}
+            if sample.sample_id not in trained_ids:  # filtered or balanced out: not trained on
+                record["advantage"] = None
             f.write(json.dumps(record) + "\n")
     tmp.replace(path)
     return path

@@ -169,14 +169,12 @@ class PipelineDriver:
     # -------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The schedule between updates (work out at workers resumes from its last recorded segment)."""
-        from mars_megatron.pipeline.scheduler import scheduler_state
-
-        return {"scheduler": scheduler_state(self.s), "counters": dict(self.counters)}
+        return {"scheduler": self.s.state_dict(), "counters": dict(self.counters)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        from mars_megatron.pipeline.scheduler import SeqState, restore_scheduler
+        from mars_megatron.pipeline.scheduler import SeqState
 
-        restore_scheduler(self.s, state["scheduler"])
+        self.s.load_state_dict(state["scheduler"])
         self.counters.update(state["counters"])
         self.to_score = [sid for sid in self.s.samples if self.s.state(sid) is SeqState.SCORING]
 

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from mars_megatron.agents.graph import AgentGraph
-from mars_megatron.agents.sample import Sample, Segment, group_id
+from mars_megatron.agents.sample import Sample, group_id
 from mars_megatron.agents.selection import select_inputs
 from mars_megatron.agents.trajectory import PromptInputs
 from mars_megatron.config import AgentsConfig, MarsConfig
@@ -598,6 +598,95 @@ class Scheduler:
             if flight is not None and flight.state is not SeqState.DONE:
                 raise AssertionError(f"{sid} was trained but is {flight.state.value}")
 
+    # -------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue this schedule in a new process (between updates): each record's
+        :meth:`~mars_megatron.agents.sample.Sample.state` with its problem and where it stands. A segment
+        out at a worker is not saved: its sequence resumes from its recorded segments (as if the worker
+        had died); scores out are redone."""
+        if self.training is not None:
+            raise RuntimeError("Scheduler.state_dict: an update is running; save between updates")
+        seqs = []
+        for q in self.samples.values():
+            f = self._flight[q.sample_id]
+            seqs.append(
+                {
+                    **q.state(),
+                    "problem": _problem_state(self.problem(q)),
+                    "state": (SeqState.READY if f.state is SeqState.DECODING else f.state).value,
+                    "first_version": f.first_version
+                    if q.segment_versions or f.state is SeqState.DONE
+                    else None,
+                }
+            )
+        return {
+            "graph": self.graph.name,
+            "version": self.version,
+            "seqs": seqs,
+            "groups": dict(self._groups),
+            "waiting": [_problem_state(p) for p in self._waiting],
+            "admitted_at": dict(self._admitted_at),
+            "queue": list(self._queue),
+            "trained": sorted(self._trained),
+            "group_first": dict(self._group_first),
+            "held": {k: list(v) for k, v in self._held.items()},
+            "counters": dict(self.counters),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the schedule :meth:`state_dict` saved, in this fresh scheduler built with the same
+        config; its indices are rebuilt from the records and checked (:meth:`check`)."""
+        if self.samples or self._waiting or self.version:
+            raise RuntimeError("Scheduler.load_state_dict: the scheduler is not fresh")
+        saved = state.get("graph", "marsrl")  # checkpoints from before agent graphs ran MarsRL's
+        if saved != self.graph.name:
+            raise ValueError(
+                f"the checkpoint's rollouts are of agent graph {saved!r}, this run's agents.graph is "
+                f"{self.graph.name!r}: resume with the graph that made them"
+            )
+        self.version = int(state["version"])
+        for d in state["seqs"]:
+            problem = Problem(**d["problem"])
+            key = d["key"]
+            # before graphs, a record's role was its position's
+            q = Sample.from_state(d, problem.problem_id, self.graph.position(str(d["position"])).role)
+            state_ = SeqState(d["state"])
+            self.samples[q.sample_id] = q
+            self._flight[q.sample_id] = _Flight(state_, d["first_version"])
+            self._problems.setdefault(key, problem)
+            self._by_problem.setdefault(key, []).append(q.sample_id)
+            if state_ is not SeqState.DONE:
+                self._unfinished[q.role] += 1
+                self._active[key] = self._active.get(key, 0) + 1
+                self._position_left[key, q.position] = self._position_left.get((key, q.position), 0) + 1
+            else:
+                self._position_left.setdefault((key, q.position), 0)
+            if state_ is SeqState.READY:
+                self._ready[q.sample_id] = (-self._depth[q.position], q.sample_id)
+        for q in self.samples.values():  # checkpoints from before the record carried it
+            if q.judged_id is not None and q.judged_right is None:
+                q.judged_right = bool(self.samples[q.judged_id].reward)
+        self._groups = {g: list(m) for g, m in state["groups"].items()}
+        self._trained = set(state["trained"])
+        for members in self._groups.values():
+            key = self.samples[members[0]].trajectory_id
+            if not all(m in self._trained for m in members):
+                self._untrained[key] = self._untrained.get(key, 0) + 1
+        for key in self._by_problem:
+            self._untrained.setdefault(key, 0)
+            self._active.setdefault(key, 0)
+            if self._active[key] == 0:
+                del self._active[key]
+        self._waiting.extend(Problem(**p) for p in state["waiting"])
+        self._admitted_at = {int(k): int(v) for k, v in state["admitted_at"].items()}
+        self._queue = list(state["queue"])
+        self._group_first = {g: int(v) for g, v in state["group_first"].items()}
+        self._held = {k: list(v) for k, v in state.get("held", {}).items()}
+        for gid, version in self._group_first.items():
+            self._open_oldest[self.samples[self._groups[gid][0]].role][version] += 1
+        self.counters.update(state["counters"])
+        self.check()
+
     def _expect(self, sample_id: str, state: SeqState) -> Sample:
         seq = self.samples.get(sample_id)
         if seq is None:
@@ -636,130 +725,3 @@ def _admission(key: str) -> int:
 # -------------------------------------------------------------------------------------------- checkpoints
 def _problem_state(p: Problem) -> dict[str, Any]:
     return {"problem_id": p.problem_id, "text": p.text, "reference": p.reference, "line": p.line}
-
-
-def scheduler_state(s: Scheduler) -> dict[str, Any]:
-    """Everything needed to continue ``s`` in a new process (between updates): token and log-prob arrays
-    are numpy (compact in ``torch.save``). A segment out at a worker is not saved: its sequence resumes
-    from its recorded segments (as if the worker had died); scores out are redone."""
-    import numpy as np
-
-    if s.training is not None:
-        raise RuntimeError("scheduler_state: an update is running; save between updates")
-    seqs = []
-    for q in s.samples.values():
-        f = s._flight[q.sample_id]
-        seqs.append(
-            {
-                "sample_id": q.sample_id,
-                "problem": _problem_state(s.problem(q)),
-                "key": q.trajectory_id,
-                "position": q.position,
-                "group_id": q.group_id,
-                "role": q.role,
-                "parent_id": q.parent_id,
-                "judged_id": q.judged_id,
-                "prompt_ids": np.asarray(q.prompt_ids, dtype=np.int64),
-                "tokens": np.asarray(q.response_ids, dtype=np.int64),
-                "loss_mask": np.asarray(q.loss_mask or [], dtype=np.int8),
-                "tool_calls": q.tool_calls,
-                "logprobs": np.asarray(q.behaviour_logprobs or [], dtype=np.float32),
-                "segments": [(g.start, g.end, g.version) for g in q.segment_versions],
-                "routing": q.routed_experts,
-                "state": (SeqState.READY if f.state is SeqState.DECODING else f.state).value,
-                "first_version": f.first_version if q.segment_versions or f.state is SeqState.DONE else None,
-                "finish_reason": q.finish_reason,
-                "text": q.text,
-                "reward": q.reward,
-                "verdict": q.verdict,
-                "judged_right": q.judged_right,
-            }
-        )
-    return {
-        "graph": s.graph.name,
-        "version": s.version,
-        "seqs": seqs,
-        "groups": dict(s._groups),
-        "waiting": [_problem_state(p) for p in s._waiting],
-        "admitted_at": dict(s._admitted_at),
-        "queue": list(s._queue),
-        "trained": sorted(s._trained),
-        "group_first": dict(s._group_first),
-        "held": {k: list(v) for k, v in s._held.items()},
-        "counters": dict(s.counters),
-    }
-
-
-def restore_scheduler(s: Scheduler, state: Mapping[str, Any]) -> None:
-    """Load :func:`scheduler_state` into a fresh scheduler built with the same config."""
-    if s.samples or s._waiting or s.version:
-        raise RuntimeError("restore_scheduler: the scheduler is not fresh")
-    saved = state.get("graph", "marsrl")  # checkpoints from before agent graphs ran MarsRL's
-    if saved != s.graph.name:
-        raise ValueError(
-            f"the checkpoint's rollouts are of agent graph {saved!r}, this run's agents.graph is "
-            f"{s.graph.name!r}: resume with the graph that made them"
-        )
-    s.version = int(state["version"])
-    for d in state["seqs"]:
-        problem = Problem(**d["problem"])
-        key = d["key"]
-        position = str(d["position"])
-        q = Sample(
-            [int(x) for x in d["prompt_ids"]],
-            [int(x) for x in d["tokens"]],
-            position,
-            problem.problem_id,
-            d.get("group_id") or group_id(key, position, d["parent_id"]),
-            reward=d["reward"],
-            behaviour_logprobs=[min(float(x), 0.0) for x in d["logprobs"]],
-            segment_versions=[Segment(*g) for g in d["segments"]],
-            sample_id=d["sample_id"],
-            routed_experts=d.get("routing"),  # absent in checkpoints from before routing capture
-            trajectory_id=key,
-            parent_id=d["parent_id"],
-            judged_id=d["judged_id"],
-            text=d["text"],
-            finish_reason=d["finish_reason"],
-            verdict=d["verdict"],
-            judged_right=d.get("judged_right"),
-            role=d.get("role") or s.graph.position(position).role,  # before graphs: role from the position
-            loss_mask=[int(x) for x in d["loss_mask"]] if "loss_mask" in d else None,
-            tool_calls=int(d.get("tool_calls", 0)),
-        )
-        state_ = SeqState(d["state"])
-        s.samples[q.sample_id] = q
-        s._flight[q.sample_id] = _Flight(state_, d["first_version"])
-        s._problems.setdefault(key, problem)
-        s._by_problem.setdefault(key, []).append(q.sample_id)
-        if state_ is not SeqState.DONE:
-            s._unfinished[q.role] += 1
-            s._active[key] = s._active.get(key, 0) + 1
-            s._position_left[key, q.position] = s._position_left.get((key, q.position), 0) + 1
-        else:
-            s._position_left.setdefault((key, q.position), 0)
-        if state_ is SeqState.READY:
-            s._ready[q.sample_id] = (-s._depth[q.position], q.sample_id)
-    for q in s.samples.values():  # checkpoints from before the record carried it
-        if q.judged_id is not None and q.judged_right is None:
-            q.judged_right = bool(s.samples[q.judged_id].reward)
-    s._groups = {g: list(m) for g, m in state["groups"].items()}
-    s._trained = set(state["trained"])
-    for members in s._groups.values():
-        key = s.samples[members[0]].trajectory_id
-        if not all(m in s._trained for m in members):
-            s._untrained[key] = s._untrained.get(key, 0) + 1
-    for key in s._by_problem:
-        s._untrained.setdefault(key, 0)
-        s._active.setdefault(key, 0)
-        if s._active[key] == 0:
-            del s._active[key]
-    s._waiting.extend(Problem(**p) for p in state["waiting"])
-    s._admitted_at = {int(k): int(v) for k, v in state["admitted_at"].items()}
-    s._queue = list(state["queue"])
-    s._group_first = {g: int(v) for g, v in state["group_first"].items()}
-    s._held = {k: list(v) for k, v in state.get("held", {}).items()}
-    for gid, version in s._group_first.items():
-        s._open_oldest[s.samples[s._groups[gid][0]].role][version] += 1
-    s.counters.update(state["counters"])
-    s.check()
