@@ -45,7 +45,7 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
         ray.kill(driver.fleet.engines[0][1].actor)  # both die with work in flight or queued for them
         ray.kill(driver.rewards.actors[0])
         rest = [trainer.train_step() for _ in range(4)]
-        census = driver.s.census()
+        census = driver.scheduler.census()
     assert driver.counters["rollout_restarts"] >= 1 and driver.counters["reward_restarts"] >= 1
     assert rest[-1]["pipeline/requeued"] >= 1
     for m in [first, *rest]:

@@ -58,7 +58,7 @@ def segment_request(job: SegmentJob, sampling: SamplingParams) -> GenerationRequ
 
 
 def record_outputs(
-    s: Scheduler,
+    scheduler: Scheduler,
     jobs: Sequence[SegmentJob],
     outputs: Sequence[GenerationOutput],
     decode: Callable[[Sequence[int]], str],
@@ -75,7 +75,7 @@ def record_outputs(
     finished: list[str] = []
     for job, out in zip(jobs, outputs, strict=True):
         stopped = out.finish_reason == "stop"
-        if s.on_segment(
+        if scheduler.on_segment(
             job.sample_id,
             out.token_ids,
             out.logprobs,
@@ -83,14 +83,14 @@ def record_outputs(
             version=version,
             routed_experts=out.routed_experts,
         ):
-            sample = s.samples[job.sample_id]
+            sample = scheduler.samples[job.sample_id]
             sample.text = decode(sample.response_ids)
-            finished.extend(serve_tools(s, sample, decode, encode_text))
+            finished.extend(serve_tools(scheduler, sample, decode, encode_text))
     return finished
 
 
 def serve_tools(
-    s: Scheduler,
+    scheduler: Scheduler,
     sample: Sample,
     decode: Callable[[Sequence[int]], str],
     encode_text: Callable[[str], Sequence[int]] | None,
@@ -103,40 +103,44 @@ def serve_tools(
       loss), which then continues (or, with no budget left, is scored as cut); the digest is scored.
     - Anything else: scored.
     """
-    role = s.graph.roles[sample.role]
+    role = scheduler.graph.roles[sample.role]
     spec = role.tool
     if spec is not None and sample.finish_reason == "stop" and sample.tool_calls < spec.max_calls:
         call = parse_call(decode(sample.since_observation()))
         if call is not None:
-            s.call_out(sample.sample_id, call.purpose, run_tool(call, allowed=[spec.name]))
+            scheduler.call_out(sample.sample_id, call.purpose, run_tool(call, allowed=[spec.name]))
             return []
-    if s.graph.position(sample.position).trigger == "tool_call":
+    if scheduler.graph.position(sample.position).trigger == "tool_call":
         if encode_text is None:
-            raise ValueError(f"graph {s.graph.name!r} serves tool calls: record_outputs needs encode_text")
-        caller = s.samples[sample.parent_id or ""]
-        if s.call_returned(caller.sample_id, list(encode_text(observation(sample.text)))):
+            raise ValueError(
+                f"graph {scheduler.graph.name!r} serves tool calls: record_outputs needs encode_text"
+            )
+        caller = scheduler.samples[sample.parent_id or ""]
+        if scheduler.call_returned(caller.sample_id, list(encode_text(observation(sample.text)))):
             caller.text = decode(caller.response_ids)
             return [sample.sample_id, caller.sample_id]
     return [sample.sample_id]
 
 
-def score_request(s: Scheduler, sample_id: str) -> ScoreRequest:
+def score_request(scheduler: Scheduler, sample_id: str) -> ScoreRequest:
     """What a reward worker receives for the finished record ``sample_id`` (the one conversion of a
     record: small, no token or routing arrays)."""
-    sample = s.samples[sample_id]
-    return ScoreRequest.of(sample, s.graph.roles[sample.role], s.problem(sample).reference)
+    sample = scheduler.samples[sample_id]
+    return ScoreRequest.of(sample, scheduler.graph.roles[sample.role], scheduler.problem(sample).reference)
 
 
-def set_shared_rewards(s: Scheduler, batch: Batch) -> None:
+def set_shared_rewards(scheduler: Scheduler, batch: Batch) -> None:
     """``algorithm.reward=shared``: annotate each record of ``batch`` with the reward it trains on, its
     trajectory's outcome (:func:`~mars_megatron.rewards.scoring.shared_rewards`)."""
 
     def unfinished(sample_id: str) -> str | None:
-        state = s.state(sample_id)
+        state = scheduler.state(sample_id)
         return None if state is SeqState.DONE else state.value
 
-    for sample_id, reward in shared_rewards(s.samples, s.graph, batch.samples, unfinished).items():
-        s.samples[sample_id].training_reward = reward
+    for sample_id, reward in shared_rewards(
+        scheduler.samples, scheduler.graph, batch.samples, unfinished
+    ).items():
+        scheduler.samples[sample_id].training_reward = reward
 
 
 def batch_metrics(batch: Batch, graph: AgentGraph) -> dict[str, float]:

@@ -78,7 +78,7 @@ class PipelineDriver:
         rollouts_dir: Path | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
-        self.s = scheduler
+        self.scheduler = scheduler
         self.log = log
         self.fleet = fleet
         self.trainers = trainers
@@ -108,12 +108,12 @@ class PipelineDriver:
 
     # ------------------------------------------------------------------------------------------ dispatch
     def _dispatch(self, rollouts: bool = True) -> None:
-        if self.s.waiting() < self.s.limits.problems_per_step:
-            self.s.add_problems(self.problems.take())
+        if self.scheduler.waiting() < self.scheduler.limits.problems_per_step:
+            self.scheduler.add_problems(self.problems.take())
         for w, (name, engine) in enumerate(self.fleet.engines if rollouts else []):
             if w in self.busy_rollout or w in self.fleet.stale:
                 continue
-            jobs = self.s.take_segments(self.max_batch, roles=self.trainers.roles_of(name))
+            jobs = self.scheduler.take_segments(self.max_batch, roles=self.trainers.roles_of(name))
             if not jobs:
                 continue
             ref = engine.actor.generate_versioned.remote([segment_request(j, self.sampling) for j in jobs])
@@ -124,7 +124,7 @@ class PipelineDriver:
             if not free:
                 break
             w = free[0]
-            requests = [score_request(self.s, sid) for sid in self.to_score]
+            requests = [score_request(self.scheduler, sid) for sid in self.to_score]
             ref = self.rewards.score(w, requests)
             self.flight[ref] = _InFlight("reward", w, list(self.to_score))
             self.busy_reward.add(w)
@@ -135,14 +135,14 @@ class PipelineDriver:
         outputs, version = result
         self.busy_rollout.discard(item.worker)
         recorded = record_outputs(
-            self.s, item.payload, outputs, self.codec.decode, version, self.codec.encode_text
+            self.scheduler, item.payload, outputs, self.codec.decode, version, self.codec.encode_text
         )
         self.to_score.extend(recorded)
 
     def _on_reward(self, item: _InFlight, results: list[tuple[str, float, bool | None]]) -> None:
         self.busy_reward.discard(item.worker)
         for sid, reward, verdict in results:
-            self.s.on_scored(sid, reward, verdict)
+            self.scheduler.on_scored(sid, reward, verdict)
 
     def _lost(self, item: _InFlight) -> None:
         """The worker of ``item`` died: replace it and put its work back."""
@@ -153,12 +153,12 @@ class PipelineDriver:
             name = self.fleet.engines[item.worker][0]
             self._log_restart(item.worker, name)
             self.busy_rollout.discard(item.worker)
-            self.s.requeue(job.sample_id for job in item.payload)
+            self.scheduler.requeue(job.sample_id for job in item.payload)
         else:
             self.counters["reward_restarts"] += 1
             self.rewards.restart(item.worker)
             self.busy_reward.discard(item.worker)
-            self.s.requeue(item.payload)
+            self.scheduler.requeue(item.payload)
             self.to_score.extend(item.payload)
 
     def _log_restart(self, worker: int, name: str) -> None:
@@ -169,14 +169,16 @@ class PipelineDriver:
     # -------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The schedule between updates (work out at workers resumes from its last recorded segment)."""
-        return {"scheduler": self.s.state_dict(), "counters": dict(self.counters)}
+        return {"scheduler": self.scheduler.state_dict(), "counters": dict(self.counters)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         from mars_megatron.pipeline.scheduler import SeqState
 
-        self.s.load_state_dict(state["scheduler"])
+        self.scheduler.load_state_dict(state["scheduler"])
         self.counters.update(state["counters"])
-        self.to_score = [sid for sid in self.s.samples if self.s.state(sid) is SeqState.SCORING]
+        self.to_score = [
+            sid for sid in self.scheduler.samples if self.scheduler.state(sid) is SeqState.SCORING
+        ]
 
     # ------------------------------------------------------------------------------------------ updates
     def _start_update(self, step: int) -> None:
@@ -184,10 +186,10 @@ class PipelineDriver:
         engines sleep first: the trainer needs their devices)."""
         if self.colocated:
             self.fleet.sleep()
-        batch = self.s.take_batch()
+        batch = self.scheduler.take_batch()
         assert batch is not None
         if self.shared_reward:
-            set_shared_rewards(self.s, batch)
+            set_shared_rewards(self.scheduler, batch)
         samples, stats = self._training_data(batch, step)
         self.train_handles = self.trainers.submit(samples)
         self.flight[self.train_handles[0]] = _InFlight("train", payload=(batch, stats))
@@ -199,7 +201,7 @@ class PipelineDriver:
         """GRPO advantages of ``batch``'s records, by policy, and the counts of what is trained."""
         raw = batch.samples
         samples, adv = assign_advantages(raw, filter_zero_variance=self.filter_zero_variance)
-        samples, balanced = balance_roles(samples, self.s.graph.balance)
+        samples, balanced = balance_roles(samples, self.scheduler.graph.balance)
         batches = self.trainers.split(samples)
         if self.rollouts_dir is not None:
             write_rollouts(self.rollouts_dir, step, batch, samples)
@@ -229,11 +231,11 @@ class PipelineDriver:
         if self.colocated:
             self.fleet.wake()
         batch, stats = item.payload
-        self.s.on_trained()
-        self.s.release(batch)
-        self.s.check()
+        self.scheduler.on_trained()
+        self.scheduler.release(batch)
+        self.scheduler.check()
         self.train_handles = None
-        metrics.update(batch_metrics(batch, self.s.graph))
+        metrics.update(batch_metrics(batch, self.scheduler.graph))
         metrics.update(stats)
         return metrics, train_s
 
@@ -242,12 +244,12 @@ class PipelineDriver:
             "time/step": step_s,
             "time/train": train_s,
             "pipeline/trainer_busy": min(1.0, train_s / step_s) if step_s > 0 else 0.0,
-            "pipeline/queue_groups": float(self.s.stats()["queue"]),
+            "pipeline/queue_groups": float(self.scheduler.stats()["queue"]),
             "pipeline/rollout_restarts": float(self.counters["rollout_restarts"]),
             "pipeline/reward_restarts": float(self.counters["reward_restarts"]),
             "pipeline/segments_during_update": float(self.counters["segments_during_update"]),
-            "pipeline/requeued": float(self.s.counters["requeued"]),
-            "pipeline/trained_total": float(self.s.census()["trained"]),
+            "pipeline/requeued": float(self.scheduler.counters["requeued"]),
+            "pipeline/trained_total": float(self.scheduler.census()["trained"]),
         }
 
     def _on_result(self, ref: Any, item: _InFlight) -> None:
@@ -273,12 +275,12 @@ class PipelineDriver:
 
         t0 = time.perf_counter()
         while True:
-            due = self.train_handles is None and self.s.update_ready()
+            due = self.train_handles is None and self.scheduler.update_ready()
             self._dispatch(rollouts=not (self.colocated and (due or self.train_handles is not None)))
             if due and not (self.colocated and self.busy_rollout):
                 self._start_update(step)
             if not self.flight:  # the problem stream never ends, so nothing to wait on is a bug
-                raise RuntimeError(f"pipeline stalled with nothing in flight: {self.s.stats()}")
+                raise RuntimeError(f"pipeline stalled with nothing in flight: {self.scheduler.stats()}")
             ready, _ = ray.wait(list(self.flight), num_returns=1)
             ref = ready[0]
             item = self.flight.pop(ref)

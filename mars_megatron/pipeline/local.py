@@ -73,30 +73,30 @@ def run_round(
         whole_trajectories=reward == "shared",
     )
     prompts = prompt_builder(graph, prompt_set_of(graph, agents.prompts), codec.encode)
-    s = Scheduler(agents, limits, prompts, graph, seed=seed)
-    s.version = version
-    s.add_problems(problems)
+    scheduler = Scheduler(agents, limits, prompts, graph, seed=seed)
+    scheduler.version = version
+    scheduler.add_problems(problems)
     by_engine: dict[int, tuple[RolloutEngine, set[str]]] = {}
     for role, engine in engines.items():
         by_engine.setdefault(id(engine), (engine, set()))[1].add(role)
-    while not s.update_ready():
+    while not scheduler.update_ready():
         finished: list[str] = []
         issued = 0
         for engine, roles in by_engine.values():
-            jobs = s.take_segments(max_batch, roles=roles)
+            jobs = scheduler.take_segments(max_batch, roles=roles)
             issued += len(jobs)
             if not jobs:
                 continue
             outputs = engine.generate([segment_request(j, sampling) for j in jobs])
-            finished += record_outputs(s, jobs, outputs, codec.decode, encode_text=codec.encode_text)
+            finished += record_outputs(scheduler, jobs, outputs, codec.decode, encode_text=codec.encode_text)
         if not issued:  # every sequence waits on a score, and none is being scored: a scheduler bug
-            raise RuntimeError(f"run_round stalled: {s.stats()}")
+            raise RuntimeError(f"run_round stalled: {scheduler.stats()}")
         if finished:
-            requests = [score_request(s, sid) for sid in finished]
+            requests = [score_request(scheduler, sid) for sid in finished]
             for sid, value, verdict in score_requests(requests, checker):
-                s.on_scored(sid, value, verdict)
-    batch = s.take_batch()
+                scheduler.on_scored(sid, value, verdict)
+    batch = scheduler.take_batch()
     assert batch is not None
     if reward == "shared":
-        set_shared_rewards(s, batch)
-    return Round(batch, batch.samples, batch_metrics(batch, graph), s)
+        set_shared_rewards(scheduler, batch)
+    return Round(batch, batch.samples, batch_metrics(batch, graph), scheduler)

@@ -120,7 +120,7 @@ class Simulation:
     ) -> None:
         if workers < 1 or worker_batch < 1:
             raise ValueError("Simulation: workers and worker_batch must be >= 1")
-        self.s = scheduler
+        self.scheduler = scheduler
         self.workers = workers
         self.worker_batch = worker_batch
         self.costs = costs
@@ -136,7 +136,7 @@ class Simulation:
     def _decode(self, jobs: list[SegmentJob]) -> tuple[float, list[tuple[SegmentJob, int, bool]]]:
         out = []
         for job in jobs:
-            seq = self.s.samples[job.sample_id]
+            seq = self.scheduler.samples[job.sample_id]
             target = self.lengths.draw(seq, self.seed)
             n = min(job.max_tokens, max(0, target - len(seq.response_ids)))
             out.append((job, n, len(seq.response_ids) + n >= target))
@@ -146,9 +146,9 @@ class Simulation:
     def _score(self, seq: Sample) -> tuple[float, bool | None]:
         rng = random.Random(derive_seed(self.seed, seq.sample_id, "reward"))
         right = rng.random() < self.accuracy[seq.role]
-        if not self.s.graph.roles[seq.role].decides:
+        if not self.scheduler.graph.roles[seq.role].decides:
             return float(right), None
-        judged = self.s.samples[seq.judged_id or ""]
+        judged = self.scheduler.samples[seq.judged_id or ""]
         truth = bool(judged.reward)
         verdict = truth if right else not truth
         return float(right), verdict
@@ -174,11 +174,11 @@ class Simulation:
 
         def dispatch() -> None:
             nonlocal training, rollout_busy
-            update_due = not training and self.s.update_ready()
+            update_due = not training and self.scheduler.update_ready()
             if update_due and colocated and len(free) < self.workers:
                 return  # colocated: let the engines finish their segments, then they sleep
             if update_due:
-                batch = self.s.take_batch()
+                batch = self.scheduler.take_batch()
                 assert batch is not None
                 training = True
                 n_tokens = sum(len(q.prompt_ids) + q.response_len for q in batch.samples)
@@ -188,7 +188,7 @@ class Simulation:
             if colocated and training:
                 return  # engines asleep while the trainer holds the devices
             while free:
-                jobs = self.s.take_segments(self.worker_batch)
+                jobs = self.scheduler.take_segments(self.worker_batch)
                 if not jobs:
                     break
                 worker = free.pop()
@@ -204,21 +204,21 @@ class Simulation:
                 free.append(worker)
                 for job, n, stopped in results:
                     ids = [1] * n
-                    if self.s.on_segment(job.sample_id, ids, [-1.0] * n, stopped=stopped):
-                        reward, verdict = self._score(self.s.samples[job.sample_id])
-                        self.s.on_scored(job.sample_id, reward, verdict)
+                    if self.scheduler.on_segment(job.sample_id, ids, [-1.0] * n, stopped=stopped):
+                        reward, verdict = self._score(self.scheduler.samples[job.sample_id])
+                        self.scheduler.on_scored(job.sample_id, reward, verdict)
             elif kind == "trained":
                 batch, cost, n_tokens = payload  # type: ignore[misc]
                 train_busy += cost
                 samples += len(batch.samples)
                 tokens += n_tokens
                 staleness.extend(batch.version - (q.oldest_version or batch.version) for q in batch.samples)
-                self.s.on_trained()
-                self.s.release(batch)
+                self.scheduler.on_trained()
+                self.scheduler.release(batch)
                 training = False
                 done_updates += 1
             dispatch()
-        self.s.check()
+        self.scheduler.check()
         return SimResult(
             wall_s=clock,
             updates=done_updates,
@@ -227,6 +227,6 @@ class Simulation:
             train_busy_s=train_busy,
             rollout_busy_s=rollout_busy,
             workers=self.workers,
-            counters=dict(self.s.counters),
+            counters=dict(self.scheduler.counters),
             staleness=staleness,
         )

@@ -36,8 +36,8 @@ PIPELINE_FILE = "pipeline_state.pt"
 
 
 @dataclass(frozen=True)
-class Plan:
-    """What a run needs, resolved and validated before anything starts."""
+class RunSetup:
+    """What a run needs, resolved and validated before anything starts (:func:`prepare`)."""
 
     model_dir: str
     engine_dir: str
@@ -50,7 +50,7 @@ class Plan:
 
 def prepare(
     cfg: MarsConfig, *, nproc: int | None, resume: str | bool | None, check_machine: bool = True
-) -> Plan:
+) -> RunSetup:
     """Check the config against the model, the data, the world size and the run directory, then (with
     ``check_machine``) against this machine (:func:`check_this_machine`); raise
     :class:`ConfigError`/``ValueError`` naming the field or file. Starts nothing."""
@@ -102,7 +102,9 @@ def prepare(
         )
     if check_machine:
         check_this_machine(cfg)
-    return Plan(model_dir, str(tokenizer_dir(model_dir)), dataset.problems, world, resume_from, eval_problems)
+    return RunSetup(
+        model_dir, str(tokenizer_dir(model_dir)), dataset.problems, world, resume_from, eval_problems
+    )
 
 
 def _eval_problems(cfg: MarsConfig, train: list[Any]) -> list[Any]:
@@ -180,36 +182,36 @@ def _start_ray(num_cpus: int, actors: int) -> bool:
 class MarsRLTrainer:
     """Owns the engines, the trainer ranks and the loop of one run."""
 
-    def __init__(self, cfg: MarsConfig, plan: Plan, *, log: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: MarsConfig, setup: RunSetup, *, log: Callable[[str], None] = print) -> None:
         from mars_megatron.pipeline.facades import TrainerGroup, TrainerRanks
         from mars_megatron.pipeline.fleet import EngineFleet
         from mars_megatron.pipeline.placement import place, unplaced_gpus, unplaced_launch
         from mars_megatron.rollout.chat import ChatCodec
         from mars_megatron.training.ray_group import RayWorkerGroup, rendezvous_host
 
-        self.cfg, self.plan, self.log = cfg, plan, log
+        self.cfg, self.setup, self.log = cfg, setup, log
         self.graph = graph_for(cfg)  # the agent system, checked before anything starts
         self.names = policy_names(cfg, self.graph)
         cores = os.cpu_count() or 1
         p = cfg.pipeline
-        actors = plan.world_size + len(self.names) * p.rollout_workers + p.reward_workers
+        actors = setup.world_size + len(self.names) * p.rollout_workers + p.reward_workers
         self._own_ray = _start_ray(max(cores, actors), actors)
         self._threads = cfg.rollout.threads or runtime_env.cpu_threads()
         self.placement = None
         engines = len(self.names) * p.rollout_workers
         if p.placement == "none":
             vllm = cfg.rollout.engine == "vllm"
-            gpus = unplaced_gpus(self._cluster_gpus(), plan.world_size, engines, cfg.rollout.tp, vllm=vllm)
+            gpus = unplaced_gpus(self._cluster_gpus(), setup.world_size, engines, cfg.rollout.tp, vllm=vllm)
             self._unplaced = unplaced_launch(cfg.rollout.tp, gpus)
         else:
-            self.placement = place(p.placement, plan.world_size, engines, engine_gpus=cfg.rollout.tp)
+            self.placement = place(p.placement, setup.world_size, engines, engine_gpus=cfg.rollout.tp)
         names = [name for name in self.names for _ in range(p.rollout_workers)]
         workers = [(name, self._start_engine(i)) for i, name in enumerate(names)]
         self.group = RayWorkerGroup(
             PolicyWorker,
-            plan.world_size,
+            setup.world_size,
             cfg,
-            plan.model_dir,
+            setup.model_dir,
             self.names,
             threads_per_rank=runtime_env.cpu_threads(),  # a constant: reductions split alike on any host
             **self._trainer_placement(),
@@ -228,18 +230,18 @@ class MarsRLTrainer:
         self.fleet = fleet
         self.trainers = TrainerGroup(self.group, fleet, self.names, self.graph, cfg.train, ranks)
         self.stream: ProblemStream[Any] = ProblemStream(
-            plan.problems, seed=cfg.train.seed, shuffle=cfg.data.shuffle
+            setup.problems, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
         codec = ChatCodec.from_pretrained(
-            plan.engine_dir, max_input_tokens=cfg.rollout.max_input_tokens, truncate=True
+            setup.engine_dir, max_input_tokens=cfg.rollout.max_input_tokens, truncate=True
         )
         self.step = 0
         self.driver = self._pipeline(codec)
         self.held_out = None
-        if plan.eval_problems:
+        if setup.eval_problems:
             from mars_megatron.rl.evaluate import HeldOutEval
 
-            self.held_out = HeldOutEval(cfg, plan.eval_problems, plan.engine_dir)
+            self.held_out = HeldOutEval(cfg, setup.eval_problems, setup.engine_dir)
 
     def _start_engine(self, index: int) -> Any:
         """Rollout engine ``index`` as a Ray actor, started as the placement says
@@ -248,7 +250,7 @@ class MarsRLTrainer:
         from mars_megatron.rollout.factory import run_engine_recipe
         from mars_megatron.rollout.ray_engine import start_rollout_actor
 
-        recipe = run_engine_recipe(self.cfg, self.plan.engine_dir)
+        recipe = run_engine_recipe(self.cfg, self.setup.engine_dir)
         if self.placement is None:
             launch, strategy = self._unplaced, None
         else:
@@ -365,24 +367,24 @@ class MarsRLTrainer:
         self.close()
 
     def start(self) -> None:
-        """Fresh weights into the engines, or everything restored from ``plan.resume_from``."""
+        """Fresh weights into the engines, or everything restored from ``setup.resume_from``."""
         from mars_megatron.checkpoint.rank_state import set_python_rng_state
         from mars_megatron.checkpoint.store import CheckpointStore
 
-        if self.plan.resume_from is None:
+        if self.setup.resume_from is None:
             self.trainers.push(dict.fromkeys(self.names, 0))
             return
-        state = CheckpointStore.load_state(self.plan.resume_from)
+        state = CheckpointStore.load_state(self.setup.resume_from)
         if state.get("state_version") != STATE_VERSION:
             raise ValueError(
-                f"{self.plan.resume_from}: checkpoint state version {state.get('state_version')}"
+                f"{self.setup.resume_from}: checkpoint state version {state.get('state_version')}"
             )
         if state["policies"] != self.names:
             raise ConfigError(
                 f"the checkpoint holds policies {state['policies']}, this config {self.names}",
                 "algorithm.policies",
             )
-        self.group.call("load", str(self.plan.resume_from))
+        self.group.call("load", str(self.setup.resume_from))
         self.step = int(state["step"])
         self.stream.load_state_dict(state["data"])
         set_python_rng_state(state["python_rng"])
@@ -390,11 +392,11 @@ class MarsRLTrainer:
         if saved_pipeline:
             from mars_megatron.checkpoint.safe_load import load_plain
 
-            pipeline_state = load_plain(self.plan.resume_from / saved_pipeline)
+            pipeline_state = load_plain(self.setup.resume_from / saved_pipeline)
             saved_mode = pipeline_state.get("mode", "agentic")
             if saved_mode != self.cfg.pipeline.mode and in_flight(pipeline_state["scheduler"]):
                 raise ConfigError(
-                    f"{self.plan.resume_from} holds outputs of the {saved_mode} schedule still in flight; "
+                    f"{self.setup.resume_from} holds outputs of the {saved_mode} schedule still in flight; "
                     f"resume it with pipeline.mode={saved_mode}",
                     "pipeline.mode",
                 )
@@ -402,7 +404,7 @@ class MarsRLTrainer:
         else:  # a checkpoint of the older synchronous loop: nothing in flight
             self.driver.s.version = max(state["policy_versions"].values())
         self.trainers.push(state["policy_versions"])
-        self.log(f"resumed from {self.plan.resume_from} at step {self.step}")
+        self.log(f"resumed from {self.setup.resume_from} at step {self.step}")
 
     def save(self) -> Path:
         from mars_megatron.checkpoint.rank_state import python_rng_state
@@ -493,12 +495,12 @@ def train(
     from mars_megatron.metrics import MetricsSink
 
     graph_for(cfg)  # a graph that cannot run fails here, before models are converted or Ray starts
-    plan = prepare(cfg, nproc=nproc, resume=resume)
+    setup = prepare(cfg, nproc=nproc, resume=resume)
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
     history = []
-    with MarsRLTrainer(cfg, plan, log=tqdm.write) as trainer:
+    with MarsRLTrainer(cfg, setup, log=tqdm.write) as trainer:
         trainer.start()
         with MetricsSink(
             run_dir,

@@ -50,7 +50,7 @@ def check_sample_routing(samples: Sequence[Sample], arch: Any) -> None:
 
 
 @dataclass(frozen=True)
-class ForwardPlan:
+class UpdateForwards:
     """Which forwards a batch's update takes besides the updates themselves."""
 
     watch: bool
@@ -61,7 +61,7 @@ class ForwardPlan:
     """The single update's own forward measures the mismatch (and R3's routing changes) on the way."""
 
 
-def forward_plan(cfg: MarsConfig, engine_logprobs: bool, updates: int) -> ForwardPlan:
+def update_forwards(cfg: MarsConfig, engine_logprobs: bool, updates: int) -> UpdateForwards:
     """The "old" policy is the one before this batch's first update: score every mini-batch now when the
     loss needs it (importance other than POIS; R2, which records its routing there for the reference and
     every update to replay), or when the mismatch is watched and the update cannot measure it: MIS must
@@ -70,13 +70,15 @@ def forward_plan(cfg: MarsConfig, engine_logprobs: bool, updates: int) -> Forwar
     the trainer would have changed) on the way, for free. DMMPT scores the batch too: its on/off decision
     is taken once, from the whole batch's entropy under the old weights, before any loss sees a pack (one
     pack's or rank's entropy would let the packs and ranks of one update disagree)."""
-    a, replay = cfg.algorithm, cfg.moe.routing_replay
+    algo, replay = cfg.algorithm, cfg.moe.routing_replay
     # mismatch needs the engine's log-probs (samples built without an engine have none): ``engine_logprobs``
     # says whether any sample of the whole batch has them, so every rank plans the same forwards
-    watch = (a.mismatch_metrics or a.mis) and engine_logprobs
-    loss_needs_old = a.importance != "pois" or replay == "R2" or a.dmmpt
-    in_update = not loss_needs_old and updates == 1 and not a.mis
-    return ForwardPlan(watch=watch, need_old=loss_needs_old or (watch and not in_update), in_update=in_update)
+    watch = (algo.mismatch_metrics or algo.mis) and engine_logprobs
+    loss_needs_old = algo.importance != "pois" or replay == "R2" or algo.dmmpt
+    in_update = not loss_needs_old and updates == 1 and not algo.mis
+    return UpdateForwards(
+        watch=watch, need_old=loss_needs_old or (watch and not in_update), in_update=in_update
+    )
 
 
 @dataclass
@@ -160,19 +162,19 @@ class PolicyWorker(SendsWeights):
 
     def _train_policy(self, policy: _Policy, share: BatchShare) -> dict[str, float]:
         """One rollout batch of one policy: pack this rank's share, take the forwards the loss and the
-        metrics need under the pre-update weights (:func:`forward_plan`), run the updates, and report."""
-        engine, replay, a = policy.engine, self.cfg.moe.routing_replay, self.cfg.algorithm
+        metrics need under the pre-update weights (:func:`update_forwards`), run the updates, and report."""
+        engine, replay, algo = policy.engine, self.cfg.moe.routing_replay, self.cfg.algorithm
         if replay == "R3":
             check_sample_routing(share.own(), engine.arch)
         packed = self._pack(engine, share)
-        plan = forward_plan(self.cfg, share.engine_logprobs, len(packed))
+        forwards = update_forwards(self.cfg, share.engine_logprobs, len(packed))
         stores: list[dict | None] = [{} if replay == "R2" else None for _ in packed]
-        tally = MismatchTally(a.mismatch_threshold) if plan.watch else None
+        tally = MismatchTally(algo.mismatch_threshold) if forwards.watch else None
         if tally is not None:
             for mini, mbs in packed:
                 tally.add_batch(mini, mbs, roles=mini.roles)
         old = [
-            engine.forward_logprobs(mbs, record_routing=store) if plan.need_old else None
+            engine.forward_logprobs(mbs, record_routing=store) if forwards.need_old else None
             for (_, mbs), store in zip(packed, stores, strict=True)
         ]
         ref = [
@@ -185,7 +187,7 @@ class PolicyWorker(SendsWeights):
         sums: dict[str, list[float]] = {}
         outliers: list[set[int]] = [set() for _ in packed]
         routing_changed = None
-        if plan.need_old and measure:
+        if forwards.need_old and measure:
             sums, found, routing_changed = self._measure_old(engine, tally, packed, old)
             outliers = found if tally is not None else outliers
         entropy: float | None = None
@@ -200,14 +202,14 @@ class PolicyWorker(SendsWeights):
             old,
             ref,
             stores,
-            [out if a.mis else set() for out in outliers],
+            [out if algo.mis else set() for out in outliers],
             stats,
-            tally if plan.in_update else None,
-            in_update=plan.in_update,
+            tally if forwards.in_update else None,
+            in_update=forwards.in_update,
             entropy=entropy,
             dmmpt_on=dmmpt_on,
         )
-        if plan.in_update and measure:
+        if forwards.in_update and measure:
             # each rank scored its own columns of the packs in the update
             sums, _, routing_changed = self._first_forward_sums(
                 engine, tally, replay == "R3", whole_packs=False
@@ -224,7 +226,7 @@ class PolicyWorker(SendsWeights):
         metrics["packs"] = float(sum(len(mbs) for _, mbs in packed))
         metrics["truncated_samples"] = float(sum(mini.truncated for mini, _ in packed))
         metrics.update(mismatch_metrics(sums))
-        if a.mis and sums:
+        if algo.mis and sums:
             metrics["mis_masked_samples"] = sums["all"][SUM_KEYS.index("seqs_over")]
         return metrics
 
