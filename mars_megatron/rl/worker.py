@@ -8,7 +8,8 @@ one per role (``algorithm.policies=per_role``); methods take and return dicts ke
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ import torch.distributed as dist
 from mars_megatron.agents.sample import Sample
 from mars_megatron.algorithm import losses as L
 from mars_megatron.algorithm.mismatch import SUM_KEYS, MismatchTally, mismatch_metrics
-from mars_megatron.algorithm.objective import make_loss_fn, packed_loss_inputs
-from mars_megatron.config import MarsConfig
+from mars_megatron.algorithm.objective import LossInputs, make_loss_fn, packed_loss_inputs
+from mars_megatron.config import AlgorithmConfig, MarsConfig
 from mars_megatron.rl.shares import BatchShare, MiniBatchShare, shard_batch
 from mars_megatron.training import parallel as par
 from mars_megatron.training.batches import MicroBatch
@@ -79,6 +80,50 @@ def update_forwards(cfg: MarsConfig, engine_logprobs: bool, updates: int) -> Upd
     return UpdateForwards(
         watch=watch, need_old=loss_needs_old or (watch and not in_update), in_update=in_update
     )
+
+
+@dataclass(frozen=True)
+class BatchTerms:
+    """What a rollout batch decides once, for every update's loss and on every rank alike."""
+
+    entropy: float | None = None
+    """DMMPT: the batch's token-mean entropy under the pre-update weights (all ranks' sum)."""
+    dmmpt_active: bool | None = None
+    """DMMPT: its on/off decision, taken from that entropy."""
+
+
+@dataclass
+class MiniBatchUpdate:
+    """One optimizer step of a batch on this rank: its share of the mini-batch, its micro-batches, and
+    what the loss reads besides the log-probs, each piece added by the variant that needs it before the
+    batch's first update."""
+
+    share: MiniBatchShare
+    micro_batches: list[MicroBatch]
+    routing: dict | None = None
+    """R2: the routing the scoring forward recorded, replayed by the reference's forward and the update."""
+    old: list[torch.Tensor] | None = None
+    """The policy's log-probs of each pack before the batch's first update (on the last pipeline stage)."""
+    ref: list[torch.Tensor] | None = None
+    """The reference's log-probs of each pack (``algorithm.kl_coef > 0``)."""
+    excluded: set[int] = field(default_factory=set)
+    """MIS: the mini-batch's sequences left out of the loss (indices into the mini-batch)."""
+
+    def loss_inputs(self, mb: MicroBatch, *, algo: AlgorithmConfig, terms: BatchTerms) -> LossInputs:
+        """The loss inputs of one of this update's micro-batches (a context-parallel rank's share of a pack
+        is a new MicroBatch of the same pack, so the pack identifies it)."""
+        assert mb.pack is not None
+        k = next(i for i, own in enumerate(self.micro_batches) if own.pack is mb.pack)
+        return packed_loss_inputs(
+            self.share,
+            mb.pack,
+            algo,
+            old_logprobs=self.old[k] if self.old is not None and algo.importance != "pois" else None,
+            ref_logprobs=self.ref[k] if self.ref is not None else None,
+            excluded=self.excluded,
+            entropy=terms.entropy,
+            dmmpt_active=terms.dmmpt_active,
+        )
 
 
 @dataclass
@@ -162,52 +207,40 @@ class PolicyWorker(SendsWeights):
 
     def _train_policy(self, policy: _Policy, share: BatchShare) -> dict[str, float]:
         """One rollout batch of one policy: pack this rank's share, take the forwards the loss and the
-        metrics need under the pre-update weights (:func:`update_forwards`), run the updates, and report."""
+        metrics need under the pre-update weights (:func:`update_forwards`), run the updates, and report.
+
+        Each variant of the objective adds its piece to the mini-batches' :class:`MiniBatchUpdate` before
+        the updates: R2 the routing to replay, the scoring forward the old log-probs, the reference its
+        log-probs (KL), MIS the sequences to leave out, DMMPT the batch's one on/off decision
+        (:class:`BatchTerms`); the updates then read them through :meth:`MiniBatchUpdate.loss_inputs`."""
         engine, replay, algo = policy.engine, self.cfg.moe.routing_replay, self.cfg.algorithm
         if replay == "R3":
             check_sample_routing(share.own(), engine.arch)
-        packed = self._pack(engine, share)
-        forwards = update_forwards(self.cfg, share.engine_logprobs, len(packed))
-        stores: list[dict | None] = [{} if replay == "R2" else None for _ in packed]
+        updates = self._pack(engine, share)
+        forwards = update_forwards(self.cfg, share.engine_logprobs, len(updates))
         tally = MismatchTally(algo.mismatch_threshold) if forwards.watch else None
         if tally is not None:
-            for mini, mbs in packed:
-                tally.add_batch(mini, mbs, roles=mini.roles)
-        old = [
-            engine.forward_logprobs(mbs, record_routing=store) if forwards.need_old else None
-            for (_, mbs), store in zip(packed, stores, strict=True)
-        ]
-        ref = [
-            policy.reference.forward_logprobs(mbs, replay_routing=store)
-            if policy.reference is not None
-            else None
-            for (_, mbs), store in zip(packed, stores, strict=True)
-        ]
+            for u in updates:
+                tally.add_batch(u.share, u.micro_batches, roles=u.share.roles)
+        for u in updates:
+            u.routing = {} if replay == "R2" else None
+            if forwards.need_old:
+                u.old = engine.forward_logprobs(u.micro_batches, record_routing=u.routing)
+        if policy.reference is not None:
+            for u in updates:
+                u.ref = policy.reference.forward_logprobs(u.micro_batches, replay_routing=u.routing)
         measure = tally is not None or replay == "R3"
         sums: dict[str, list[float]] = {}
-        outliers: list[set[int]] = [set() for _ in packed]
         routing_changed = None
         if forwards.need_old and measure:
-            sums, found, routing_changed = self._measure_old(engine, tally, packed, old)
-            outliers = found if tally is not None else outliers
-        entropy: float | None = None
-        dmmpt_on: bool | None = None
-        if self.loss.dmmpt:
-            entropy = self._batch_entropy(engine, packed, old)
-            dmmpt_on = L.dmmpt_active(entropy, self.loss.dmmpt_entropy_target)
+            sums, outliers, routing_changed = self._measure_old(engine, tally, updates)
+            if tally is not None and algo.mis:
+                for u, out in zip(updates, outliers, strict=True):
+                    u.excluded = out
+        terms = self._batch_terms(engine, updates)
         stats: list[dict[str, torch.Tensor]] = []
         metrics = self._update(
-            engine,
-            packed,
-            old,
-            ref,
-            stores,
-            [out if algo.mis else set() for out in outliers],
-            stats,
-            tally if forwards.in_update else None,
-            in_update=forwards.in_update,
-            entropy=entropy,
-            dmmpt_on=dmmpt_on,
+            engine, updates, terms, stats, tally if forwards.in_update else None, in_update=forwards.in_update
         )
         if forwards.in_update and measure:
             # each rank scored its own columns of the packs in the update
@@ -220,38 +253,34 @@ class PolicyWorker(SendsWeights):
             policy.reference.routing_changes()  # its scoring forwards replay too: not what is reported
         if routing_changed is not None:
             metrics["routing_changed"] = routing_changed
-        if entropy is not None and dmmpt_on is not None:  # the same on every rank
-            metrics["dmmpt_active"] = float(dmmpt_on)
-            metrics["dmmpt_batch_entropy"] = entropy
-        metrics["packs"] = float(sum(len(mbs) for _, mbs in packed))
-        metrics["truncated_samples"] = float(sum(mini.truncated for mini, _ in packed))
+        if terms.entropy is not None and terms.dmmpt_active is not None:  # the same on every rank
+            metrics["dmmpt_active"] = float(terms.dmmpt_active)
+            metrics["dmmpt_batch_entropy"] = terms.entropy
+        metrics["packs"] = float(sum(len(u.micro_batches) for u in updates))
+        metrics["truncated_samples"] = float(sum(u.share.truncated for u in updates))
         metrics.update(mismatch_metrics(sums))
         if algo.mis and sums:
             metrics["mis_masked_samples"] = sums["all"][SUM_KEYS.index("seqs_over")]
         return metrics
 
     def _measure_old(
-        self,
-        engine: Any,
-        tally: MismatchTally | None,
-        packed: Sequence[tuple[MiniBatchShare, Sequence[MicroBatch]]],
-        old: Sequence[Sequence[torch.Tensor] | None],
+        self, engine: Any, tally: MismatchTally | None, updates: Sequence[MiniBatchUpdate]
     ) -> tuple[dict[str, list[float]], list[set[int]], float | None]:
         """:meth:`_first_forward_sums` of the scoring forward under the pre-update weights."""
         if tally is not None:
-            for (_, mbs), old_lp in zip(packed, old, strict=True):
-                if old_lp is None:
+            for u in updates:
+                if u.old is None:
                     continue  # not the last pipeline stage
-                for mb, lp in zip(mbs, old_lp, strict=True):
+                for mb, lp in zip(u.micro_batches, u.old, strict=True):
                     tally.add(lp, mb)
         # the old log-probs are whole packs on every CP rank: count them once
         return self._first_forward_sums(engine, tally, self.cfg.moe.routing_replay == "R3", whole_packs=True)
 
-    def _pack(self, engine: Any, share: BatchShare) -> list[tuple[MiniBatchShare, list[MicroBatch]]]:
-        """(mini-batch share, this rank's micro-batches) per update of the batch."""
+    def _pack(self, engine: Any, share: BatchShare) -> list[MiniBatchUpdate]:
+        """One update per mini-batch of this rank's share, with its micro-batches."""
         r3 = self.cfg.moe.routing_replay == "R3"
         return [
-            (
+            MiniBatchUpdate(
                 mini,
                 engine.pack_micro_batches(
                     mini.packs,
@@ -264,62 +293,39 @@ class PolicyWorker(SendsWeights):
             for mini in share.minis
         ]
 
+    def _batch_terms(self, engine: Any, updates: Sequence[MiniBatchUpdate]) -> BatchTerms:
+        """What the whole batch decides once for every update's loss: DMMPT's on/off from its entropy."""
+        if not self.loss.dmmpt:
+            return BatchTerms()
+        entropy = self._batch_entropy(engine, updates)
+        return BatchTerms(entropy, L.dmmpt_active(entropy, self.loss.dmmpt_entropy_target))
+
     def _update(
         self,
         engine: Any,
-        packed: Sequence[tuple[MiniBatchShare, Sequence[MicroBatch]]],
-        old: Sequence[Sequence[torch.Tensor] | None],
-        ref: Sequence[Sequence[torch.Tensor] | None],
-        stores: Sequence[dict | None],
-        excluded: Sequence[set[int]],
+        updates: Sequence[MiniBatchUpdate],
+        terms: BatchTerms,
         stats: list[dict[str, torch.Tensor]],
         watching: MismatchTally | None,
         *,
         in_update: bool,
-        entropy: float | None,
-        dmmpt_on: bool | None,
     ) -> dict[str, float]:
-        """One optimizer step per mini-batch; the last step's metrics. ``excluded``: per mini-batch, the
-        sequences MIS leaves out; ``watching``: a tally the update's own forward fills (the mismatch
-        measured on the way, when no scoring forward was taken); ``in_update``: the update's forward is the
-        batch's first under the pre-update weights (R3 then measures its routing changes there)."""
-        replay = self.cfg.moe.routing_replay
-        pass_old = self.loss.importance != "pois"
+        """One optimizer step per mini-batch; the last step's metrics. ``watching``: a tally the update's
+        own forward fills (the mismatch measured on the way, when no scoring forward was taken);
+        ``in_update``: the update's forward is the batch's first under the pre-update weights (R3 then
+        measures its routing changes there)."""
+        r3 = self.cfg.moe.routing_replay == "R3"
         metrics: dict[str, float] = {}
-        for (mini, mbs), old_lp, ref_lp, store, out in zip(packed, old, ref, stores, excluded, strict=True):
-            # keyed by pack: a context-parallel rank's share of a micro-batch is a new MicroBatch
-            index = {id(mb.pack): k for k, mb in enumerate(mbs)}
-
-            def inputs_for(
-                mb: MicroBatch, mini=mini, index=index, old_lp=old_lp, ref_lp=ref_lp, excluded=out
-            ):
-                k = index[id(mb.pack)]
-                assert mb.pack is not None
-                return packed_loss_inputs(
-                    mini,
-                    mb.pack,
-                    self.loss,
-                    old_logprobs=old_lp[k] if old_lp is not None and pass_old else None,
-                    ref_logprobs=ref_lp[k] if ref_lp is not None else None,
-                    excluded=excluded,
-                    entropy=entropy,
-                    dmmpt_active=dmmpt_on,
-                )
-
-            loss_fn = make_loss_fn(self.loss, inputs_for, stats)
+        for u in updates:
+            loss_fn = make_loss_fn(self.loss, partial(u.loss_inputs, algo=self.loss, terms=terms), stats)
             if watching is not None:
                 loss_fn = watching.watching(loss_fn)
             metrics = engine.step(
-                mbs, loss_fn, replay_routing=store, measure_routing=replay == "R3" and in_update
+                u.micro_batches, loss_fn, replay_routing=u.routing, measure_routing=r3 and in_update
             )
         return metrics
 
-    def _batch_entropy(
-        self,
-        engine: Any,
-        packed: Sequence[tuple[MiniBatchShare, Sequence[MicroBatch]]],
-        old: Sequence[Sequence[torch.Tensor] | None],
-    ) -> float:
+    def _batch_entropy(self, engine: Any, updates: Sequence[MiniBatchUpdate]) -> float:
         """Token-mean entropy estimate (:func:`~mars_megatron.algorithm.losses.entropy_estimate`) of the
         whole rollout batch under the pre-update weights: every mini-batch's response tokens (MIS outliers
         included: they are known only later), summed on each rank, then one all-reduce over the
@@ -328,16 +334,16 @@ class PolicyWorker(SendsWeights):
         from megatron.core import parallel_state as ps
 
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for (mini, mbs), old_lp in zip(packed, old, strict=True):
-            if old_lp is None:
+        for u in updates:
+            if u.old is None:
                 continue  # not the last pipeline stage: contributes nothing, receives the sum
-            for mb, lp in zip(mbs, old_lp, strict=True):
+            for mb, lp in zip(u.micro_batches, u.old, strict=True):
                 assert mb.pack is not None
-                mask = packed_loss_inputs(mini, mb.pack, self.loss).mask
+                mask = packed_loss_inputs(u.share, mb.pack, self.loss).mask
                 parts.append(L.entropy_sums(lp, mask.to(lp.device)))
         # one host copy for the whole batch, then one all-reduce of two numbers
         local = torch.stack([torch.stack(p).double() for p in parts]).sum(0).tolist() if parts else [0.0, 0.0]
-        total, count = engine._global_sum(local, ps.get_context_parallel_rank() == 0)
+        total, count = engine.sum_over_replicas(local, ps.get_context_parallel_rank() == 0)
         return total / max(count, 1.0)
 
     def _first_forward_sums(
@@ -353,7 +359,7 @@ class PolicyWorker(SendsWeights):
         flat = tally.flat() if tally is not None else []
         counts = engine.routing_changes() if routing else ()
         contribute = not whole_packs or ps.get_context_parallel_rank() == 0
-        reduced = engine._global_sum(flat, contribute, extra=counts)
+        reduced = engine.sum_over_replicas(flat, contribute, extra=counts)
         sums, outliers = tally.finish(reduced[: len(flat)]) if tally is not None else ({}, [])
         routing_changed = None
         if routing:

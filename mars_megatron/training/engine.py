@@ -269,7 +269,9 @@ class MegatronEngine:
 
         return ps.is_pipeline_last_stage()
 
-    def _global_sum(self, values: list[float], contribute: bool, extra: Sequence[float] = ()) -> list[float]:
+    def sum_over_replicas(
+        self, values: list[float], contribute: bool, extra: Sequence[float] = ()
+    ) -> list[float]:
         """Sum over data-parallel replicas, counted once per replica (last stage, TP rank 0); ``extra``
         values ride along in the same all-reduce, summed over every rank."""
         from megatron.core import parallel_state as ps
@@ -471,7 +473,7 @@ class MegatronEngine:
         loss_sum = sum(float(r["loss_sum"]) for r in reduced) if reduced else 0.0
         tokens = sum(float(r["tokens"]) for r in reduced) if reduced else 0.0
         # one all-reduce: the global loss and token sums for the log, and how many ranks saw a NaN/inf
-        loss_sum, tokens, bad_ranks = self._global_sum(
+        loss_sum, tokens, bad_ranks = self.sum_over_replicas(
             [loss_sum, tokens], contribute=True, extra=[float(self._nonfinite_here(loss_sum))]
         )
         if bad_ranks == 0:
