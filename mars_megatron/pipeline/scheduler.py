@@ -48,7 +48,7 @@ from __future__ import annotations
 import random
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -86,6 +86,23 @@ class _Flight:
     """The policy version its first segment was issued at (None until then)."""
     issued_version: int | None = None
     """The policy version of the segment now being decoded."""
+
+
+@dataclass
+class _Trajectory:
+    """The scheduler's bookkeeping of one admitted problem's trajectory tree (keyed by trajectory id)."""
+
+    problem: Problem
+    sample_ids: list[str] = field(default_factory=list)
+    """Every record of the tree, in the order they were started."""
+    active: int = 0
+    """Its sequences not yet scored; 0 once the whole tree is (its outcomes are then resolved)."""
+    untrained: int = 0
+    """Its groups not yet trained: the tree is forgotten once this and ``active`` are 0."""
+    position_left: dict[str, int] = field(default_factory=dict)
+    """Per position, its outputs not yet scored: at 0 the next positions' inputs are selected."""
+    held: list[str] = field(default_factory=list)
+    """Complete groups held back until the whole tree is scored (outcome and shared rewards)."""
 
 
 @dataclass(frozen=True)
@@ -180,21 +197,16 @@ class Scheduler:
         self.samples: dict[str, Sample] = {}
         """Every record not yet retired, by sample id."""
         self._flight: dict[str, _Flight] = {}
-        self._problems: dict[str, Problem] = {}  # trajectory id -> its problem
+        self._trajectories: dict[str, _Trajectory] = {}  # trajectory id -> its tree, until retired
         self._waiting: deque[Problem] = deque()
         self._admitted_at: dict[int, int] = {}  # version -> problems admitted while it was current
-        self._active: dict[str, int] = {}  # problem id -> unfinished sequences
         self._queue: list[str] = []  # group ids complete and not yet trained, in completion order
         self._groups: dict[str, list[str]] = {}
-        self._by_problem: dict[str, list[str]] = {}  # problem id -> its sample ids
-        self._untrained: dict[str, int] = {}  # problem id -> groups not yet trained
-        self._position_left: dict[tuple[str, str], int] = {}
         self._trained: set[str] = set()
         self._unfinished: dict[str, int] = dict.fromkeys(graph.roles, 0)
         # per role: incomplete groups by the version their first segment was issued at (update_ready)
         self._open_oldest: dict[str, Counter[int]] = {r: Counter() for r in graph.roles}
         self._group_first: dict[str, int] = {}
-        self._held: dict[str, list[str]] = {}  # whole_trajectories: complete groups by problem key
         self._ready: dict[str, tuple[int, str]] = {}  # READY sample ids -> their order among new work
         self._trajectory = graph.trajectory(agents.max_steps)
         self._depth = {p.name: i for i, p in enumerate(self._trajectory)}
@@ -215,15 +227,13 @@ class Scheduler:
             key = f"{problem.problem_id}@{self.counters['problems']}"
             self._admitted_at[self.version] = self._admitted_at.get(self.version, 0) + 1
             self.counters["problems"] += 1
-            self._problems[key] = problem
-            self._active[key] = 0
-            self._by_problem[key] = []
-            self._untrained[key] = 0
+            self._trajectories[key] = _Trajectory(problem)
             self._spawn(self._trajectory[0].name, key, None)
             budget -= 1
 
     def _spawn(self, position: str, key: str, parent: Sample | None) -> None:
-        problem = self._problems[key]
+        tree = self._trajectories[key]
+        problem = tree.problem
         inputs = PromptInputs.of(parent, self.samples, self.graph)
         judged = inputs.solution
         role = self.graph.position(position).role
@@ -254,10 +264,10 @@ class Scheduler:
             self._unfinished[role] += 1
             self._ready[sid] = (-self._depth[position], sid)
         self._groups[gid] = members
-        self._by_problem[key].extend(members)
-        self._untrained[key] += 1
-        self._position_left[key, position] = self._position_left.get((key, position), 0) + len(members)
-        self._active[key] += len(members)
+        tree.sample_ids.extend(members)
+        tree.untrained += 1
+        tree.position_left[position] = tree.position_left.get(position, 0) + len(members)
+        tree.active += len(members)
 
     # ---------------------------------------------------------------------------------------- rollouts
     def take_segments(self, limit: int | None = None, roles: Iterable[str] | None = None) -> list[SegmentJob]:
@@ -347,30 +357,29 @@ class Scheduler:
         self._flight[sample_id].state = SeqState.DONE
         self._unfinished[seq.role] -= 1
         pid = seq.trajectory_id
-        self._active[pid] -= 1
+        tree = self._trajectories[pid]
+        tree.active -= 1
         gid = seq.group_id
         if all(self._flight[m].state is SeqState.DONE for m in self._groups[gid]):
             if self.limits.whole_trajectories or self.graph.roles[seq.role].reward == "outcome":
-                held = self._held.setdefault(pid, [])
-                if gid not in held:  # a tool-call group completes again when a later call joins it
-                    held.append(gid)
+                if gid not in tree.held:  # a tool-call group completes again when a later call joins it
+                    tree.held.append(gid)
             else:
                 self._enqueue(gid)
-        key = (pid, seq.position)
-        self._position_left[key] -= 1
-        if self._position_left[key] == 0:
+        tree.position_left[seq.position] -= 1
+        if tree.position_left[seq.position] == 0:
             self._next_position(pid, seq.position)
-        if self._active[pid] == 0:
-            del self._active[pid]
+        if tree.active == 0:
             self._resolve_outcomes(pid)
-            for held in self._held.pop(pid, []):
-                self._enqueue(held)
+            held, tree.held = tree.held, []
+            for complete in held:
+                self._enqueue(complete)
             self._retire(pid)
 
     def _resolve_outcomes(self, pid: str) -> None:
         """``pid``'s tree is finished: its outputs rewarded by their outcome get it
         (:func:`~mars_megatron.rewards.scoring.outcome_rewards`)."""
-        members = [self.samples[sid] for sid in self._by_problem[pid]]
+        members = [self.samples[sid] for sid in self._trajectories[pid].sample_ids]
         for sid, reward in outcome_rewards(members, self.graph, self._depth).items():
             self.samples[sid].reward = reward
 
@@ -381,21 +390,20 @@ class Scheduler:
 
     def _retire(self, pid: str) -> None:
         """Forget a problem whose sequences are all done and whose groups are all trained."""
-        if pid in self._active or self._untrained.get(pid, 1) > 0:
+        tree = self._trajectories.get(pid)
+        if tree is None or tree.active > 0 or tree.untrained > 0:
             return
-        for sid in self._by_problem.pop(pid):
+        del self._trajectories[pid]
+        for sid in tree.sample_ids:
             seq = self.samples.pop(sid)
             del self._flight[sid]
             self._groups.pop(seq.group_id, None)
-            self._position_left.pop((pid, seq.position), None)
-        del self._untrained[pid]
-        del self._problems[pid]
 
     def _next_position(self, key: str, position: str) -> None:
         later = self.graph.next_positions(position, self.agents.max_steps)
         if not later:
             return
-        candidates = [self.samples[sid] for sid in self._by_problem[key]]
+        candidates = [self.samples[sid] for sid in self._trajectories[key].sample_ids]
         candidates = sorted((s for s in candidates if s.position == position), key=lambda s: s.sample_id)
         for nxt in later:
             rng = random.Random(derive_seed(self.seed, key, position, "select"))
@@ -427,12 +435,13 @@ class Scheduler:
         seq.finish_reason = None
         self._flight[sample_id].state = SeqState.TOOL
         key = seq.trajectory_id
+        tree = self._trajectories[key]
         inputs = PromptInputs(seq, seq, None, (purpose, tool_output))
-        prompt = list(self.prompt_fn(position.name, self._problems[key], inputs))
+        prompt = list(self.prompt_fn(position.name, tree.problem, inputs))
         gid = group_id(key, position.name, seq.group_id)
         members = self._groups.setdefault(gid, [])
         if not members:
-            self._untrained[key] += 1
+            tree.untrained += 1
         sid = f"{gid}/{len(members)}"
         self.samples[sid] = Sample(
             prompt,
@@ -448,12 +457,12 @@ class Scheduler:
         )
         self._flight[sid] = _Flight()
         members.append(sid)
-        self._by_problem[key].append(sid)
+        tree.sample_ids.append(sid)
         self.counters["spawned"] += 1
         self._unfinished[position.role] += 1
         self._ready[sid] = (-self._depth[position.name], sid)
-        self._position_left[key, position.name] = self._position_left.get((key, position.name), 0) + 1
-        self._active[key] += 1
+        tree.position_left[position.name] = tree.position_left.get(position.name, 0) + 1
+        tree.active += 1
         return sid
 
     def call_returned(self, sample_id: str, observation_ids: Sequence[int]) -> bool:
@@ -525,7 +534,7 @@ class Scheduler:
         return Batch(u, chosen)
 
     def _settle(self, pid: str) -> None:
-        self._untrained[pid] -= 1
+        self._trajectories[pid].untrained -= 1
         self._retire(pid)
 
     def _admission_open(self) -> bool:
@@ -560,7 +569,8 @@ class Scheduler:
 
     def idle(self) -> bool:
         """Nothing left to decode, score or train, and no problem waiting."""
-        return not self._waiting and not self._active and not self._queue and self.training is None
+        busy = any(tree.active for tree in self._trajectories.values())
+        return not self._waiting and not busy and not self._queue and self.training is None
 
     @property
     def trained(self) -> int:
@@ -629,7 +639,7 @@ class Scheduler:
             "queue": list(self._queue),
             "trained": sorted(self._trained),
             "group_first": dict(self._group_first),
-            "held": {k: list(v) for k, v in self._held.items()},
+            "held": {k: list(tree.held) for k, tree in self._trajectories.items() if tree.held},
             "counters": dict(self.counters),
         }
 
@@ -653,14 +663,14 @@ class Scheduler:
             state_ = SeqState(d["state"])
             self.samples[q.sample_id] = q
             self._flight[q.sample_id] = _Flight(state_, d["first_version"])
-            self._problems.setdefault(key, problem)
-            self._by_problem.setdefault(key, []).append(q.sample_id)
+            tree = self._trajectories.setdefault(key, _Trajectory(problem))
+            tree.sample_ids.append(q.sample_id)
             if state_ is not SeqState.DONE:
                 self._unfinished[q.role] += 1
-                self._active[key] = self._active.get(key, 0) + 1
-                self._position_left[key, q.position] = self._position_left.get((key, q.position), 0) + 1
+                tree.active += 1
+                tree.position_left[q.position] = tree.position_left.get(q.position, 0) + 1
             else:
-                self._position_left.setdefault((key, q.position), 0)
+                tree.position_left.setdefault(q.position, 0)
             if state_ is SeqState.READY:
                 self._ready[q.sample_id] = (-self._depth[q.position], q.sample_id)
         for q in self.samples.values():  # checkpoints from before the record carried it
@@ -671,17 +681,13 @@ class Scheduler:
         for members in self._groups.values():
             key = self.samples[members[0]].trajectory_id
             if not all(m in self._trained for m in members):
-                self._untrained[key] = self._untrained.get(key, 0) + 1
-        for key in self._by_problem:
-            self._untrained.setdefault(key, 0)
-            self._active.setdefault(key, 0)
-            if self._active[key] == 0:
-                del self._active[key]
+                self._trajectories[key].untrained += 1
         self._waiting.extend(Problem(**p) for p in state["waiting"])
         self._admitted_at = {int(k): int(v) for k, v in state["admitted_at"].items()}
         self._queue = list(state["queue"])
         self._group_first = {g: int(v) for g, v in state["group_first"].items()}
-        self._held = {k: list(v) for k, v in state.get("held", {}).items()}
+        for key, held in state.get("held", {}).items():
+            self._trajectories[key].held = list(held)
         for gid, version in self._group_first.items():
             self._open_oldest[self.samples[self._groups[gid][0]].role][version] += 1
         self.counters.update(state["counters"])
@@ -708,7 +714,7 @@ class Scheduler:
 
     def problem(self, sample: Sample) -> Problem:
         """The problem of ``sample``'s trajectory (its text and reference)."""
-        return self._problems[sample.trajectory_id]
+        return self._trajectories[sample.trajectory_id].problem
 
     # ---------------------------------------------------------------------------------------- metrics
     def stats(self) -> dict[str, Any]:
