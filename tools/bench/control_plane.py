@@ -48,8 +48,9 @@ extrapolated (2 shared cores say nothing of a cluster's wall time).
 With no arguments it runs 3 steps at each of the token scales 1/1024 and 1/256 on 8 ranks (after an
 unreported warm-up step of one problem) and prints the driver's CPU seconds per phase, wall seconds, bytes
 per rank against total / DP and against the rank's share, the ranks' CPU, peak memory, and the paper-scale
-extrapolation beside the goals (driver <= 5 s per step, bytes per rank <= 1.1 x total / DP): about 3
-minutes on 2 cores, about 6.5 GiB of memory in all (1/128 would take about 10 GiB).
+extrapolation beside the goals (driver <= 5 s per step, bytes per rank <= 1.1 x total / DP): 3 to 6
+minutes on 2 cores (195 s, and 349 s with other runs on the cores), 5.3 GiB at most (the summed PSS of
+every process of the run; 1/128 needs about twice that).
 
 Starts Ray: run it inside a loopback-only network namespace, e.g.
     unshare -n bash -c 'ip link set lo up && python tools/bench/control_plane.py'
