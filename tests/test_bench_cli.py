@@ -28,6 +28,7 @@ RUNS_BY_DEFAULT = {
     "train_step.py": ["--model", "--shapes", "--nproc", "--repeats", "--quick"],
     "weight_sync.py": ["--layers", "--engines", "--bucket-mb", "--repeats"],
     "tiny_run.py": ["--out", "--steps"],
+    "control_plane.py": ["--scales", "--ranks", "--steps", "--problems"],
     "paper_table.py": ["--task", "--out", "--resume", "--sft", "--seeds", "--warm-start-per-seed", "--jobs"],
 }
 # Benchmarks whose modes are a choice: no arguments prints the usage and exits 2.

@@ -1,0 +1,885 @@
+"""The control plane of one MarsRL step at paper shape, with no model: driver CPU per step and the bytes
+each trainer rank receives against its share.
+
+What runs is the trainer's own code from the scheduler to the packs; only the work of the models is
+simulated:
+
+* **real**: the :class:`~mars_megatron.pipeline.scheduler.Scheduler` built as the trainer builds it from
+  ``examples/qwen3_30b_a3b.yaml`` (128 problems per step, G = 8, 5 positions, 2 inputs per later
+  position, segments of 16k), in ``pipeline.mode=sync`` so that one step trains every output of its 128
+  problems; the driver's segment requests (``segment_request``), ``record_outputs``, ``ScoreRequest``s
+  scored by a real :class:`~mars_megatron.pipeline.facades.RewardPool` actor (math-verify and the
+  verdict reader), ``on_scored``; the driver's ``_training_data`` (``assign_advantages``,
+  ``balance_roles``, ``TrainerGroup.split``); the dispatch ``TrainerGroup.submit`` on a real
+  :class:`~mars_megatron.training.ray_group.RayWorkerGroup` of 8 rank actors (gloo world, one torch rank
+  each); on every rank ``PolicyWorker.train`` and ``PolicyWorker._pack`` (``check_sample_routing``,
+  ``split_groups``) with ``MegatronEngine.plan`` (``plan_packs``, dp 8, ``pad_ranks``) and
+  ``MegatronEngine.rank_packs`` (``build_plan_pack``, ``pack_routing``) bound to a model-less engine.
+* **simulated**: decoding. A stand-in engine writes each segment: response lengths log-normal around 16k
+  tokens (sigma 0.6, capped at 64k: seeded per sample as pipeline/simulate.py draws them), random token ids
+  of Qwen3's vocabulary, log-probs, and the R3 routing of every position the call fed ([positions, 48
+  layers, top-8] uint8, Qwen3-30B-A3B's shape from examples/hf_configs); whether an output is right is a
+  seeded coin flip per role (as simulate.py). Text is a stand-in for the tokenizer's decode (4 characters
+  a token) ending in a boxed answer and a Correctness verdict, which the real checker scores. Prompts are
+  the problem (1k tokens) plus the outputs they carry (solution, report), cut to 32k as the chat codec
+  cuts them. Engine requests and outputs cross a pickle-5 round trip in this process (Ray's
+  serialisation, without Ray's copy): the driver's side is timed, the engine's is not the driver's.
+
+Counted: driver CPU is ``time.process_time`` of this process inside the driver's phases only (schedule,
+rollout I/O, record, rewards, advantages, dispatch, wait); the simulated engine, the reward actor and the
+byte counting are left out. Bytes are the pickle protocol 5 size with out-of-band buffers counted (in-band
+stream + raw numpy buffers: what Ray's serialiser writes): ``total`` is the update's whole batch, measured
+on the driver; ``received`` is what reached a rank's ``train``, measured on the rank, so a ``submit`` that
+shards is measured without editing this file; ``share`` is the samples of the rank's own packs. Rank CPU:
+receiving (the rank process's CPU from just before the dispatch to the call's first line: Ray's fetch and
+deserialisation), the routing check, and the plan and packs. Not in the figures: the real tokenizer
+(decoding every output, templating every prompt: the stand-ins here are a string repeat and a list copy)
+and Ray's own per-call cost of the engine calls (their bytes cross a pickle round trip instead).
+
+Scale. A paper step holds about 9,200 outputs and 380M tokens (prompts carry earlier outputs), and R3
+routing is 384 bytes a token: a batch of about 140 GiB, not a 24 GiB machine. So every token count
+(lengths, caps, segments, pack length) is multiplied by ``--scales`` while the problems, samples, groups
+and the schedule stay at paper size. Each figure is measured at every scale (the median of ``--steps``
+steps) and fitted as ``a + b * tokens`` through the scales: ``a / samples`` is printed per sample (what
+does not shrink with the tokens), ``b`` per token, and the paper column is the line at a paper step's
+tokens. That column is an extrapolation, never a measurement; wall times and the simulated engine are not
+extrapolated (2 shared cores say nothing of a cluster's wall time).
+
+With no arguments it runs 3 steps at each of the token scales 1/1024 and 1/256 on 8 ranks (after an
+unreported warm-up step of one problem) and prints the driver's CPU seconds per phase, wall seconds, bytes
+per rank against total / DP and against the rank's share, the ranks' CPU, peak memory, and the paper-scale
+extrapolation beside the goals (driver <= 5 s per step, bytes per rank <= 1.1 x total / DP): 3 to 6
+minutes on 2 cores (195 s, and 349 s with other runs on the cores), 5.3 GiB at most (the summed PSS of
+every process of the run; 1/128 needs about twice that).
+
+Starts Ray: run it inside a loopback-only network namespace, e.g.
+    unshare -n bash -c 'ip link set lo up && python tools/bench/control_plane.py'
+    python tools/bench/control_plane.py --scales 1/1024,1/512,1/256 --steps 5 agents.inputs_per_agent=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import pickle
+import random
+import resource
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+PAPER_CONFIG = REPO / "examples" / "qwen3_30b_a3b.yaml"
+MEDIAN_RESPONSE = 16384
+"""The issue's shape: responses log-normal around 16k tokens (capped by rollout.max_response_tokens)."""
+SIGMA = 0.6
+PROMPT_TOKENS = 1024
+"""The problem and instructions, before any carried output."""
+ACCURACY = {"solver": 0.7, "verifier": 0.8, "corrector": 0.5}
+"""Chance an output is right (an answer that matches, a verdict that is true), as tools/bench/pipeline.py."""
+FILLER = "tok "
+"""A token's text: 4 characters, about what a tokenizer's token of English and maths decodes to."""
+YES, NO, FIRST_ID = 1, 2, 3
+"""Token ids: an output's last token says whether it answers right / accepts; the rest are >= FIRST_ID."""
+ENDINGS = {
+    YES: "\n\nThe answer is \\boxed{1}.\n\n**Correctness**: Correct",
+    NO: "\n\nThe answer is \\boxed{0}.\n\n**Correctness**: Wrong",
+}
+REFERENCE = "1"
+DRIVER_PHASES = ("schedule", "rollout I/O", "record", "rewards", "advantages", "dispatch", "wait")
+GOAL_DRIVER_S = 5.0
+GOAL_BYTES_RATIO = 1.1
+
+
+# ------------------------------------------------------------------------------------------------ shape
+@dataclass(frozen=True)
+class Shape:
+    """One measured point: the paper's config with every token count times ``scale``."""
+
+    scale: Fraction
+    cfg: Any
+    """The MarsConfig the ranks and the scheduler read (scaled token fields, a dp-only layout)."""
+    lengths: Any
+    """simulate.Lengths: the response lengths drawn, prompt size and input cap, scaled."""
+
+
+def scaled(tokens: int, scale: Fraction) -> int:
+    return max(1, round(tokens * scale))
+
+
+def paper_shape(scale: Fraction, overrides: Sequence[str] = ()) -> Shape:
+    """The paper config at ``scale``. ``pipeline.mode=sync`` makes one step every output of its 128
+    problems (the issue's 128 x G x 5 positions); the layout is dp only (``parallel.* = 1``): the ranks
+    here are data-parallel replicas, as the issue's bytes goal (total / DP) assumes. The pack length is
+    the paper's 32k input + 64k response, so no sample is cut at any scale."""
+    from mars_megatron.config import load_config
+    from mars_megatron.pipeline.simulate import Lengths
+
+    max_in, max_out = scaled(32768, scale), scaled(65536, scale)
+    cfg = load_config(
+        PAPER_CONFIG,
+        [
+            "pipeline.mode=sync",
+            *(f"parallel.{k}=1" for k in ("tp", "pp", "cp", "ep", "etp")),
+            "parallel.sequence_parallel=false",
+            f"rollout.max_input_tokens={max_in}",
+            f"rollout.max_response_tokens={max_out}",
+            f"pipeline.segment_tokens={scaled(16384, scale)}",
+            f"train.pack_length={max_in + max_out}",
+            f"model.hf_dir={REPO / 'examples/hf_configs/qwen3-30b-a3b'}",
+            *overrides,
+        ],
+    )
+    roles = ("solver", "verifier", "corrector")
+    lengths = Lengths(
+        dict.fromkeys(roles, MEDIAN_RESPONSE * float(scale)),
+        sigma=SIGMA,
+        prompt_tokens=scaled(PROMPT_TOKENS, scale),
+        max_input_tokens=max_in,
+    )
+    return Shape(scale, cfg, lengths)
+
+
+def arch_of(cfg: Any) -> Any:
+    """Qwen3-30B-A3B's architecture (48 MoE layers, 128 experts, top-8) from the shipped config.json."""
+    from mars_megatron.models.hf_config import load_hf_config
+
+    return load_hf_config(cfg.model.hf_dir)
+
+
+# ----------------------------------------------------------------------------------- simulated decoding
+def carried_prompts(lengths: Any, vocab: int) -> Any:
+    """The scheduler's prompt function: the problem's tokens, then the outputs the position reads (the
+    solution judged, the report), cut in the middle to ``max_input_tokens`` as ``ChatCodec`` truncates.
+    Stands in for the chat template: the prompt holds the tokens it would, not their text."""
+    heads: dict[str, list[int]] = {}
+
+    def prompt_fn(position: str, problem: Any, inputs: Any) -> list[int]:
+        head = heads.get(problem.problem_id)
+        if head is None:
+            rng = np.random.default_rng(problem.line)
+            head = heads[problem.problem_id] = rng.integers(FIRST_ID, vocab, lengths.prompt_tokens).tolist()
+        ids = list(head)
+        for q in (inputs.solution, inputs.report):
+            if q is not None:
+                ids.extend(q.response_ids)
+        cap = lengths.max_input_tokens
+        if len(ids) > cap:
+            ids = ids[: cap // 2] + ids[len(ids) - (cap - cap // 2) :]
+        return ids
+
+    return prompt_fn
+
+
+class SimulatedEngine:
+    """Stands in for a rollout engine: answers segment requests with random tokens, log-probs and routing
+    of the model's shape. How long each output gets and whether it is right are seeded per sample (the
+    lengths as :class:`~mars_megatron.pipeline.simulate.Lengths` draws them, the outcome as
+    ``Simulation._score`` flips it); it reads the scheduler's records for the role and the solution judged,
+    the simulation's oracle."""
+
+    def __init__(self, samples: Mapping[str, Any], shape: Shape, arch: Any, seed: int) -> None:
+        from mars_megatron.rollout.engine import routing_dtype
+
+        self.samples = samples
+        self.lengths = shape.lengths
+        self.seed = seed
+        self.vocab = arch.vocab_size
+        rows = 2 * (shape.cfg.rollout.max_input_tokens + shape.cfg.rollout.max_response_tokens)
+        layers, k, experts = sum(arch.moe_layers), arch.moe_topk, arch.num_experts
+        rng = np.random.default_rng(seed)
+        base = rng.integers(0, experts, (rows, layers, 1))
+        # distinct experts per position and layer, as a router's top-k: check_routing insists
+        self.routing = ((base + np.arange(k) * (experts // k)) % experts).astype(routing_dtype(experts))
+
+    def serve(self, wire: bytes) -> tuple[bytes, list[Any]]:
+        """One engine call across the wire: requests in, ``(outputs, version)`` out, pickled as Ray would."""
+        requests, version = pickle.loads(wire)
+        buffers: list[pickle.PickleBuffer] = []
+        reply = pickle.dumps((self.generate(requests), version), protocol=5, buffer_callback=buffers.append)
+        return reply, buffers
+
+    def generate(self, requests: Sequence[Any]) -> list[Any]:
+        from mars_megatron.rollout.engine import GenerationOutput
+
+        outputs = []
+        for r in requests:
+            q = self.samples[r.request_id]
+            target = self.lengths.draw(q, self.seed)
+            n = max(1, min(r.sampling.max_tokens, target - q.response_len))
+            stopped = q.response_len + n >= target
+            rng = np.random.default_rng(r.sampling.seed)
+            ids = rng.integers(FIRST_ID, self.vocab, n)
+            if stopped:
+                ids[-1] = YES if self._says_yes(q) else NO
+            logprobs = (-rng.exponential(1.0, n)).tolist()
+            rows = len(r.prompt_ids) + n - 1
+            start = int(rng.integers(0, self.routing.shape[0] - rows + 1))
+            routed = self.routing[start : start + rows].copy()
+            finish = "stop" if stopped else "length"
+            outputs.append(
+                GenerationOutput(r.request_id, ids.tolist(), logprobs, finish, routed_experts=routed)
+            )
+        return outputs
+
+    def _says_yes(self, q: Any) -> bool:
+        """A solution's answer is right, or a report accepts: right with the role's accuracy."""
+        from mars_megatron.rl.rollout import derive_seed
+
+        right = random.Random(derive_seed(self.seed, q.sample_id, "reward")).random() < ACCURACY[q.role]
+        if q.judged_right is None or q.role != "verifier":
+            return right
+        return q.judged_right if right else not q.judged_right
+
+
+def decode(ids: Sequence[int]) -> str:
+    """Stands in for the tokenizer's decode: 4 characters a token, ending in the output's answer and
+    verdict (a response cut by the token budget ends in neither)."""
+    return FILLER * (len(ids) - 1) + ENDINGS.get(ids[-1], FILLER) if ids else ""
+
+
+# ------------------------------------------------------------------------------------------- the ranks
+def serialized_bytes(obj: Any) -> int:
+    """Bytes of ``obj`` pickled with protocol 5, out-of-band buffers included: the in-band stream plus
+    every numpy array's raw bytes, which is what Ray's serialiser writes for a task argument."""
+    buffers: list[pickle.PickleBuffer] = []
+    stream = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return len(stream) + sum(memoryview(b).nbytes for b in buffers)
+
+
+def packing_rank_class() -> type:
+    """:class:`~mars_megatron.rl.worker.PolicyWorker` without its model: the real ``train`` and ``_pack``,
+    with a ``_train_policy`` that stops where the first forward would start, on a model-less engine whose
+    ``plan`` and ``rank_packs`` are ``MegatronEngine``'s own. Built in a function so that importing this
+    file (``--help``) needs no torch."""
+    import torch.distributed as dist
+
+    from mars_megatron.rl.worker import PolicyWorker, _Policy, check_sample_routing
+    from mars_megatron.training.engine import MegatronEngine
+
+    class PackingEngine:
+        """What ``MegatronEngine.plan`` and ``MegatronEngine.rank_packs`` read (the data-parallel layout
+        and the architecture), with those methods themselves: a rank packs with the engine's own code,
+        whatever it becomes."""
+
+        plan = MegatronEngine.plan
+        rank_packs = MegatronEngine.rank_packs
+        _seq_multiple = MegatronEngine._seq_multiple
+        _sample_multiple = MegatronEngine._sample_multiple
+
+        def __init__(self, cfg: Any, arch: Any, dp: int, dp_rank: int) -> None:
+            self.arch, self.parallel = arch, cfg.parallel
+            self.impl = cfg.model.transformer_impl
+            self.dp, self.dp_rank, self.cp = dp, dp_rank, cfg.parallel.cp
+            self.config = SimpleNamespace(sequence_parallel=cfg.parallel.sequence_parallel)
+
+    class PackingRank(PolicyWorker):
+        """One trainer rank of the bench; reports what it received and what its packs hold."""
+
+        def __init__(self, cfg: Any, names: Sequence[str]) -> None:  # no super(): it builds the model
+            self.names = list(names)
+            self.configure(cfg)
+            self.mark()
+
+        def configure(self, cfg: Any) -> None:
+            """A new scale: its config (pack length) and the engine reading it."""
+            self.cfg, self.loss = cfg, cfg.algorithm
+            engine = PackingEngine(cfg, arch_of(cfg), dist.get_world_size(), dist.get_rank())
+            self.policies = {name: _Policy(engine, None, None) for name in self.names}  # type: ignore[arg-type]
+
+        def mark(self) -> None:
+            """Called just before a dispatch: the rank's CPU from here to ``train`` is receiving it."""
+            gc.collect()
+            self._marked = time.process_time()
+
+        def train(self, batches: Mapping[str, Sequence[Any]]) -> dict[str, float]:
+            receive_cpu, arrived = time.process_time() - self._marked, time.time()
+            metrics = super().train(batches)
+            totals: dict[str, float] = defaultdict(float)
+            for key, value in metrics.items():  # summed over policies ("train/" or "train/<name>/")
+                totals[key.rsplit("/", 1)[-1]] += value
+            totals.update(
+                receive_cpu=receive_cpu,
+                arrived=arrived,
+                received_bytes=serialized_bytes(dict(batches)),
+                received_samples=sum(len(b) for b in batches.values()),
+                received_tokens=sum(len(s.prompt_ids) + s.response_len for b in batches.values() for s in b),
+                peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                rank=dist.get_rank(),
+            )
+            return dict(totals)
+
+        def _train_policy(self, policy: Any, samples: Sequence[Any]) -> dict[str, float]:
+            """What ``PolicyWorker._train_policy`` does before the model: R3's routing check, then the packs
+            (``_pack``: split_groups, the engine's plan and this rank's packs)."""
+            start = time.process_time()
+            if self.cfg.moe.routing_replay == "R3":
+                check_sample_routing(samples, policy.engine.arch)
+            checked = time.process_time()
+            packed = self._pack(policy.engine, samples)
+            packs_cpu = time.process_time() - checked
+            own = [
+                mini[i]
+                for mini, plan, _ in packed
+                for k in plan.rank_packs[policy.engine.dp_rank]
+                for i in plan.packs[k]
+            ]
+            return {
+                "check_cpu": checked - start,
+                "pack_cpu": packs_cpu,
+                "packs": float(sum(len(mbs) for _, _, mbs in packed)),
+                "share_bytes": float(serialized_bytes(own)),
+                "share_samples": float(len(own)),
+                "share_tokens": float(sum(len(s.prompt_ids) + s.response_len for s in own)),
+            }
+
+    return PackingRank
+
+
+@dataclass
+class RankFigures:
+    """What one rank received, what its packs hold, and its CPU seconds."""
+
+    rank: int
+    received_bytes: int
+    share_bytes: int
+    received_samples: int
+    share_samples: int
+    share_tokens: int
+    receive_cpu: float
+    check_cpu: float
+    pack_cpu: float
+    receive_wall: float
+    """From the driver's submit to the first line of the rank's train (transfer and deserialisation)."""
+    peak_rss: int
+
+    @property
+    def received_over_share(self) -> float:
+        """1.0 when a rank receives exactly its own packs' samples; today about DP (it receives all)."""
+        return self.received_bytes / max(1, self.share_bytes)
+
+    @property
+    def cpu(self) -> float:
+        return self.receive_cpu + self.check_cpu + self.pack_cpu
+
+
+def rank_figures(result: Mapping[str, float], submitted: float) -> RankFigures:
+    return RankFigures(
+        rank=int(result["rank"]),
+        received_bytes=int(result["received_bytes"]),
+        share_bytes=int(result["share_bytes"]),
+        received_samples=int(result["received_samples"]),
+        share_samples=int(result["share_samples"]),
+        share_tokens=int(result["share_tokens"]),
+        receive_cpu=result["receive_cpu"],
+        check_cpu=result["check_cpu"],
+        pack_cpu=result["pack_cpu"],
+        receive_wall=result["arrived"] - submitted,
+        peak_rss=int(result["peak_rss"]),
+    )
+
+
+# ------------------------------------------------------------------------------------------- the driver
+class PhaseClock:
+    """CPU (``process_time``) and wall seconds of this process, per named phase."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = defaultdict(float)
+        self.wall: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        cpu, wall = time.process_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.cpu[name] += time.process_time() - cpu
+            self.wall[name] += time.perf_counter() - wall
+
+    def driver_cpu(self) -> float:
+        return sum(self.cpu[p] for p in DRIVER_PHASES)
+
+
+@dataclass
+class StepFigures:
+    """One measured step."""
+
+    scale: Fraction
+    samples: int
+    tokens: int
+    """Prompt + response tokens of the samples trained."""
+    total_bytes: int
+    """The update's whole batch, serialised (what ``submit`` hands to Ray)."""
+    wall: float
+    clock: PhaseClock
+    ranks: list[RankFigures]
+    driver_peak_rss: int = 0
+
+    @property
+    def dp(self) -> int:
+        return len(self.ranks)
+
+    def over_fair(self, r: RankFigures) -> float:
+        """Bytes received against the rank's fair part of the batch, total / DP (the goal: <= 1.1)."""
+        return r.received_bytes / (self.total_bytes / self.dp)
+
+
+class Bench:
+    """The driver side of the bench: the scheduler, reward pool, rank group and trainer facade of a run
+    at one shape (the ranks and the reward actor are kept across shapes)."""
+
+    def __init__(self, ranks: int, shape: Shape) -> None:
+        from mars_megatron.agents.graph_file import graph_for
+        from mars_megatron.pipeline.facades import RewardPool, TrainerGroup
+        from mars_megatron.rl.policies import policy_names
+        from mars_megatron.training.ray_group import RayWorkerGroup
+
+        self.graph = graph_for(shape.cfg)
+        names = policy_names(shape.cfg, self.graph)
+        self.group = RayWorkerGroup(
+            packing_rank_class(), ranks, shape.cfg, names, num_cpus_per_rank=1, threads_per_rank=1
+        )
+        self.trainers = TrainerGroup(self.group, None, names, 0, self.graph)  # type: ignore[arg-type]  # no engines to push to
+        self.rewards = RewardPool(shape.cfg.pipeline.reward_workers)
+        self.problems_seen = 0
+        self.reshape(shape)
+
+    def reshape(self, shape: Shape) -> None:
+        """A new scale: a fresh scheduler and driver, the ranks told the new config."""
+        from mars_megatron.pipeline.driver import PipelineDriver
+        from mars_megatron.pipeline.scheduler import Limits, Scheduler
+        from mars_megatron.rollout.engine import SamplingParams
+
+        cfg = shape.cfg
+        self.shape = shape
+        arch = arch_of(cfg)
+        prompts = carried_prompts(shape.lengths, arch.vocab_size)
+        scheduler = Scheduler(
+            cfg.agents, Limits.from_config(cfg, self.graph), prompts, self.graph, seed=cfg.train.seed
+        )
+        sampling = SamplingParams(
+            max_tokens=cfg.rollout.max_response_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+        )
+        # The trainer's driver, for its _training_data (no fleet, codec or problem feed: this bench decodes
+        # and admits itself; see rollout()).
+        self.driver = PipelineDriver(
+            scheduler,
+            fleet=None,  # type: ignore[arg-type]
+            trainers=self.trainers,
+            rewards=self.rewards,
+            problems=None,  # type: ignore[arg-type]
+            codec=None,  # type: ignore[arg-type]
+            sampling=sampling,
+            max_batch=cfg.rollout.max_batch,
+            shared_reward=cfg.algorithm.reward == "shared",
+            filter_zero_variance=cfg.algorithm.filter_zero_variance,
+        )
+        self.engine = SimulatedEngine(scheduler.samples, shape, arch, cfg.train.seed)
+        self.group.call("configure", cfg)
+
+    def close(self) -> None:
+        self.rewards.close()
+        self.group.shutdown()
+
+
+def dispatch(trainers: Any, batches: Mapping[str, list[Any]]) -> list[Any]:
+    """The update's samples to the ranks, as the driver sends them (``PipelineDriver._start_update``):
+    ``TrainerGroup.submit``. Today that is one ``ray.put`` of the whole batch that every rank reads; the
+    ranks measure what reaches them, so a submit that shards needs no change here."""
+    return trainers.submit(batches)
+
+
+def add_problems(bench: Bench, count: int) -> None:
+    from mars_megatron.evaluation.data import Problem
+
+    start = bench.problems_seen
+    bench.driver.s.add_problems(
+        Problem(f"p{i}", f"problem {i}", REFERENCE, i + 1) for i in range(start, start + count)
+    )
+    bench.problems_seen += count
+
+
+def rollout(bench: Bench, clock: PhaseClock) -> None:
+    """Decode and score until the update is due, as ``PipelineDriver`` does: segments for each of
+    ``pipeline.rollout_workers`` engines (``rollout.max_batch`` each), their outputs recorded, the finished
+    ones scored by the reward pool and put back on the scheduler."""
+    from mars_megatron.pipeline.agents import record_outputs, segment_request
+
+    d, s = bench.driver, bench.driver.s
+    while True:
+        with clock.phase("schedule"):
+            if s.update_ready():
+                return
+            calls = [s.take_segments(d.max_batch) for _ in range(bench.shape.cfg.pipeline.rollout_workers)]
+            calls = [jobs for jobs in calls if jobs]
+        if not calls:
+            raise RuntimeError(f"the schedule stalled: {s.stats()}")
+        finished: list[str] = []
+        for jobs in calls:
+            with clock.phase("rollout I/O"):
+                wire = pickle.dumps(([segment_request(j, d.sampling) for j in jobs], s.version), protocol=5)
+            with clock.phase("engine (simulated)"):
+                reply, buffers = bench.engine.serve(wire)
+            with clock.phase("rollout I/O"):
+                outputs, version = pickle.loads(reply, buffers=buffers)
+            with clock.phase("record"):
+                finished.extend(record_outputs(s, jobs, outputs, decode, version))
+        with clock.phase("rewards"):
+            score(bench, finished)
+
+
+def score(bench: Bench, finished: Sequence[str]) -> None:
+    """The finished outputs' rewards, from a real reward actor, onto the records (``_on_reward``)."""
+    import ray
+
+    from mars_megatron.pipeline.agents import ScoreRequest
+
+    if not finished:
+        return
+    s = bench.driver.s
+    requests = [ScoreRequest.of(s, sid) for sid in finished]
+    for sid, reward, verdict in ray.get(bench.rewards.score(0, requests)):
+        s.on_scored(sid, reward, verdict)
+
+
+def run_step(bench: Bench, step: int, problems: int) -> StepFigures:
+    """One update: rollouts of ``problems`` problems, advantages, the dispatch to every rank and their
+    packs; then the driver's bookkeeping of a finished update."""
+    from mars_megatron.pipeline.agents import batch_metrics
+
+    clock = PhaseClock()
+    add_problems(bench, problems)
+    gc.collect()
+    start = time.perf_counter()
+    rollout(bench, clock)
+    s = bench.driver.s
+    with clock.phase("schedule"):
+        batch = s.take_batch()
+        assert batch is not None
+    with clock.phase("advantages"):
+        batches, stats = bench.driver._training_data(batch, step)
+    with clock.phase("measure (not the driver's)"):
+        total = serialized_bytes(dict(batches))
+        bench.group.call("mark")
+    submitted = time.time()
+    with clock.phase("dispatch"):
+        handles = dispatch(bench.trainers, batches)
+    with clock.phase("wait"):
+        results = bench.group.wait(handles)
+    with clock.phase("schedule"):
+        s.on_trained()
+        s.release(batch)
+        s.check()
+        batch_metrics(batch, bench.graph)
+    wall = time.perf_counter() - start - clock.wall["measure (not the driver's)"]
+    return StepFigures(
+        scale=bench.shape.scale,
+        samples=int(stats["samples/trained"]),
+        tokens=int(stats["tokens"]),
+        total_bytes=total,
+        wall=wall,
+        clock=clock,
+        ranks=sorted((rank_figures(r, submitted) for r in results), key=lambda r: r.rank),
+        driver_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+
+
+# ------------------------------------------------------------------------------------------ the figures
+@dataclass(frozen=True)
+class Figure:
+    """A printed figure: its name, how to read it off a step, and its kind, which says how it scales.
+    ``cpu``, ``bytes``: grow with samples and tokens (fitted, extrapolated); ``ratio``: the same at every
+    scale (averaged); ``wall``, ``sim``: measured only (wall time on 2 shared cores says nothing about
+    paper hardware; the engine is simulated); ``count``: tokens and samples."""
+
+    name: str
+    kind: str
+    read: Any
+
+
+def _rank_max(attr: str) -> Any:
+    return lambda step: max(getattr(r, attr) for r in step.ranks)
+
+
+FIGURES = [
+    *(Figure(f"driver CPU s: {p}", "cpu", lambda step, p=p: step.clock.cpu[p]) for p in DRIVER_PHASES),
+    Figure("driver CPU s: total", "cpu", lambda step: step.clock.driver_cpu()),
+    Figure("driver wall s: step", "wall", lambda step: step.wall),
+    Figure("engine CPU s (simulated)", "sim", lambda step: step.clock.cpu["engine (simulated)"]),
+    Figure("bytes: total (batch)", "bytes", lambda step: step.total_bytes),
+    Figure("bytes: total / DP", "bytes", lambda step: step.total_bytes / step.dp),
+    Figure("bytes: received / rank (max)", "bytes", _rank_max("received_bytes")),
+    Figure("bytes: share / rank (max)", "bytes", _rank_max("share_bytes")),
+    Figure("received / (total/DP) (max)", "ratio", lambda step: max(step.over_fair(r) for r in step.ranks)),
+    Figure("received / share (max)", "ratio", _rank_max("received_over_share")),
+    Figure("rank CPU s: receive (max)", "cpu", _rank_max("receive_cpu")),
+    Figure("rank CPU s: routing check (max)", "cpu", _rank_max("check_cpu")),
+    Figure("rank CPU s: plan + packs (max)", "cpu", _rank_max("pack_cpu")),
+    Figure("rank CPU s: total (max)", "cpu", _rank_max("cpu")),
+    Figure("rank wall s: submit to train (max)", "wall", _rank_max("receive_wall")),
+    Figure("tokens", "count", lambda step: step.tokens),
+    Figure("samples", "count", lambda step: step.samples),
+]
+
+
+def median_figures(steps: Sequence[StepFigures]) -> dict[str, float]:
+    """Each figure's median over the steps of one scale."""
+    return {f.name: statistics.median(float(f.read(s)) for s in steps) for f in FIGURES}
+
+
+@dataclass(frozen=True)
+class Line:
+    """``figure = a + b * tokens``, fitted through the measured scales: ``a`` is what does not shrink with
+    the tokens (per sample: the schedule, the records' fields), ``b`` the cost of a token. ``b`` is never
+    negative (no cost falls as the tokens grow: a negative slope is noise, and the figure is then its
+    mean)."""
+
+    a: float
+    b: float
+
+    @classmethod
+    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> Line:
+        if len(set(xs)) < 2:
+            return cls(0.0, statistics.fmean(ys) / statistics.fmean(xs))  # all of it per token: a bound
+        slope, intercept = statistics.linear_regression(xs, ys)
+        if slope < 0:
+            return cls(statistics.fmean(ys), 0.0)
+        return cls(intercept, slope)
+
+    def at(self, x: float) -> float:
+        return self.a + self.b * x
+
+
+@dataclass(frozen=True)
+class Extrapolation:
+    """Every figure as ``samples x per_sample + tokens x per_token``, and its value at the paper's
+    tokens."""
+
+    tokens: float
+    """A paper step's tokens: the measured tokens' line through the scales (proportional to them), at
+    scale 1."""
+    paper: dict[str, float]
+    per_sample: dict[str, float]
+    per_token: dict[str, float]
+
+
+def extrapolate(points: Mapping[Fraction, Mapping[str, float]]) -> Extrapolation:
+    """The paper-scale figures from the measured scales: a :class:`Line` per figure against the measured
+    tokens, at a paper step's tokens. Ratios are averaged; wall times and the simulated engine are not
+    extrapolated."""
+    tokens = [p["tokens"] for p in points.values()]
+    samples = statistics.fmean(p["samples"] for p in points.values())
+    paper_tokens = Line.fit([float(s) for s in points], tokens).at(1.0)
+    paper, per_sample, per_token = {"tokens": paper_tokens, "samples": samples}, {}, {}
+    for f in FIGURES:
+        ys = [p[f.name] for p in points.values()]
+        if f.kind == "ratio":
+            paper[f.name] = statistics.fmean(ys)
+        elif f.kind in ("cpu", "bytes"):
+            line = Line.fit(tokens, ys)
+            paper[f.name] = line.at(paper_tokens)
+            per_sample[f.name] = line.a / samples
+            per_token[f.name] = line.b
+    return Extrapolation(paper_tokens, paper, per_sample, per_token)
+
+
+def fmt(kind: str, value: float | None, unit: str = "") -> str:
+    """A figure for the table: seconds, bytes (B/KiB/MiB/GiB), ratios, counts."""
+    if value is None:
+        return "-"
+    if kind in ("cpu", "wall", "sim"):
+        if unit == "per token":
+            return f"{value * 1e9:,.0f} ns"
+        if unit == "per sample":
+            return f"{value * 1e6:,.1f} us"
+        return f"{value:,.3f}"
+    if kind == "bytes":
+        for size, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if abs(value) >= size:
+                return f"{value / size:,.1f} {name}"
+        return f"{value:,.1f} B"
+    if kind == "ratio":
+        return f"{value:.2f}x"
+    return f"{value:,.0f}"
+
+
+def goal(name: str, paper: float | None) -> str:
+    limits = {"driver CPU s: total": GOAL_DRIVER_S, "received / (total/DP) (max)": GOAL_BYTES_RATIO}
+    if name not in limits:
+        return ""
+    verdict = "" if paper is None else (": met" if paper <= limits[name] else ": not met")
+    return f"<= {limits[name]:g}{' s' if 'CPU' in name else 'x'}{verdict}"
+
+
+def print_table(points: Mapping[Fraction, Mapping[str, float]], ex: Extrapolation) -> None:
+    """Measured figures at each scale, their per-sample and per-token parts, the paper extrapolation and
+    the goals."""
+    scales = sorted(points)
+    heads = [f"scale {s}" for s in scales] + ["per sample", "per token", "paper (extrap.)"]
+    print(f"\n{'figure':<36}" + "".join(f"{h:>16}" for h in heads) + "  goal")
+    for f in FIGURES:
+        cells = [fmt(f.kind, points[s][f.name]) for s in scales]
+        cells += [
+            fmt(f.kind, ex.per_sample.get(f.name), "per sample"),
+            fmt(f.kind, ex.per_token.get(f.name), "per token"),
+            fmt(f.kind, ex.paper.get(f.name)),
+            goal(f.name, ex.paper.get(f.name)),
+        ]
+        print(f"{f.name:<36}" + "".join(f"{c:>16}" for c in cells[:-1]) + f"  {cells[-1]}")
+
+
+def print_ranks(step: StepFigures) -> None:
+    """Per rank at one scale: what it received against total/DP and against its own packs, and its CPU."""
+    print(
+        f"\nper rank at scale {step.scale} (one step): total {step.total_bytes / 2**20:,.1f} MiB, "
+        f"total/DP {step.total_bytes / step.dp / 2**20:,.1f} MiB"
+    )
+    print(
+        f"{'rank':>4}{'samples':>9}{'own':>7}{'received MiB':>14}{'share MiB':>11}{'recv/share':>11}"
+        f"{'recv/(tot/DP)':>14}{'receive s':>10}{'check s':>9}{'packs s':>9}{'peak RSS':>10}"
+    )
+    for r in step.ranks:
+        print(
+            f"{r.rank:>4}{r.received_samples:>9}{r.share_samples:>7}{r.received_bytes / 2**20:>14,.1f}"
+            f"{r.share_bytes / 2**20:>11,.1f}{r.received_over_share:>10.2f}x{step.over_fair(r):>13.2f}x"
+            f"{r.receive_cpu:>10.3f}{r.check_cpu:>9.3f}{r.pack_cpu:>9.3f}{r.peak_rss / 2**30:>8.2f}G"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ main
+def ship_by_value() -> None:
+    """Rank actors build the worker class defined here; imported under another name than ``__main__``
+    (a test), this file is no module the actors can import, so Ray sends it by value."""
+    import ray.cloudpickle
+
+    if __name__ != "__main__" and __name__ in sys.modules:
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def measure(
+    scales: Sequence[Fraction],
+    *,
+    ranks: int = 8,
+    steps: int = 1,
+    warmup: int = 1,
+    problems: int | None = None,
+    overrides: Sequence[str] = (),
+    log: Any = print,
+) -> dict[Fraction, list[StepFigures]]:
+    """Every scale's measured steps, on one rank group and reward actor (Ray must be running). A warm-up
+    step of ``warmup`` problems at the first scale comes first, unreported (first calls import and
+    allocate)."""
+    ship_by_value()
+    shapes = [paper_shape(s, overrides) for s in scales]
+    per_step = problems or shapes[0].cfg.data.problems_per_step
+    bench = Bench(ranks, shapes[0])
+    out: dict[Fraction, list[StepFigures]] = {}
+    try:
+        if warmup:
+            run_step(bench, 0, warmup)
+        for shape in shapes:
+            bench.reshape(shape)
+            out[shape.scale] = []
+            for k in range(steps):
+                step = run_step(bench, k + 1, per_step)
+                out[shape.scale].append(step)
+                log(
+                    f"scale {shape.scale} step {k + 1}: {step.samples:,} samples, {step.tokens:,} tokens, "
+                    f"driver {step.clock.driver_cpu():.2f} CPU s, wall {step.wall:.1f} s"
+                )
+    finally:
+        bench.close()
+    return out
+
+
+def parse_scale(text: str) -> Fraction:
+    value = Fraction(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a scale is a fraction in (0, 1], got {text}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--scales",
+        type=lambda t: [parse_scale(x) for x in t.split(",")],
+        default=[Fraction(1, 1024), Fraction(1, 256)],
+        help="token scales, comma-separated fractions of the paper's (default 1/1024,1/256; two or more "
+        "give the paper-scale extrapolation)",
+    )
+    parser.add_argument("--ranks", type=int, default=8, help="trainer ranks, all data-parallel (default 8)")
+    parser.add_argument(
+        "--steps", type=int, default=3, help="measured steps per scale, their medians printed (default 3)"
+    )
+    parser.add_argument(
+        "--problems", type=int, default=None, help="problems per step (default: the config's, 128)"
+    )
+    parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. agents.inputs_per_agent=1")
+    args = parser.parse_args(argv)
+    if args.ranks < 1 or args.steps < 1 or (args.problems is not None and args.problems < 1):
+        parser.error("--ranks, --steps and --problems must be >= 1")
+    return args
+
+
+def report(runs: Mapping[Fraction, Sequence[StepFigures]], problems: int, cfg: Any) -> Extrapolation:
+    """Print the measured figures, the extrapolation and the largest scale's ranks; the extrapolation."""
+    points = {scale: median_figures(steps) for scale, steps in runs.items()}
+    ex = extrapolate(points)
+    a = cfg.agents
+    steps = len(next(iter(runs.values())))
+    print(
+        f"\none MarsRL step (pipeline.mode=sync): {problems} problems x G {a.group_size} x {a.max_steps} "
+        f"positions, {a.inputs_per_agent} inputs per later position; {len(runs[max(runs)][0].ranks)} ranks, "
+        f"all data-parallel; R3 routing uint8 [positions, 48, 8]; median of {steps} step(s) per scale; "
+        f"{len(os.sched_getaffinity(0))} cores"
+    )
+    print_table(points, ex)
+    how = (
+        "the least-squares line a + b * tokens through the measured scales"
+        if len(points) > 1
+        else "the one measured scale, all of it counted per token (an upper bound)"
+    )
+    print(
+        f"per sample = a / samples, per token = b; paper (extrap.) = {how}, at a paper step's "
+        f"{ex.tokens / 1e6:,.0f}M tokens (the tokens' own line through the scales, at scale 1). "
+        "Extrapolated, not measured: a paper step does not fit this machine."
+    )
+    print_ranks(runs[max(runs)][-1])
+    print(f"driver peak RSS {max(s.driver_peak_rss for r in runs.values() for s in r) / 2**30:.2f} GiB")
+    return ex
+
+
+def main() -> None:
+    import ray
+
+    args = parse_args()
+    ray.init(num_cpus=args.ranks + 2, include_dashboard=False, log_to_driver=False)
+    try:
+        runs = measure(
+            args.scales, ranks=args.ranks, steps=args.steps, problems=args.problems, overrides=args.overrides
+        )
+    finally:
+        ray.shutdown()
+    cfg = paper_shape(max(runs), args.overrides).cfg
+    report(runs, args.problems or cfg.data.problems_per_step, cfg)
+
+
+if __name__ == "__main__":
+    main()
