@@ -7,14 +7,15 @@ simulated:
 * **real**: the :class:`~mars_megatron.pipeline.scheduler.Scheduler` built as the trainer builds it from
   ``examples/qwen3_30b_a3b.yaml`` (128 problems per step, G = 8, 5 positions, 2 inputs per later
   position, segments of 16k), in ``pipeline.mode=sync`` so that one step trains every output of its 128
-  problems; the driver's segment requests (``segment_request``), ``record_outputs``, ``ScoreRequest``s
+  problems; the driver's segment requests (``segment_request``), ``record_outputs``, ``score_request``s
   scored by a real :class:`~mars_megatron.pipeline.facades.RewardPool` actor (math-verify and the
   verdict reader), ``on_scored``; the driver's ``_training_data`` (``assign_advantages``,
-  ``balance_roles``, ``TrainerGroup.split``); the dispatch ``TrainerGroup.submit`` on a real
+  ``balance_roles``, ``TrainerGroup.split``); the dispatch ``TrainerGroup.submit`` (the batch cut into
+  data-parallel shares, each mini-batch planned once: ``rl/shares.py``) on a real
   :class:`~mars_megatron.training.ray_group.RayWorkerGroup` of 8 rank actors (gloo world, one torch rank
-  each); on every rank ``PolicyWorker.train`` and ``PolicyWorker._pack`` (``check_sample_routing``,
-  ``split_groups``) with ``MegatronEngine.plan`` (``plan_packs``, dp 8, ``pad_ranks``) and
-  ``MegatronEngine.rank_packs`` (``build_plan_pack``, ``pack_routing``) bound to a model-less engine.
+  each); on every rank ``PolicyWorker.train`` and ``PolicyWorker._pack`` with ``check_sample_routing``
+  and ``MegatronEngine.pack_micro_batches`` (``build_pack``, ``pack_routing``) bound to a model-less
+  engine.
 * **simulated**: decoding. A stand-in engine writes each segment: response lengths log-normal around 16k
   tokens (sigma 0.6, capped at 64k: seeded per sample as pipeline/simulate.py draws them), random token ids
   of Qwen3's vocabulary, log-probs, and the R3 routing of every position the call fed ([positions, 48
@@ -235,7 +236,7 @@ class SimulatedEngine:
 
     def _says_yes(self, q: Any) -> bool:
         """A solution's answer is right, or a report accepts: right with the role's accuracy."""
-        from mars_megatron.rl.rollout import derive_seed
+        from mars_megatron.seeds import derive_seed
 
         right = random.Random(derive_seed(self.seed, q.sample_id, "reward")).random() < ACCURACY[q.role]
         if q.judged_right is None or q.role != "verifier":
@@ -261,20 +262,21 @@ def serialized_bytes(obj: Any) -> int:
 def packing_rank_class() -> type:
     """:class:`~mars_megatron.rl.worker.PolicyWorker` without its model: the real ``train`` and ``_pack``,
     with a ``_train_policy`` that stops where the first forward would start, on a model-less engine whose
-    ``plan`` and ``rank_packs`` are ``MegatronEngine``'s own. Built in a function so that importing this
-    file (``--help``) needs no torch."""
+    ``pack_spec`` and ``pack_micro_batches`` are ``MegatronEngine``'s own. Built in a function so that
+    importing this file (``--help``) needs no torch."""
     import torch.distributed as dist
 
     from mars_megatron.rl.worker import PolicyWorker, _Policy, check_sample_routing
     from mars_megatron.training.engine import MegatronEngine
 
     class PackingEngine:
-        """What ``MegatronEngine.plan`` and ``MegatronEngine.rank_packs`` read (the data-parallel layout
-        and the architecture), with those methods themselves: a rank packs with the engine's own code,
-        whatever it becomes."""
+        """What ``MegatronEngine.pack_spec`` and ``MegatronEngine.pack_micro_batches`` read (the
+        data-parallel layout and the architecture), with those methods themselves: a rank packs with the
+        engine's own code, whatever it becomes."""
 
+        pack_spec = MegatronEngine.pack_spec
         plan = MegatronEngine.plan
-        rank_packs = MegatronEngine.rank_packs
+        pack_micro_batches = MegatronEngine.pack_micro_batches
         _seq_multiple = MegatronEngine._seq_multiple
         _sample_multiple = MegatronEngine._sample_multiple
 
@@ -298,12 +300,22 @@ def packing_rank_class() -> type:
             engine = PackingEngine(cfg, arch_of(cfg), dist.get_world_size(), dist.get_rank())
             self.policies = {name: _Policy(engine, None, None) for name in self.names}  # type: ignore[arg-type]
 
+        def rank_info(self) -> dict[str, Any]:
+            """As a trainer rank answers it (no Megatron here: the world is data-parallel only)."""
+            rank = dist.get_rank()
+            return {
+                "backend": str(dist.get_backend()),
+                "rank": rank,
+                "dp_rank": rank,
+                "writer": int(rank == 0),
+            }
+
         def mark(self) -> None:
             """Called just before a dispatch: the rank's CPU from here to ``train`` is receiving it."""
             gc.collect()
             self._marked = time.process_time()
 
-        def train(self, batches: Mapping[str, Sequence[Any]]) -> dict[str, float]:
+        def train(self, batches: Mapping[str, Any]) -> dict[str, float]:
             receive_cpu, arrived = time.process_time() - self._marked, time.time()
             metrics = super().train(batches)
             totals: dict[str, float] = defaultdict(float)
@@ -313,32 +325,31 @@ def packing_rank_class() -> type:
                 receive_cpu=receive_cpu,
                 arrived=arrived,
                 received_bytes=serialized_bytes(dict(batches)),
-                received_samples=sum(len(b) for b in batches.values()),
-                received_tokens=sum(len(s.prompt_ids) + s.response_len for b in batches.values() for s in b),
+                received_samples=sum(len(share.own()) for share in batches.values()),
+                received_tokens=sum(
+                    len(s.prompt_ids) + s.response_len for share in batches.values() for s in share.own()
+                ),
                 peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 rank=dist.get_rank(),
             )
             return dict(totals)
 
-        def _train_policy(self, policy: Any, samples: Sequence[Any]) -> dict[str, float]:
-            """What ``PolicyWorker._train_policy`` does before the model: R3's routing check, then the packs
-            (``_pack``: split_groups, the engine's plan and this rank's packs)."""
+        def _train_policy(self, policy: Any, share: Any) -> dict[str, float]:
+            """What ``PolicyWorker._train_policy`` does before the model: R3's routing check, then this
+            rank's packs (``_pack``: the micro-batches of its share's packs)."""
             start = time.process_time()
             if self.cfg.moe.routing_replay == "R3":
-                check_sample_routing(samples, policy.engine.arch)
+                check_sample_routing(share.own(), policy.engine.arch)
             checked = time.process_time()
-            packed = self._pack(policy.engine, samples)
+            updates = self._pack(policy.engine, share)
             packs_cpu = time.process_time() - checked
             own = [
-                mini[i]
-                for mini, plan, _ in packed
-                for k in plan.rank_packs[policy.engine.dp_rank]
-                for i in plan.packs[k]
+                u.share[i] for u in updates for mb in u.micro_batches if mb.pack for i in mb.pack.sample_ids
             ]
             return {
                 "check_cpu": checked - start,
                 "pack_cpu": packs_cpu,
-                "packs": float(sum(len(mbs) for _, _, mbs in packed)),
+                "packs": float(sum(len(u.micro_batches) for u in updates)),
                 "share_bytes": float(serialized_bytes(own)),
                 "share_samples": float(len(own)),
                 "share_tokens": float(sum(len(s.prompt_ids) + s.response_len for s in own)),
@@ -441,7 +452,7 @@ class Bench:
 
     def __init__(self, ranks: int, shape: Shape) -> None:
         from mars_megatron.agents.graph_file import graph_for
-        from mars_megatron.pipeline.facades import RewardPool, TrainerGroup
+        from mars_megatron.pipeline.facades import RewardPool, TrainerGroup, TrainerRanks
         from mars_megatron.rl.policies import policy_names
         from mars_megatron.training.ray_group import RayWorkerGroup
 
@@ -450,7 +461,9 @@ class Bench:
         self.group = RayWorkerGroup(
             packing_rank_class(), ranks, shape.cfg, names, num_cpus_per_rank=1, threads_per_rank=1
         )
-        self.trainers = TrainerGroup(self.group, None, names, 0, self.graph)  # type: ignore[arg-type]  # no engines to push to
+        ranks_ = TrainerRanks.ask(self.group)
+        # no engines to push to
+        self.trainers = TrainerGroup(self.group, None, names, self.graph, shape.cfg.train, ranks_)  # type: ignore[arg-type]
         self.rewards = RewardPool(shape.cfg.pipeline.reward_workers)
         self.problems_seen = 0
         self.reshape(shape)
@@ -490,6 +503,7 @@ class Bench:
         )
         self.engine = SimulatedEngine(scheduler.samples, shape, arch, cfg.train.seed)
         self.group.call("configure", cfg)
+        self.trainers.train = cfg.train  # this scale's pack length
 
     def close(self) -> None:
         self.rewards.close()
@@ -498,8 +512,8 @@ class Bench:
 
 def dispatch(trainers: Any, batches: Mapping[str, list[Any]]) -> list[Any]:
     """The update's samples to the ranks, as the driver sends them (``PipelineDriver._start_update``):
-    ``TrainerGroup.submit``. Today that is one ``ray.put`` of the whole batch that every rank reads; the
-    ranks measure what reaches them, so a submit that shards needs no change here."""
+    ``TrainerGroup.submit``: each data-parallel rank's share, one ``ray.put`` each (before issue 32, one
+    ``ray.put`` of the whole batch that every rank read); the ranks measure what reaches them."""
     return trainers.submit(batches)
 
 
@@ -507,7 +521,7 @@ def add_problems(bench: Bench, count: int) -> None:
     from mars_megatron.evaluation.data import Problem
 
     start = bench.problems_seen
-    bench.driver.s.add_problems(
+    bench.driver.scheduler.add_problems(
         Problem(f"p{i}", f"problem {i}", REFERENCE, i + 1) for i in range(start, start + count)
     )
     bench.problems_seen += count
@@ -519,7 +533,7 @@ def rollout(bench: Bench, clock: PhaseClock) -> None:
     ones scored by the reward pool and put back on the scheduler."""
     from mars_megatron.pipeline.agents import record_outputs, segment_request
 
-    d, s = bench.driver, bench.driver.s
+    d, s = bench.driver, bench.driver.scheduler
     while True:
         with clock.phase("schedule"):
             if s.update_ready():
@@ -546,12 +560,12 @@ def score(bench: Bench, finished: Sequence[str]) -> None:
     """The finished outputs' rewards, from a real reward actor, onto the records (``_on_reward``)."""
     import ray
 
-    from mars_megatron.pipeline.agents import ScoreRequest
+    from mars_megatron.pipeline.agents import score_request
 
     if not finished:
         return
-    s = bench.driver.s
-    requests = [ScoreRequest.of(s, sid) for sid in finished]
+    s = bench.driver.scheduler
+    requests = [score_request(s, sid) for sid in finished]
     for sid, reward, verdict in ray.get(bench.rewards.score(0, requests)):
         s.on_scored(sid, reward, verdict)
 
@@ -566,7 +580,7 @@ def run_step(bench: Bench, step: int, problems: int) -> StepFigures:
     gc.collect()
     start = time.perf_counter()
     rollout(bench, clock)
-    s = bench.driver.s
+    s = bench.driver.scheduler
     with clock.phase("schedule"):
         batch = s.take_batch()
         assert batch is not None
