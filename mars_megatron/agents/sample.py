@@ -194,7 +194,7 @@ class Sample:
             raise ValueError(f"{self.sample_id}: {len(token_ids)} tokens but {len(logprobs)} log-probs")
         if not token_ids:
             return
-        if any(lp != lp for lp in logprobs):  # NaN (min() below would keep it)
+        if math.isnan(sum(logprobs)):  # a NaN (min() below would keep it); the sum runs in C, not per token
             raise ValueError(f"{self.sample_id}: the engine returned a NaN log-prob (behaviour_logprobs)")
         self._check_routing(routed_experts, len(self.response_ids) + len(token_ids))
         if routed_experts is not None:
