@@ -117,11 +117,13 @@ def is_mcore_checkpoint(path: str | Path) -> bool:
 
 
 def save_mcore(model: torch.nn.Module, directory: Path) -> None:
-    from megatron.core import dist_checkpointing
+    """Save ``model``'s weights as a ``torch_dist`` dist checkpoint in ``directory`` (collective), written
+    and hashed in this process (:mod:`mars_megatron.checkpoint.dist_save`)."""
+    from mars_megatron.checkpoint import dist_save
 
     directory.mkdir(exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(getattr(model, "module", model).sharded_state_dict(), str(directory))
+    dist_save.save(getattr(model, "module", model).sharded_state_dict(), directory)
 
 
 def preflight(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:

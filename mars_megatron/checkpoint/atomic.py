@@ -25,6 +25,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: Path) -> None:
+    """Make the content of the file ``path`` durable (whoever wrote it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` so that readers see the old or the new content, never a part."""
     fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".partial", dir=path.parent)
