@@ -44,16 +44,20 @@ def save_both_ways(hf: str, root: str, layout: tuple[int, int, int]) -> dict[str
     rank_files = sorted(ours.glob(f"__{dist.get_rank()}_*.distcp"))
     recorded = {p.name: manifest._take_written(p) for p in rank_files}
     actual = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in rank_files}
-    loads = {}
+    loads, in_place = {}, {}
     for directory in (ours, theirs):
         fresh = build_model(arch, pc)
         with torch.no_grad():
             for p in fresh.parameters():
                 p.zero_()
-        fresh.load_state_dict(dist_load.load(fresh.sharded_state_dict(), directory))
+        state = dist_load.load(fresh.sharded_state_dict(), directory)
+        params = dict(fresh.named_parameters())
+        fc1 = [k for k in state if k.endswith("linear_fc1.weight")]
+        in_place[directory.name] = bool(fc1) and all(state[k] is params[k] for k in fc1)
+        fresh.load_state_dict(state)
         pairs = zip(model.parameters(), fresh.parameters(), strict=True)
         loads[directory.name] = all(torch.equal(a, b) for a, b in pairs)
-    return {"recorded": recorded, "actual": actual, "loads": loads}
+    return {"recorded": recorded, "actual": actual, "loads": loads, "in_place": in_place}
 
 
 def _sha256(path: Path) -> str:

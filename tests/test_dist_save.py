@@ -68,6 +68,13 @@ def test_each_checkpoint_loads_back_bit_exactly(saved: dict[str, Any]) -> None:
         assert rank["loads"] == {"mars": True, "megatron": True}
 
 
+def test_swiglu_halves_load_into_the_parameter_itself(saved: dict[str, Any]) -> None:
+    """Each ``linear_fc1`` is read in place as its two halves, and the merge returns the parameter rather
+    than a concatenated copy (``dist_load._merge_swiglu_halves_in_place``)."""
+    for rank in saved["ranks"]:
+        assert rank["in_place"] == {"mars": True, "megatron": True}
+
+
 def test_digests_recorded_while_writing_are_the_files(saved: dict[str, Any]) -> None:
     for rank in saved["ranks"]:
         assert rank["recorded"] and rank["recorded"] == rank["actual"]
