@@ -12,7 +12,8 @@ A policy folder of a ``mars train`` checkpoint is one too: its weights sit besid
 policy starts another run, is evaluated or is exported to HF like any converted checkpoint.
 
 Both directions write into a temporary sibling directory and rename it into place only after every
-rank has finished, so an interrupted or failed conversion never leaves a half-written output.
+rank has finished and every file is synced to disk, so an interrupted or failed conversion (or a power
+cut) never leaves a half-written output.
 
 Reading one checks it against its manifest first (:func:`read_meta`; the data shards' digests when the
 weights load, split between the ranks) and unpickles nothing but plain data
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from mars_megatron.checkpoint.atomic import fsync_dir, fsync_tree
 from mars_megatron.checkpoint.errors import CheckpointError
 from mars_megatron.checkpoint.model_meta import META, copy_assets, read_meta, write_meta
 from mars_megatron.config import ParallelConfig
@@ -81,7 +83,7 @@ def _staging_dir(out: Path) -> Path:
 
 def _finish(tmp: Path, out: Path, ok: bool, manifest: bool) -> None:
     """Every rank reports success; on unanimous success the ranks hash the files for the manifest and
-    rank 0 renames, else rank 0 removes the staging dir."""
+    rank 0 syncs the staged files to disk and renames, else rank 0 removes the staging dir."""
     from mars_megatron.checkpoint.manifest import write_collective
 
     flags = [None] * dist.get_world_size()
@@ -91,7 +93,9 @@ def _finish(tmp: Path, out: Path, ok: bool, manifest: bool) -> None:
         write_collective(tmp)
     if dist.get_rank() == 0:
         if all(flags):
+            fsync_tree(tmp)  # what every rank wrote is on disk before the name appears
             tmp.rename(out)
+            fsync_dir(out.parent)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
@@ -117,11 +121,13 @@ def is_mcore_checkpoint(path: str | Path) -> bool:
 
 
 def save_mcore(model: torch.nn.Module, directory: Path) -> None:
-    from megatron.core import dist_checkpointing
+    """Save ``model``'s weights as a ``torch_dist`` dist checkpoint in ``directory`` (collective), written
+    and hashed in this process (:mod:`mars_megatron.checkpoint.dist_save`)."""
+    from mars_megatron.checkpoint import dist_save
 
     directory.mkdir(exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(getattr(model, "module", model).sharded_state_dict(), str(directory))
+    dist_save.save(getattr(model, "module", model).sharded_state_dict(), directory)
 
 
 def preflight(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:

@@ -20,7 +20,10 @@ with :func:`load` / :func:`load_content_metadata` instead of ``dist_checkpointin
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import io
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from mars_megatron.checkpoint.errors import CheckpointError
 from mars_megatron.checkpoint.safe_load import TORCH_LOAD_ERRORS, load_plain, refusal_reason
+from mars_megatron.checkpoint.tensor_record import read_into
 
 __all__ = ["MetadataUnpickler", "load", "load_content_metadata", "read_metadata"]
 
@@ -145,8 +149,9 @@ def read_metadata(checkpoint_dir: str | Path) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """torch's reader, with ``.metadata`` read by :func:`read_metadata` (once: megatron asks again) and
-    read failures named by the checkpoint directory."""
+    """torch's reader, with ``.metadata`` read by :func:`read_metadata` (once: megatron asks again), plain
+    tensor records read straight into their destination (:mod:`~mars_megatron.checkpoint.tensor_record`)
+    and read failures named by the checkpoint directory."""
 
     def __init__(self, path: str | Path, metadata: Metadata | None = None) -> None:
         super().__init__(path)
@@ -165,13 +170,44 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         try:
-            return super().read_data(plan, planner)
+            rest = self._read_plain_records(plan, planner)
+            return super().read_data(dataclasses.replace(plan, items=rest), planner)
         except CheckpointError:
             raise
         except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
             raise CheckpointError(
                 f"{self.directory}: a data shard is unreadable or cut short ({type(e).__name__}: {e})"
             ) from None
+
+    def _read_plain_records(self, plan: Any, planner: Any) -> list[Any]:
+        """Read every tensor item whose record is a plain ``torch.save`` of the whole destination tensor
+        straight into it (:mod:`~mars_megatron.checkpoint.tensor_record`); the items left to torch's
+        reader are returned."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        rest, per_file = [], {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            whole = not any(item.storage_offsets) and not info.transform_descriptors
+            if item.type == LoadItemType.TENSOR and whole:
+                per_file.setdefault(info.relative_path, []).append(item)
+            else:
+                rest.append(item)
+        for name, items in per_file.items():
+            fd = os.open(self.directory / name, os.O_RDONLY)
+            try:
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    info = self.storage_data[item.storage_index]
+                    target = planner.resolve_tensor(item).detach()
+                    if tuple(item.lengths) == tuple(target.shape) and read_into(
+                        fd, info.offset, info.length, target
+                    ):
+                        planner.commit_tensor(item, target)
+                    else:
+                        rest.append(item)
+            finally:
+                os.close(fd)
+        return rest
 
 
 class SafeLoadPlanner(MCoreLoadPlanner):
@@ -275,6 +311,7 @@ def load(sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
     from torch.distributed.checkpoint import CheckpointException
 
     metadata = read_metadata(checkpoint_dir)
+    _merge_swiglu_halves_in_place(sharded_state_dict)
     try:
         return dist_checkpointing.load(
             sharded_state_dict,
@@ -287,6 +324,46 @@ def load(sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         if ours:
             raise ours[0] from None
         raise
+
+
+SWIGLU_MERGE = "apply_swiglu_sharded_factory.<locals>.sh_ten_merge_fn"
+"""megatron's merge of a SwiGLU ``linear_fc1`` loaded as its two halves: ``torch.cat`` along dim 0."""
+
+
+def _merge_swiglu_halves_in_place(sharded_state_dict: Any) -> None:
+    """megatron loads each SwiGLU ``linear_fc1`` as its gate and up halves, views of the parameter (so
+    they are read in place), then ``torch.cat``s them into a new tensor that ``load_state_dict`` copies
+    back: two copies of nearly two thirds of an MoE model. When the halves are the parameter's two halves
+    in order, their concatenation is the parameter itself, returned as is (and copying a tensor onto
+    itself is free); anything else is concatenated as before."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    for value in nested_values(sharded_state_dict):
+        if isinstance(value, ShardedTensorFactory) and value.merge_fn.__qualname__ == SWIGLU_MERGE:
+            value.merge_fn = functools.partial(_whole_or_merge, value.data, value.merge_fn)
+
+
+def _whole_or_merge(whole: torch.Tensor, merge: Any, parts: list[torch.Tensor]) -> torch.Tensor:
+    if _tile_dim0(whole, parts):
+        return whole
+    return merge(parts)
+
+
+def _tile_dim0(whole: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+    """Whether ``parts`` are consecutive contiguous pieces of ``whole``'s memory along dim 0, covering it:
+    then ``torch.cat(parts)`` equals ``whole``."""
+    if not parts or not whole.is_contiguous() or whole.dim() == 0:
+        return False
+    at = whole.data_ptr()
+    for part in parts:
+        same_kind = part.dtype == whole.dtype and part.device == whole.device and part.dim() == whole.dim()
+        if not same_kind or not part.is_contiguous() or part.shape[1:] != whole.shape[1:]:
+            return False
+        if part.data_ptr() != at:
+            return False
+        at += part.nbytes
+    return at == whole.data_ptr() + whole.nbytes
 
 
 def load_content_metadata(checkpoint_dir: str | Path) -> dict[str, Any] | None:

@@ -15,9 +15,10 @@ Checking costs one read of the checkpoint. The dist-checkpoint data shards (``*.
 the bytes) are hashed by the ranks that load them, each rank a share (:func:`verify_collective`); every
 other file (metadata, JSON, RNG and schedule states: what is parsed) is hashed before anything starts
 (:func:`verify_manifest`). ``MARS_CHECKPOINT_VERIFY=sizes`` skips the shards' digests (sizes are always
-checked), for storage whose integrity is trusted. The manifest guards against accidents, not an attacker
-who can also rewrite it: what makes loading safe is that no file is unpickled beyond plain data
-(``dist_load.py``, ``safe_load.py``).
+checked), for storage whose integrity is trusted. Writing one reads back only the files whose digests
+were not computed as they were written (:func:`record_written`: the data shards of a conversion's
+``dist_save``). The manifest guards against accidents, not an attacker who can also rewrite it: what
+makes loading safe is that no file is unpickled beyond plain data (``dist_load.py``, ``safe_load.py``).
 
 Sealing an existing directory (a checkpoint from before manifests existed, after deciding to trust it)::
 
@@ -42,6 +43,7 @@ from mars_megatron.json_file import read_json
 __all__ = [
     "MANIFEST",
     "list_files",
+    "record_written",
     "seal_command",
     "verify_collective",
     "verify_manifest",
@@ -97,6 +99,40 @@ def _entry(path: Path) -> Entry:
     return {"size": size, "sha256": digest}
 
 
+_written: dict[tuple[int, int], tuple[tuple[int, ...], Entry]] = {}
+"""Digests of files this process wrote, computed from the bytes as they were written, by (device, inode),
+with the stamp the file had once closed."""
+
+
+def _stamp_of(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def record_written(path: str | Path, entry: Entry) -> None:
+    """Remember ``entry`` (size and SHA-256) of the file ``path`` this process has just written, closed
+    and fsynced, hashed from the bytes as they were written: the manifest written next takes it instead
+    of reading the file back, as long as the file's size and times are unchanged. (Checking a manifest
+    always reads the files.)"""
+    st = os.stat(path)
+    if st.st_size != entry["size"]:
+        raise ValueError(f"{path}: {st.st_size} bytes on disk, {entry['size']} hashed as written")
+    _written[(st.st_dev, st.st_ino)] = (_stamp_of(st), dict(entry))
+
+
+def _take_written(path: Path) -> Entry | None:
+    """The recorded entry of ``path``, if any and if the file is unchanged since (forgotten either way)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    stamp, entry = _written.pop((st.st_dev, st.st_ino), (None, None))
+    return entry if stamp == _stamp_of(st) else None
+
+
+def _known_entries(root: Path, names: Iterable[str]) -> dict[str, Entry]:
+    return {n: e for n in names if (e := _take_written(root / n)) is not None}
+
+
 def digest_files(directory: str | Path, names: Iterable[str]) -> dict[str, Entry]:
     """Size and SHA-256 of each named file; threads, since hashing releases the GIL and storage is
     usually faster with several reads in flight."""
@@ -112,7 +148,9 @@ def write_manifest(directory: str | Path, entries: dict[str, Entry] | None = Non
     default: hash every file now). Call it last, when no other file will change."""
     root = Path(directory)
     if entries is None:
-        entries = digest_files(root, list_files(root))
+        names = list_files(root)
+        entries = _known_entries(root, names)
+        entries |= digest_files(root, [n for n in names if n not in entries])
     record = {"format": FORMAT, "files": dict(sorted(entries.items()))}
     path = root / MANIFEST
     write_text_atomic(path, json.dumps(record, indent=1) + "\n")
@@ -121,7 +159,8 @@ def write_manifest(directory: str | Path, entries: dict[str, Entry] | None = Non
 
 def write_collective(directory: str | Path) -> None:
     """:func:`write_manifest` over every rank of the default process group (collective): rank 0 lists the
-    files, each rank hashes a share, rank 0 writes. Call after a barrier that follows the last write."""
+    files, each rank hashes a share of those no rank hashed as it wrote them (:func:`record_written`),
+    rank 0 writes. Call after a barrier that follows the last write."""
     import torch.distributed as dist
 
     root = Path(directory)
@@ -129,9 +168,13 @@ def write_collective(directory: str | Path) -> None:
     holder: list[Any] = [list_files(root) if rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     names: list[str] = holder[0]
-    mine = digest_files(root, names[rank::world])
+    known: list[Any] = [None] * world  # what each rank hashed as it wrote
+    dist.all_gather_object(known, _known_entries(root, names))
+    done = {k: v for share in known for k, v in share.items()}
+    rest = [n for n in names if n not in done]
+    mine = digest_files(root, rest[rank::world])
     shares: list[Any] = [None] * world
-    dist.all_gather_object(shares, mine)
+    dist.all_gather_object(shares, mine | (done if rank == 0 else {}))
     if rank == 0:
         write_manifest(root, {k: v for share in shares for k, v in share.items()})
     dist.barrier()

@@ -10,6 +10,7 @@ import json
 import math
 import os
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +127,10 @@ class HFWriter:
 
     Every name, shape and dtype is known before export starts (they follow from config.json), so each
     shard's header is written first and tensors are then written in any order as they arrive, through
-    ``os.pwrite``. Nothing is buffered: memory stays at one tensor however large the shards are.
-    Shards get their final names and the index is written by :meth:`close`, once every tensor arrived.
+    ``os.pwrite``. Nothing is buffered: memory stays at one tensor however large the shards are. A shard
+    whose last tensor arrived is synced to disk on a thread while the next ones are written. Shards get
+    their final names and the index is written by :meth:`close`, once every tensor arrived and every shard
+    is on disk.
     """
 
     def __init__(
@@ -153,6 +156,8 @@ class HFWriter:
         self._where: dict[str, tuple[int, int, int]] = {}  # name -> (shard, absolute offset, nbytes)
         self._fds: list[int] = []
         self._pending: list[set[str]] = []
+        self._syncing = ThreadPoolExecutor(1, thread_name_prefix="hf-writer-fsync")
+        self._synced: list[Future[None]] = []
         self._total = 0
         for index, names in enumerate(shards):
             header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -200,13 +205,20 @@ class HFWriter:
         while written < nbytes:
             written += os.pwrite(self._fds[index], view[written:], offset + written)
         self._pending[index].discard(name)
+        if not self._pending[index]:  # the shard is complete: on disk while the next ones are written
+            self._synced.append(self._syncing.submit(os.fsync, self._fds[index]))
 
     def close(self) -> None:
         """Check every planned tensor arrived, give the shards their final names, write the index."""
         missing = [n for pending in self._pending for n in pending]
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        try:
+            for synced in self._synced:
+                synced.result()
+        finally:
+            self._syncing.shutdown()
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []
         if missing:
             raise CheckpointError(f"{len(missing)} planned tensor(s) never arrived, e.g. '{missing[0]}'")
         weight_map: dict[str, str] = {}
