@@ -41,7 +41,7 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
         # Solver outputs were trained while the Verifiers of the same problems were still running
         assert first["samples/solver"] > 0 and first["samples/verifier"] == 0
         # ... and their trajectories go on: the Verifiers of those solutions exist, untrained
-        assert any(q.role == "verifier" for q in driver.s.samples.values())
+        assert any(q.role == "verifier" for q in driver.scheduler.samples.values())
         ray.kill(driver.fleet.engines[0][1].actor)  # both die with work in flight or queued for them
         ray.kill(driver.rewards.actors[0])
         rest = [trainer.train_step() for _ in range(4)]
