@@ -108,12 +108,17 @@ class MiniBatchUpdate:
     """The reference's log-probs of each pack (``algorithm.kl_coef > 0``)."""
     excluded: set[int] = field(default_factory=set)
     """MIS: the mini-batch's sequences left out of the loss (indices into the mini-batch)."""
+    _by_pack: dict[int, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # a context-parallel rank's share of a pack is a new MicroBatch of the same pack: the pack
+        # identifies a micro-batch's log-probs
+        self._by_pack = {id(mb.pack): k for k, mb in enumerate(self.micro_batches)}
 
     def loss_inputs(self, mb: MicroBatch, *, algo: AlgorithmConfig, terms: BatchTerms) -> LossInputs:
-        """The loss inputs of one of this update's micro-batches (a context-parallel rank's share of a pack
-        is a new MicroBatch of the same pack, so the pack identifies it)."""
+        """The loss inputs of one of this update's micro-batches."""
         assert mb.pack is not None
-        k = next(i for i, own in enumerate(self.micro_batches) if own.pack is mb.pack)
+        k = self._by_pack[id(mb.pack)]
         return packed_loss_inputs(
             self.share,
             mb.pack,

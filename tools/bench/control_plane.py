@@ -275,7 +275,6 @@ def packing_rank_class() -> type:
         engine's own code, whatever it becomes."""
 
         pack_spec = MegatronEngine.pack_spec
-        plan = MegatronEngine.plan
         pack_micro_batches = MegatronEngine.pack_micro_batches
         _seq_multiple = MegatronEngine._seq_multiple
         _sample_multiple = MegatronEngine._sample_multiple
