@@ -32,9 +32,9 @@ def sample(reward=None, position="solver", parent=None, problem="p1", **kwargs) 
 # ------------------------------------------------------------------------------------------ Sample
 def test_sample_helpers():
     s = sample(segment_versions=[Segment(0, 2, 3), Segment(2, 4, 5)])
-    assert s.tokens == [1, 2, 3, 4, 5, 6, 7]
+    assert s.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7] and s.length == 7
     assert s.response_len == 4
-    assert s.loss_mask == [1, 1, 1, 1]  # derived: all ones
+    assert s.loss_mask.tolist() == [1, 1, 1, 1]  # derived: all ones
     assert s.role == "solver"
     assert s.oldest_version == 3
     assert s.staleness(7) == 4  # 7 - 3
@@ -52,11 +52,11 @@ def test_a_record_grows_segment_by_segment_and_stays_valid():
     """The scheduler's in-flight record: empty while nothing is decoded, every per-token list as long as
     the response after each segment, log-probs clamped to <= 0, checked again when finished."""
     s = Sample([1, 2], [], "solver", "p", behaviour_logprobs=[], sample_id="s")
-    assert s.response_len == 0 and s.loss_mask == [] and s.finish_reason is None
+    assert s.response_len == 0 and s.loss_mask.tolist() == [] and s.finish_reason is None
     s.add_segment([5, 6], [-0.5, 1e-7], version=2)
     s.add_segment([7], [-0.25], version=3)
-    assert s.response_ids == [5, 6, 7] and s.loss_mask == [1, 1, 1]
-    assert s.behaviour_logprobs == [-0.5, 0.0, -0.25]
+    assert s.response_ids.tolist() == [5, 6, 7] and s.loss_mask.tolist() == [1, 1, 1]
+    assert s.behaviour_logprobs.tolist() == [-0.5, 0.0, -0.25]
     assert [(g.start, g.end, g.version) for g in s.segment_versions] == [(0, 2, 2), (2, 3, 3)]
     s.finish("length")
     assert s.truncated and s.oldest_version == 2

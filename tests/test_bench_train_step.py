@@ -78,10 +78,20 @@ def test_shapes_are_validated_and_samples_grouped(monkeypatch: pytest.MonkeyPatc
         bench.Shape("x", 4, (10, 20), (5, 2), 64)
     shape = bench.Shape("x", 20, (3, 5), (2, 4), 16)
     samples = bench.make_samples(shape, vocab=1000)
-    assert samples == bench.make_samples(shape, vocab=1000)  # seeded
+
+    def values(batch: list) -> list:
+        return [
+            {k: v.tolist() if hasattr(v, "tolist") else v for k, v in s.state().items()}
+            | {"adv": s.advantage}
+            for s in batch
+        ]
+
+    assert values(samples) == values(bench.make_samples(shape, vocab=1000))  # seeded
     assert all(3 <= len(s.prompt_ids) <= 5 and 2 <= s.response_len <= 4 for s in samples)
     assert all(s.advantage is not None and s.advantage != 0 for s in samples)
     # engine log-probs, so the timed step measures the mismatch as a run does
-    assert all(len(s.behaviour_logprobs or []) == s.response_len for s in samples)
+    assert all(
+        s.behaviour_logprobs is not None and len(s.behaviour_logprobs) == s.response_len for s in samples
+    )
     for a, b in itertools.pairwise(samples):  # GRPO groups share one prompt
-        assert (a.group_id == b.group_id) == (a.prompt_ids == b.prompt_ids)
+        assert (a.group_id == b.group_id) == (a.prompt_ids.tolist() == b.prompt_ids.tolist())

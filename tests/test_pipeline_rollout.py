@@ -117,9 +117,9 @@ def test_grouped_expansion_and_agent_rewards(codec: ChatCodec, checker) -> None:
     assert set(groups.values()) == {4}
     for s in result.samples:
         q = seqs[s.sample_id]
-        assert s.reward == q.reward and s.role == q.role and s.prompt_ids == q.prompt_ids
+        assert s.reward == q.reward and s.role == q.role and s.prompt_ids.tolist() == q.prompt_ids.tolist()
         assert s.group_id == group_id(q.trajectory_id, q.position, q.parent_id)
-        assert s.behaviour_logprobs == [-0.5] * s.response_len
+        assert s.behaviour_logprobs.tolist() == [-0.5] * s.response_len
         assert [(seg.start, seg.end, seg.version) for seg in s.segment_versions] == [(0, s.response_len, 7)]
     m = result.metrics
     solvers = [q.reward for q in seqs.values() if q.position == "solver"]

@@ -88,7 +88,7 @@ def test_a_call_is_served_inside_the_response_and_masked_out_of_its_loss(codec: 
     assert len(reasoners) == 4 * len(PROBLEMS) and 0 < len(callers) < len(reasoners)
     assert len(distillers) == len(callers)  # one digest per call
     for q in callers:
-        mask = q.loss_mask
+        mask = q.loss_mask.tolist()
         assert mask is not None and 0 in mask and mask[0] == 1 and mask[-1] == 1
         observed = [t for t, m in zip(q.response_ids, mask, strict=True) if m == 0]
         assert codec.tokenizer.decode(observed).startswith("\nRESULT ")
@@ -99,11 +99,11 @@ def test_a_call_is_served_inside_the_response_and_masked_out_of_its_loss(codec: 
         (digest,) = [d for d in distillers if d.parent_id == q.sample_id]
         a, b = map(int, re.findall(r"\d+", q.problem_id))
         assert f"{a}+{b} = {a + b}" in codec.decode(digest.prompt_ids)  # the calculator's output
-        assert set(digest.loss_mask or []) == {1}  # its gradient covers its own tokens only
+        assert set(digest.loss_mask.tolist()) == {1}  # its gradient covers its own tokens only
         # the answer copies the digest; the digest is rewarded by the outcome of the answer it served
         assert q.reward == float(f"the sum is {a + b}." == digest.text)
         assert digest.reward == q.reward
-    assert all(q.tool_calls == 0 and set(q.loss_mask or []) == {1} for q in reasoners if q not in callers)
+    assert all(q.tool_calls == 0 and set(q.loss_mask.tolist()) == {1} for q in reasoners if q not in callers)
     # the digests of one group of responses form one group; every group's members share their position
     groups = {d.group_id for d in distillers}
     assert len(groups) == len({q.group_id for q in callers})
@@ -173,7 +173,7 @@ def test_a_schedule_saved_while_a_digest_is_written_resumes(codec: ChatCodec) ->
     for x in (s, restored):
         while step(x):
             pass
-    assert {k: (q.response_ids, q.loss_mask) for k, q in s.samples.items()} == {
-        k: (q.response_ids, q.loss_mask) for k, q in restored.samples.items()
+    assert {k: (q.response_ids.tolist(), q.loss_mask.tolist()) for k, q in s.samples.items()} == {
+        k: (q.response_ids.tolist(), q.loss_mask.tolist()) for k, q in restored.samples.items()
     }
     assert all(restored.samples[sid].tool_calls == 1 for sid in parked)

@@ -7,18 +7,22 @@ gloo, real transformers. One trainer group of 2 ranks (EP=2) is shared by the te
 from __future__ import annotations
 
 import functools
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 ray = pytest.importorskip("ray")
 
+from mars_megatron.agents.sample import RoutingRef, Sample, fetch_routing  # noqa: E402
 from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors  # noqa: E402
 from mars_megatron.models.hf_config import load_hf_config  # noqa: E402
 from mars_megatron.models.presets import init_model  # noqa: E402
-from mars_megatron.rollout.engine import GenerationRequest, SamplingParams  # noqa: E402
+from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams  # noqa: E402
 from mars_megatron.rollout.hf_engine import HFEngine  # noqa: E402
 from mars_megatron.training import parallel  # noqa: E402
 from mars_megatron.training.ray_group import (  # noqa: E402
@@ -138,6 +142,56 @@ def test_each_rank_receives_its_own_arguments(group: RayWorkerGroup) -> None:
     assert group.wait(group.call_async_each("received", [same, same])) == [(0, [4, 5]), (1, [4, 5])]
     with pytest.raises(ValueError, match="1 argument tuples for 2 ranks"):
         group.call_async_each("received", [same])
+
+
+@ray.remote
+class _RoutingEngine:
+    """Stands in for a rollout actor: its outputs as ``RolloutActor.generate_versioned`` returns them."""
+
+    def output(self, width: int = 2) -> GenerationOutput:
+        """3 prompt + 2 new tokens: 4 positions of ``width`` layers x ``width`` experts."""
+        routing = (np.arange(4 * width * width) % 251).astype(np.uint8).reshape(4, width, width)
+        return GenerationOutput("s", [1, 2], [-0.5, 1e-7], "stop", routed_experts=routing).compact(True)
+
+
+def test_routing_stays_in_the_engines_store_until_a_rank_fetches_it(cluster: None) -> None:
+    """R3 routing (98 % of a Qwen3-MoE batch) never passes through the driver: the engine's actor puts it
+    in its object store, the record holds the reference (checked by shape), and the trainer rank that
+    trains the sample fetches it; if the engine died first, the loss is named."""
+    engine = _RoutingEngine.remote()  # type: ignore[attr-defined]
+    out = ray.get(engine.output.remote())
+    assert isinstance(out.routed_experts, RoutingRef) and out.routed_experts.shape == (4, 2, 2)
+    assert out.token_ids.dtype == np.int64 and out.logprobs.tolist() == [-0.5, 1e-7]  # every bit kept
+    s = Sample([7, 8, 9], [], "solver", "p", sample_id="s")
+    s.add_segment(out.token_ids, out.logprobs, 0, out.routed_experts)
+    with pytest.raises(ValueError, match="fetch_routing before saving"):
+        s.state()
+    assert fetch_routing([s]) == 16 and isinstance(s.routed_experts, np.ndarray)
+    assert s.routed_experts.tolist() == np.arange(16).reshape(4, 2, 2).tolist()
+    assert fetch_routing([s]) == 0 and s.state()["routing"] is s.routed_experts  # fetched once
+    with pytest.raises(ValueError, match=r"routed_experts has shape \(4, 2, 2\), expected \(5,"):
+        Sample([7, 8, 9, 10], [], "solver", "p", sample_id="x").add_segment(
+            [1, 2], [0.0, 0.0], 0, out.routed_experts
+        )
+
+    out = ray.get(engine.output.remote())
+    ray.kill(engine, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):  # returns once the actor is known dead
+        ray.get(engine.output.remote(), timeout=60)
+    # Ray frees the dead owner's objects once its death reaches the object store (about a second here):
+    # until then a fetch still finds them
+    deadline = time.monotonic() + 60
+    while True:
+        lost = Sample([7, 8, 9], [], "solver", "p", sample_id="lost")
+        lost.add_segment(out.token_ids, out.logprobs, 0, out.routed_experts)
+        try:
+            fetch_routing([lost], timeout_s=30)
+        except RuntimeError as e:
+            assert re.search(r"routing of 1 samples \(\['lost'\]\) is lost: the rollout engine", str(e))
+            break
+        del lost  # the fetched array pins the object
+        assert time.monotonic() < deadline, "the dead engine's routing was never released"
+        time.sleep(0.5)
 
 
 def test_local_group_runs_the_same_worker_in_process(moe: Path, reference_step: list[dict]) -> None:

@@ -6,8 +6,14 @@ log-probs the engine sampled them with, the policy version that decoded them, th
 selection, the reward, the per-role metrics, GRPO (``advantage``), the packer and the loss all read
 and annotate this one record; nothing copies it into another type.
 
+The per-token fields are numpy arrays (token ids ``int64``, log-probs ``float64``, the loss mask ``int8``),
+made from whatever sequence a caller passes: at paper scale a step holds hundreds of millions of tokens,
+and the driver only moves them (appends a segment, pickles a share for its trainer rank), which for an
+array is a memory copy and for a list of Python numbers tens of nanoseconds a token
+(``tools/bench/control_plane.py``). Compare them with ``.tolist()`` or ``np.array_equal``.
+
 The checks hold for partial records too (a sample still decoding has fewer tokens, and every per-token
-list has as many entries as ``response_ids``). Every token's values are checked once: all of them on
+array has as many entries as ``response_ids``). Every token's values are checked once: all of them on
 construction (and restore), then each segment's as it is added; :meth:`Sample.finish` checks the complete
 record's lengths and segments, and :meth:`Sample.check_scores` the scalars set later. Every error names
 the field.
@@ -17,12 +23,29 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-if TYPE_CHECKING:  # numpy only for the annotation: the launcher's environment (NeMo-Run) has no numpy
-    import numpy as np
+import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+
+TOKEN_DTYPE = np.dtype(np.int64)
+LOGPROB_DTYPE = np.dtype(np.float64)
+"""float64: the engines' log-probs arrive as Python floats, so the record keeps their every bit."""
+MASK_DTYPE = np.dtype(np.int8)
+
+
+def token_array(values: ArrayLike) -> np.ndarray:
+    """Token ids as the record keeps them (no copy when they already are)."""
+    return np.asarray(values, dtype=TOKEN_DTYPE).reshape(-1)
+
+
+def logprob_array(values: ArrayLike) -> np.ndarray:
+    return np.asarray(values, dtype=LOGPROB_DTYPE).reshape(-1)
 
 
 def group_id(problem_id: str, position: str, parent_id: str | None) -> str:
@@ -45,17 +68,72 @@ class Segment:
             raise ValueError(f"Segment.version must be >= 0, got {self.version}")
 
 
-@dataclass
+@dataclass(frozen=True)
+class RoutingRef:
+    """A sample's R3 routing left in the object store of the process that made it (a rollout actor's,
+    under Ray): ``[positions, moe_layers, top_k]`` bytes, 98 % of a Qwen3-MoE batch, so the driver that
+    schedules the sample never holds them; the trainer rank that trains it fetches them
+    (:func:`fetch_routing`).
+
+    The store's owner is the engine's actor: if that actor dies before the update, the routing is gone
+    and fetching it fails naming the samples (the sample must be decoded again). Ray inlines up to 10 MiB
+    of a reply's objects into the reply (``task_rpc_inlined_bytes_limit``), so a small call's routing does
+    reach the driver; a paper-scale call's (6 MiB a 16k-token output) stays in the engine's store."""
+
+    ref: Any
+    """Ray's ``ObjectRef`` of the array."""
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @classmethod
+    def put(cls, routing: np.ndarray) -> RoutingRef:
+        """``routing`` into this process's object store (Ray must be initialised)."""
+        import ray
+
+        return cls(ray.put(routing), tuple(routing.shape), routing.dtype.str)
+
+
+def fetch_routing(samples: Iterable[Sample], timeout_s: float | None = None) -> int:
+    """Replace each :class:`RoutingRef` of ``samples`` by its array, fetched in one call; returns the bytes
+    fetched. Samples whose routing is already an array (made without Ray, or fetched) are left as they
+    are. ``timeout_s``: the most to wait (Ray raises ``GetTimeoutError``)."""
+    pending = [s for s in samples if isinstance(s.routed_experts, RoutingRef)]
+    if not pending:
+        return 0
+    import ray
+
+    refs = [cast(RoutingRef, s.routed_experts).ref for s in pending]
+    try:
+        arrays = ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.ObjectLostError as e:  # OwnerDiedError is one: the engine's actor died
+        ids = [s.sample_id for s in pending]
+        raise RuntimeError(
+            f"the R3 routing of {len(ids)} samples ({ids[:3]}{' ...' if len(ids) > 3 else ''}) is lost: the "
+            f"rollout engine that held it is gone ({type(e).__name__})"
+        ) from e
+    fetched = 0
+    for sample, routing in zip(pending, arrays, strict=True):
+        sample.routed_experts = routing
+        fetched += routing.nbytes
+    return fetched
+
+
+@dataclass(eq=False)
 class Sample:
     """One agent output, from the engine to the loss.
 
-    Token lists are per response token unless they say otherwise: ``loss_mask[j]``,
-    ``behaviour_logprobs[j]`` belong to ``response_ids[j]``.
+    Token arrays are per response token unless they say otherwise: ``loss_mask[j]``,
+    ``behaviour_logprobs[j]`` belong to ``response_ids[j]``. The constructor takes any sequence and keeps
+    numpy arrays (see the module docstring).
     """
 
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray
     """The tokenised input (chat template applied); at least one token."""
-    response_ids: list[int]
+    response_ids: np.ndarray
     """The tokens the policy wrote (so far, while it decodes)."""
     position: str
     """The trajectory position (of the agent graph) that produced it."""
@@ -67,19 +145,20 @@ class Sample:
     """The agent-specific reward (:mod:`mars_megatron.rewards.agent_rewards`); None until scored."""
     advantage: float | None = None
     """Filled in by :func:`mars_megatron.algorithm.advantages.assign_advantages`."""
-    loss_mask: list[int] | None = None
+    loss_mask: np.ndarray | None = None
     """1 for response tokens that are trained on, 0 otherwise; None means all ones."""
-    behaviour_logprobs: list[float] | None = None
+    behaviour_logprobs: np.ndarray | None = None
     """Log-probs the rollout engine sampled each response token with (for TIS); None if not recorded."""
     segment_versions: list[Segment] = field(default_factory=list)
     """Policy version per response segment; contiguous spans covering the response, in order.
     Empty means unknown (then :meth:`staleness` cannot be asked)."""
     sample_id: str = ""
-    routed_experts: np.ndarray | None = None
+    routed_experts: np.ndarray | RoutingRef | None = None
     """MoE: the experts the engine routed each position of :attr:`tokens` to, except the last
     (``[len(tokens) - 1, moe_layers, top_k]``; ``GenerationOutput.routed_experts``), for R3 replay. The
     latest segment's call routed every earlier position again, under the weights that decoded its tokens,
-    so it is the routing of the newest policy version for every position."""
+    so it is the routing of the newest policy version for every position. Under Ray, a :class:`RoutingRef`
+    until the trainer rank fetches it."""
     trajectory_id: str = ""
     """This admission of the problem (``<problem id>@<n>``): a problem met again in a later epoch is a
     new trajectory tree with new sample ids. Empty: ``problem_id``."""
@@ -108,6 +187,12 @@ class Sample:
     trailing ``_<n>``, for positions named after their role (``verifier_2``: ``verifier``)."""
 
     def __post_init__(self) -> None:
+        self.prompt_ids = token_array(self.prompt_ids)
+        self.response_ids = token_array(self.response_ids)
+        if self.loss_mask is not None:
+            self.loss_mask = _mask_array(self.loss_mask)
+        if self.behaviour_logprobs is not None:
+            self.behaviour_logprobs = logprob_array(self.behaviour_logprobs)
         if not self.role:
             self.role = re.sub(r"_\d+$", "", self.position)
         if not self.trajectory_id:
@@ -123,9 +208,9 @@ class Sample:
         still change, so nothing on the way to the loss scans a response again."""
         self._check_shape()
         assert self.loss_mask is not None
-        if any(m not in (0, 1) for m in self.loss_mask):
+        if ((self.loss_mask != 0) & (self.loss_mask != 1)).any():
             raise ValueError("Sample.loss_mask entries must be 0 or 1")
-        if self.behaviour_logprobs is not None and any(not lp <= 0.0 for lp in self.behaviour_logprobs):
+        if self.behaviour_logprobs is not None and not (self.behaviour_logprobs <= 0.0).all():
             raise ValueError("Sample.behaviour_logprobs must all be <= 0 (and not NaN)")
         self.check_scores()
 
@@ -145,7 +230,7 @@ class Sample:
             raise ValueError("Sample.prompt_ids must hold at least one token")
         n = len(self.response_ids)
         if self.loss_mask is None:
-            self.loss_mask = [1] * n
+            self.loss_mask = np.ones(n, dtype=MASK_DTYPE)
         if len(self.loss_mask) != n:
             raise ValueError(f"Sample.loss_mask has {len(self.loss_mask)} entries, response_ids has {n}")
         if self.behaviour_logprobs is not None and len(self.behaviour_logprobs) != n:
@@ -169,7 +254,7 @@ class Sample:
         if expected_start != n:
             raise ValueError(f"Sample.segment_versions cover {expected_start} tokens, response_ids has {n}")
 
-    def _check_routing(self, routed: np.ndarray | None, n: int) -> None:
+    def _check_routing(self, routed: np.ndarray | RoutingRef | None, n: int) -> None:
         if routed is None:
             return
         positions = len(self.prompt_ids) + n - 1
@@ -182,56 +267,58 @@ class Sample:
     # ------------------------------------------------------------------------------------- decoding
     def add_segment(
         self,
-        token_ids: Sequence[int],
-        logprobs: Sequence[float],
+        token_ids: ArrayLike,
+        logprobs: ArrayLike,
         version: int,
-        routed_experts: np.ndarray | None = None,
+        routed_experts: np.ndarray | RoutingRef | None = None,
     ) -> None:
         """Append one decoded segment: its tokens, the log-probs the engine sampled them with (clamped to
         <= 0: an engine's rounding can put a certain token a hair above), the policy ``version`` that
         decoded them, and the call's routing of every position it fed (it replaces the record's)."""
-        if len(token_ids) != len(logprobs):
-            raise ValueError(f"{self.sample_id}: {len(token_ids)} tokens but {len(logprobs)} log-probs")
-        if not token_ids:
+        ids, lps = token_array(token_ids), logprob_array(logprobs)
+        if len(ids) != len(lps):
+            raise ValueError(f"{self.sample_id}: {len(ids)} tokens but {len(lps)} log-probs")
+        if not len(ids):
             return
-        if math.isnan(sum(logprobs)):  # a NaN (min() below would keep it); the sum runs in C, not per token
+        if np.isnan(lps).any():
             raise ValueError(f"{self.sample_id}: the engine returned a NaN log-prob (behaviour_logprobs)")
-        self._check_routing(routed_experts, len(self.response_ids) + len(token_ids))
+        self._check_routing(routed_experts, len(self.response_ids) + len(ids))
         if routed_experts is not None:
             self.routed_experts = routed_experts
-        if self.behaviour_logprobs is None:
-            self.behaviour_logprobs = []
         assert self.loss_mask is not None
         start = len(self.response_ids)
-        self.response_ids.extend(token_ids)
-        self.behaviour_logprobs.extend(min(lp, 0.0) for lp in logprobs)
-        self.loss_mask.extend([1] * len(token_ids))
+        self._append(ids, np.where(lps > 0.0, 0.0, lps), np.ones(len(ids), dtype=MASK_DTYPE))
         self.segment_versions.append(Segment(start, len(self.response_ids), version))
 
-    def add_observation(self, token_ids: Sequence[int], version: int) -> None:
+    def _append(self, ids: np.ndarray, logprobs: np.ndarray, mask: np.ndarray) -> None:
+        """Grow the per-token arrays by one segment (one copy of each: a response has a few segments)."""
+        before = self.behaviour_logprobs
+        if before is None:
+            before = np.zeros(len(self.response_ids), dtype=LOGPROB_DTYPE)
+        self.response_ids = np.concatenate((self.response_ids, ids))
+        self.behaviour_logprobs = np.concatenate((before, logprobs))
+        self.loss_mask = np.concatenate((cast(np.ndarray, self.loss_mask), mask))
+
+    def add_observation(self, token_ids: ArrayLike, version: int) -> None:
         """Append what a served tool call returned (the distiller's digest, tokenised) after the turn that
         made the call: context the policy did not write, so masked out of the loss (``loss_mask`` 0,
         behaviour log-prob 0). Its segment carries the policy ``version`` current when it was added. The
         routing is dropped: it no longer covers every position, and the next segment's call routes them
         all again."""
-        if not token_ids:
+        ids = token_array(token_ids)
+        if not len(ids):
             return
-        assert self.loss_mask is not None
-        if self.behaviour_logprobs is None:
-            self.behaviour_logprobs = [0.0] * len(self.response_ids)
         start = len(self.response_ids)
-        self.response_ids.extend(token_ids)
-        self.behaviour_logprobs.extend([0.0] * len(token_ids))
-        self.loss_mask.extend([0] * len(token_ids))
+        self._append(ids, np.zeros(len(ids), dtype=LOGPROB_DTYPE), np.zeros(len(ids), dtype=MASK_DTYPE))
         self.segment_versions.append(Segment(start, len(self.response_ids), version))
         self.routed_experts = None
         self.tool_calls += 1
 
-    def since_observation(self) -> list[int]:
+    def since_observation(self) -> np.ndarray:
         """The response tokens written since the last observation (all of them when there is none)."""
         assert self.loss_mask is not None
-        last = max((i for i, m in enumerate(self.loss_mask) if m == 0), default=-1)
-        return self.response_ids[last + 1 :]
+        masked = np.flatnonzero(self.loss_mask == 0)
+        return self.response_ids[(int(masked[-1]) + 1 if len(masked) else 0) :]
 
     def finish(self, finish_reason: str) -> None:
         """Decoding is over: the model ended it (``stop``) or the token budget did (``length``). Checks
@@ -243,9 +330,14 @@ class Sample:
 
     # ------------------------------------------------------------------------------------------- views
     @property
-    def tokens(self) -> list[int]:
-        """Prompt followed by response: the sequence the trainer scores."""
-        return [*self.prompt_ids, *self.response_ids]
+    def tokens(self) -> np.ndarray:
+        """Prompt followed by response: the sequence the trainer scores (a new array)."""
+        return np.concatenate((self.prompt_ids, self.response_ids))
+
+    @property
+    def length(self) -> int:
+        """``len(tokens)``, without building them."""
+        return len(self.prompt_ids) + len(self.response_ids)
 
     @property
     def response_len(self) -> int:
@@ -283,10 +375,11 @@ class Sample:
     # ------------------------------------------------------------------------------- saved and written
     def state(self) -> dict[str, Any]:
         """The record as plain values, to continue it in a new process (the scheduler's checkpoint): the
-        token, mask and log-prob lists as numpy arrays (compact in ``torch.save``). The annotations made
-        for an update (training reward, advantage) are not kept: a record is saved between updates."""
-        import numpy as np
-
+        token, mask and log-prob arrays (the log-probs as float32: compact in ``torch.save``). The
+        annotations made for an update (training reward, advantage) are not kept: a record is saved between
+        updates. A routing still in the object store must be fetched first (:func:`fetch_routing`)."""
+        if isinstance(self.routed_experts, RoutingRef):
+            raise ValueError(f"Sample {self.sample_id!r}: fetch_routing before saving its state")
         return {
             "sample_id": self.sample_id,
             "key": self.trajectory_id,
@@ -295,11 +388,13 @@ class Sample:
             "role": self.role,
             "parent_id": self.parent_id,
             "judged_id": self.judged_id,
-            "prompt_ids": np.asarray(self.prompt_ids, dtype=np.int64),
-            "tokens": np.asarray(self.response_ids, dtype=np.int64),
-            "loss_mask": np.asarray(self.loss_mask or [], dtype=np.int8),
+            "prompt_ids": self.prompt_ids,
+            "tokens": self.response_ids,
+            "loss_mask": np.asarray(self.loss_mask if self.loss_mask is not None else [], dtype=np.int8),
             "tool_calls": self.tool_calls,
-            "logprobs": np.asarray(self.behaviour_logprobs or [], dtype=np.float32),
+            "logprobs": np.asarray(
+                self.behaviour_logprobs if self.behaviour_logprobs is not None else [], dtype=np.float32
+            ),
             "segments": [(g.start, g.end, g.version) for g in self.segment_versions],
             "routing": self.routed_experts,
             "finish_reason": self.finish_reason,
@@ -316,14 +411,15 @@ class Sample:
         (``group_id``, ``routing``, ``judged_right``, ``loss_mask``, ``tool_calls``) get what they meant
         then."""
         key, position = d["key"], str(d["position"])
+        logprobs = logprob_array(d["logprobs"])
         return cls(
-            [int(x) for x in d["prompt_ids"]],
-            [int(x) for x in d["tokens"]],
+            d["prompt_ids"],
+            d["tokens"],
             position,
             problem_id,
             d.get("group_id") or group_id(key, position, d["parent_id"]),
             reward=d["reward"],
-            behaviour_logprobs=[min(float(x), 0.0) for x in d["logprobs"]],
+            behaviour_logprobs=np.where(logprobs > 0.0, 0.0, logprobs),
             segment_versions=[Segment(*g) for g in d["segments"]],
             sample_id=d["sample_id"],
             routed_experts=d.get("routing"),
@@ -335,7 +431,7 @@ class Sample:
             verdict=d["verdict"],
             judged_right=d.get("judged_right"),
             role=d.get("role") or role,
-            loss_mask=[int(x) for x in d["loss_mask"]] if "loss_mask" in d else None,
+            loss_mask=d.get("loss_mask"),
             tool_calls=int(d.get("tool_calls", 0)),
         )
 
@@ -350,8 +446,8 @@ class Sample:
             "role": self.role,
             "group_id": self.group_id,
             "parent_id": self.parent_id,
-            "prompt_ids": list(self.prompt_ids),
-            "response_ids": list(self.response_ids),
+            "prompt_ids": self.prompt_ids.tolist(),
+            "response_ids": self.response_ids.tolist(),
             "text": self.text,
             "finish_reason": self.finish_reason,
             "verdict": self.verdict,
@@ -370,3 +466,12 @@ class SampleLookup(Protocol):
     def __getitem__(self, index: int, /) -> Sample: ...
 
     def __len__(self) -> int: ...
+
+
+def _mask_array(values: ArrayLike) -> np.ndarray:
+    """A loss mask as the record keeps it; a value that is not 0 or 1 is kept as it is, for
+    :meth:`Sample.check` to name (an ``int8`` cast would wrap it)."""
+    mask = np.asarray(values).reshape(-1)
+    if mask.dtype == MASK_DTYPE:
+        return mask
+    return mask.astype(MASK_DTYPE) if len(mask) == 0 or np.isin(mask, (0, 1)).all() else mask

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 from mars_megatron.agents.graph import Strategy, When
-from mars_megatron.agents.sample import Sample
+
+if TYPE_CHECKING:
+    from mars_megatron.agents.sample import Sample
 
 _STRATEGIES = get_args(Strategy)
 

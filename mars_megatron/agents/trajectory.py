@@ -12,10 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mars_megatron.agents.sample import Sample
-
 if TYPE_CHECKING:
     from mars_megatron.agents.graph import AgentGraph
+    from mars_megatron.agents.sample import Sample
 
 
 def chain(parent: Sample | None, samples: Mapping[str, Sample]) -> list[Sample]:

@@ -121,7 +121,10 @@ def engine_layout(samples: SampleLookup, pack: PackedSequence) -> tuple[torch.Te
         first, count = response_span(sample, start, end)
         if count <= 0:
             continue
-        engine[0, first : first + count] = torch.as_tensor(sample.behaviour_logprobs[:count])
+        # float32 first, as the loss sees them (the record keeps the engine's float64)
+        engine[0, first : first + count] = torch.as_tensor(
+            sample.behaviour_logprobs[:count], dtype=torch.float32
+        )
         written = torch.as_tensor(sample.loss_mask[:count] if sample.loss_mask is not None else [1] * count)
         owner[0, first : first + count] = torch.where(written.bool(), index, -1)
     return engine, owner

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mars_megatron.agents.sample import Sample, SampleLookup
@@ -149,7 +150,8 @@ def response_tensor(
         start = len(sample.prompt_ids) - 1
         if start + len(row) > seq_len:
             raise ValueError(f"response_tensor: sample {i} needs {start + len(row)} positions > {seq_len}")
-        out[i, start : start + len(row)] = torch.as_tensor(list(row), dtype=torch.float32)
+        values = row if isinstance(row, torch.Tensor) else np.asarray(row, dtype=np.float64)
+        out[i, start : start + len(row)] = torch.as_tensor(values, dtype=torch.float32)
     return out
 
 

@@ -54,7 +54,7 @@ def segment_request(job: SegmentJob, sampling: SamplingParams) -> GenerationRequ
         seed=job.seed,
         stop_token_ids=sampling.stop_token_ids,
     )
-    return GenerationRequest(job.sample_id, tuple(job.context()), params)
+    return GenerationRequest(job.sample_id, job.context(), params)
 
 
 def record_outputs(

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from mars_megatron.agents.graph import AgentGraph
-from mars_megatron.agents.sample import Sample, group_id
+from mars_megatron.agents.sample import RoutingRef, Sample, fetch_routing, group_id, token_array
 from mars_megatron.agents.selection import select_inputs
 from mars_megatron.agents.trajectory import PromptInputs
 from mars_megatron.config import AgentsConfig, MarsConfig
@@ -112,16 +112,16 @@ class SegmentJob:
 
     sample_id: str
     role: str
-    prompt_ids: list[int]
-    prefix: list[int]
+    prompt_ids: np.ndarray
+    prefix: np.ndarray
     """The sequence's tokens so far (shared with the scheduler; unchanged while the job is out)."""
     max_tokens: int
     seed: int
     version: int
 
-    def context(self) -> list[int]:
+    def context(self) -> np.ndarray:
         """The engine's prompt: the input followed by the tokens decoded so far."""
-        return self.prompt_ids + self.prefix
+        return np.concatenate((self.prompt_ids, self.prefix)) if len(self.prefix) else self.prompt_ids
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ class Scheduler:
         inputs = PromptInputs.of(parent, self.samples, self.graph)
         judged = inputs.solution
         role = self.graph.position(position).role
-        prompt = list(self.prompt_fn(position, problem, inputs))
+        prompt = token_array(self.prompt_fn(position, problem, inputs))
         gid = group_id(key, position, parent.sample_id if parent else None)
         members = []
         for k in range(self.agents.group_size):
@@ -280,7 +280,7 @@ class Scheduler:
 
         def priority(sid: str) -> tuple[bool, bool, tuple[int, str]]:
             seq = self.samples[sid]
-            return (not seq.response_ids, seq.group_id not in started, self._ready[sid])
+            return (len(seq.response_ids) == 0, seq.group_id not in started, self._ready[sid])
 
         order = sorted(self._ready, key=priority)
         jobs = []
@@ -319,12 +319,12 @@ class Scheduler:
     def on_segment(
         self,
         sample_id: str,
-        token_ids: Sequence[int],
-        logprobs: Sequence[float],
+        token_ids: Sequence[int] | np.ndarray,
+        logprobs: Sequence[float] | np.ndarray,
         *,
         stopped: bool,
         version: int | None = None,
-        routed_experts: np.ndarray | None = None,
+        routed_experts: np.ndarray | RoutingRef | None = None,
     ) -> bool:
         """Record a decoded segment; True when the sequence is finished (then score it).
 
@@ -340,7 +340,7 @@ class Scheduler:
         seq.add_segment(token_ids, logprobs, decoded_by, routed_experts)
         flight.issued_version = None
         full = len(seq.response_ids) >= self.limits.max_response_tokens
-        if stopped or full or not token_ids:
+        if stopped or full or not len(token_ids):
             seq.finish("stop" if stopped else "length")
             flight.state = SeqState.SCORING
             return True
@@ -437,7 +437,7 @@ class Scheduler:
         key = seq.trajectory_id
         tree = self._trajectories[key]
         inputs = PromptInputs(seq, seq, None, (purpose, tool_output))
-        prompt = list(self.prompt_fn(position.name, tree.problem, inputs))
+        prompt = token_array(self.prompt_fn(position.name, tree.problem, inputs))
         gid = group_id(key, position.name, seq.group_id)
         members = self._groups.setdefault(gid, [])
         if not members:
@@ -613,9 +613,10 @@ class Scheduler:
         """Everything needed to continue this schedule in a new process (between updates): each record's
         :meth:`~mars_megatron.agents.sample.Sample.state` with its problem and where it stands. A segment
         out at a worker is not saved: its sequence resumes from its recorded segments (as if the worker
-        had died); scores out are redone."""
+        had died); scores out are redone. Routing left in engines' object stores is fetched to be saved."""
         if self.training is not None:
             raise RuntimeError("Scheduler.state_dict: an update is running; save between updates")
+        fetch_routing(self.samples.values())
         seqs = []
         for q in self.samples.values():
             f = self._flight[q.sample_id]

@@ -96,7 +96,7 @@ def shard_batch(
         raise ValueError("shard_batch: an empty batch has no shares (leave the policy out of the update)")
     per_rank: list[list[MiniBatchShare]] = [[] for _ in range(spec.dp)]
     for mini in split_groups(samples, updates):
-        plan = spec.plan([len(s.tokens) for s in mini], pack_length)
+        plan = spec.plan([s.length for s in mini], pack_length)
         roles = tuple(s.role for s in mini)
         for rank, pack_ids in enumerate(plan.rank_packs):
             packs = tuple(plan.packs[k] for k in pack_ids)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mars_megatron.agents.sample import Sample
+from mars_megatron.agents.sample import Sample, fetch_routing
 from mars_megatron.algorithm import losses as L
 from mars_megatron.algorithm.mismatch import SUM_KEYS, MismatchTally, mismatch_metrics
 from mars_megatron.algorithm.objective import LossInputs, make_loss_fn, packed_loss_inputs
@@ -43,7 +43,7 @@ def check_sample_routing(samples: Sequence[Sample], arch: Any) -> None:
         check_routing(
             s.sample_id,
             s.routed_experts,
-            len(s.tokens),
+            s.length,
             sum(arch.moe_layers),
             arch.moe_topk,
             arch.num_experts,
@@ -220,6 +220,7 @@ class PolicyWorker(SendsWeights):
         (:class:`BatchTerms`); the updates then read them through :meth:`MiniBatchUpdate.loss_inputs`."""
         engine, replay, algo = policy.engine, self.cfg.moe.routing_replay, self.cfg.algorithm
         if replay == "R3":
+            fetch_routing(share.own())  # from the engines' object stores, this rank's samples only
             check_sample_routing(share.own(), engine.arch)
         updates = self._pack(engine, share)
         forwards = update_forwards(self.cfg, share.engine_logprobs, len(updates))

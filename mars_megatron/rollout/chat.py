@@ -116,4 +116,5 @@ class ChatCodec:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Output text without special tokens (end-of-turn markers); ``<think>`` tags are kept."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)  # numpy: Python ints
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

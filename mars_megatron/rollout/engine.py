@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from mars_megatron.agents.sample import RoutingRef
+
 if TYPE_CHECKING:
     from mars_megatron.transfer.channel import TransferStats
     from mars_megatron.transfer.group import GroupSpec
@@ -65,27 +67,48 @@ class SamplingParams:
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
-    prompt_ids: tuple[int, ...]
+    prompt_ids: Sequence[int] | np.ndarray
+    """A tuple, or the scheduler's int64 array (pickled as one buffer, not one object a token)."""
     sampling: SamplingParams
 
     def __post_init__(self) -> None:
-        if not self.prompt_ids:
+        if len(self.prompt_ids) == 0:
             raise ValueError(f"request {self.request_id}: prompt_ids is empty")
+
+    def prompt_list(self) -> list[int]:
+        """The prompt as Python ints, for engines that serialise it themselves (vLLM's inputs, JSON)."""
+        ids = self.prompt_ids
+        return ids.tolist() if isinstance(ids, np.ndarray) else [int(t) for t in ids]
 
 
 @dataclass
 class GenerationOutput:
     request_id: str
-    token_ids: list[int]
-    logprobs: list[float]  # one per generated token, raw distribution
+    token_ids: list[int] | np.ndarray
+    logprobs: list[float] | np.ndarray  # one per generated token, raw distribution
     finish_reason: FinishReason
     extra: dict[str, object] = field(default_factory=dict)
-    routed_experts: np.ndarray | None = None
+    routed_experts: np.ndarray | RoutingRef | None = None
     """MoE engines asked to (``capture_routing``): the experts this call routed each position to,
     ``[len(prompt_ids) + len(token_ids) - 1, moe_layers, top_k]`` (:func:`routing_dtype`): every position
     the model consumed as input, the prompt's included (the last generated token is never fed back).
     Rows follow the MoE layers in model order (dense layers have none), each row's top-k in the router's
     order. The trainer replays them (``moe.routing_replay=R3``)."""
+
+    def compact(self, routing_by_reference: bool) -> GenerationOutput:
+        """The same output as a rollout actor returns it to the driver: tokens and log-probs as arrays
+        (int64, float64: every value kept), so the driver unpickles two buffers, not an object a token;
+        with ``routing_by_reference`` (a Ray actor), the routing left in this process's object store
+        (:class:`RoutingRef`), so the driver never holds it: the trainer rank fetches it."""
+        routing = self.routed_experts
+        return GenerationOutput(
+            self.request_id,
+            np.asarray(self.token_ids, dtype=np.int64),
+            np.asarray(self.logprobs, dtype=np.float64),
+            self.finish_reason,
+            self.extra,
+            RoutingRef.put(routing) if routing_by_reference and isinstance(routing, np.ndarray) else routing,
+        )
 
 
 def _is_int(value: object) -> bool:

@@ -138,7 +138,7 @@ class OpenAIEngine:
         s = request.sampling
         body: dict[str, Any] = {
             "model": self.model,
-            "prompt": list(request.prompt_ids),
+            "prompt": request.prompt_list(),
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,

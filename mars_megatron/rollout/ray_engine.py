@@ -84,7 +84,10 @@ class RolloutActor:
         """``generate``, and the policy version that decoded it: the actor runs one call at a time, so a
         call never straddles a weight update (the agentic pipeline records this per segment)."""
         self._check_whole()
-        return self.engine.generate(requests), self._version
+        import ray
+
+        by_reference = ray.is_initialized()  # a Ray actor: the routing stays in this node's object store
+        return [o.compact(by_reference) for o in self.engine.generate(requests)], self._version
 
     # ------------------------------------------------------------------------------ weight transfer
     def transfer_ranks(self) -> int:

@@ -422,7 +422,7 @@ class VLLMEngine:
             )
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        prompts = [TokensPrompt(prompt_token_ids=r.prompt_list()) for r in requests]
         results = self.llm.generate(prompts, [self._sampling(r) for r in requests], use_tqdm=False)
         outputs = []
         for request, result in zip(requests, results, strict=True):

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from mars_megatron.algorithm.tensors import PackedSequence
@@ -542,7 +543,7 @@ def build_pack(
     trained on, e.g. 0 on the prompt and 1 on the response; without it every next token counts."""
     if multiple <= 0:
         raise ValueError(f"multiple must be positive, got {multiple}")
-    parts = [list(s)[:max_len] if max_len is not None else list(s) for s in seqs]
+    parts = [np.asarray(s, dtype=np.int64)[:max_len] for s in seqs]  # max_len None: the whole of it
     if any(len(p) == 0 for p in parts):
         raise ValueError("every sample needs at least one token")
     if target_masks is not None:

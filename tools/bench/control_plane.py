@@ -24,18 +24,23 @@ simulated:
   a token) ending in a boxed answer and a Correctness verdict, which the real checker scores. Prompts are
   the problem (1k tokens) plus the outputs they carry (solution, report), cut to 32k as the chat codec
   cuts them. Engine requests and outputs cross a pickle-5 round trip in this process (Ray's
-  serialisation, without Ray's copy): the driver's side is timed, the engine's is not the driver's.
+  serialisation, without Ray's copy): the driver's side is timed, the engine's is not the driver's. The
+  engine's side returns what ``RolloutActor.generate_versioned`` returns (``GenerationOutput.compact``):
+  tokens and log-probs as arrays and the routing put in the object store (``RoutingRef``), which each rank
+  fetches for its own samples.
 
 Counted: driver CPU is ``time.process_time`` of this process inside the driver's phases only (schedule,
 rollout I/O, record, rewards, advantages, dispatch, wait); the simulated engine, the reward actor and the
 byte counting are left out. Bytes are the pickle protocol 5 size with out-of-band buffers counted (in-band
 stream + raw numpy buffers: what Ray's serialiser writes): ``total`` is the update's whole batch, measured
-on the driver; ``received`` is what reached a rank's ``train``, measured on the rank, so a ``submit`` that
-shards is measured without editing this file; ``share`` is the samples of the rank's own packs. Rank CPU:
-receiving (the rank process's CPU from just before the dispatch to the call's first line: Ray's fetch and
-deserialisation), the routing check, and the plan and packs. Not in the figures: the real tokenizer
-(decoding every output, templating every prompt: the stand-ins here are a string repeat and a list copy)
-and Ray's own per-call cost of the engine calls (their bytes cross a pickle round trip instead).
+on the driver, the routing it holds by reference counted at its size; ``received`` is what reached a
+rank's ``train``, its routing fetched included, measured on the rank, so a ``submit`` that shards is
+measured without editing this file; ``share`` is the samples of the rank's own packs. Rank CPU: receiving
+(the rank process's CPU from just before the dispatch to the call's first line: Ray's fetch and
+deserialisation; then fetching its samples' routing), the routing check, and the plan and packs. Not in
+the figures: the real tokenizer (decoding every output, templating every prompt: the stand-ins here are a
+string repeat and an array copy) and Ray's own per-call cost of the engine calls (their bytes cross a
+pickle round trip instead).
 
 Scale. A paper step holds about 9,200 outputs and 380M tokens (prompts carry earlier outputs), and R3
 routing is 384 bytes a token: a batch of about 140 GiB, not a 24 GiB machine. So every token count
@@ -164,20 +169,19 @@ def carried_prompts(lengths: Any, vocab: int) -> Any:
     """The scheduler's prompt function: the problem's tokens, then the outputs the position reads (the
     solution judged, the report), cut in the middle to ``max_input_tokens`` as ``ChatCodec`` truncates.
     Stands in for the chat template: the prompt holds the tokens it would, not their text."""
-    heads: dict[str, list[int]] = {}
+    heads: dict[str, np.ndarray] = {}
 
-    def prompt_fn(position: str, problem: Any, inputs: Any) -> list[int]:
+    def prompt_fn(position: str, problem: Any, inputs: Any) -> np.ndarray:
         head = heads.get(problem.problem_id)
         if head is None:
             rng = np.random.default_rng(problem.line)
-            head = heads[problem.problem_id] = rng.integers(FIRST_ID, vocab, lengths.prompt_tokens).tolist()
-        ids = list(head)
-        for q in (inputs.solution, inputs.report):
-            if q is not None:
-                ids.extend(q.response_ids)
+            head = heads[problem.problem_id] = rng.integers(FIRST_ID, vocab, lengths.prompt_tokens)
+        ids = np.concatenate(
+            [head, *(q.response_ids for q in (inputs.solution, inputs.report) if q is not None)]
+        )
         cap = lengths.max_input_tokens
         if len(ids) > cap:
-            ids = ids[: cap // 2] + ids[len(ids) - (cap - cap // 2) :]
+            ids = np.concatenate((ids[: cap // 2], ids[len(ids) - (cap - cap // 2) :]))
         return ids
 
     return prompt_fn
@@ -204,12 +208,18 @@ class SimulatedEngine:
         # distinct experts per position and layer, as a router's top-k: check_routing insists
         self.routing = ((base + np.arange(k) * (experts // k)) % experts).astype(routing_dtype(experts))
 
-    def serve(self, wire: bytes) -> tuple[bytes, list[Any]]:
-        """One engine call across the wire: requests in, ``(outputs, version)`` out, pickled as Ray would."""
+    def serve(self, wire: bytes) -> tuple[bytes, list[Any], list[Any]]:
+        """One engine call across the wire: requests in, ``(outputs, version)`` out, pickled as Ray would,
+        with the outputs' routing references beside the reply (Ray's serialiser carries object references
+        inside a reply; a plain pickle loses their owner)."""
         requests, version = pickle.loads(wire)
+        outputs = [o.compact(routing_by_reference=True) for o in self.generate(requests)]
+        refs = [o.routed_experts for o in outputs]
+        for o in outputs:
+            o.routed_experts = None
         buffers: list[pickle.PickleBuffer] = []
-        reply = pickle.dumps((self.generate(requests), version), protocol=5, buffer_callback=buffers.append)
-        return reply, buffers
+        reply = pickle.dumps((outputs, version), protocol=5, buffer_callback=buffers.append)
+        return reply, buffers, refs
 
     def generate(self, requests: Sequence[Any]) -> list[Any]:
         from mars_megatron.rollout.engine import GenerationOutput
@@ -224,14 +234,12 @@ class SimulatedEngine:
             ids = rng.integers(FIRST_ID, self.vocab, n)
             if stopped:
                 ids[-1] = YES if self._says_yes(q) else NO
-            logprobs = (-rng.exponential(1.0, n)).tolist()
+            logprobs = -rng.exponential(1.0, n)
             rows = len(r.prompt_ids) + n - 1
             start = int(rng.integers(0, self.routing.shape[0] - rows + 1))
             routed = self.routing[start : start + rows].copy()
             finish = "stop" if stopped else "length"
-            outputs.append(
-                GenerationOutput(r.request_id, ids.tolist(), logprobs, finish, routed_experts=routed)
-            )
+            outputs.append(GenerationOutput(r.request_id, ids, logprobs, finish, routed_experts=routed))
         return outputs
 
     def _says_yes(self, q: Any) -> bool:
@@ -247,7 +255,7 @@ class SimulatedEngine:
 def decode(ids: Sequence[int]) -> str:
     """Stands in for the tokenizer's decode: 4 characters a token, ending in the output's answer and
     verdict (a response cut by the token budget ends in neither)."""
-    return FILLER * (len(ids) - 1) + ENDINGS.get(ids[-1], FILLER) if ids else ""
+    return FILLER * (len(ids) - 1) + ENDINGS.get(int(ids[-1]), FILLER) if len(ids) else ""
 
 
 # ------------------------------------------------------------------------------------------- the ranks
@@ -259,6 +267,20 @@ def serialized_bytes(obj: Any) -> int:
     return len(stream) + sum(memoryview(b).nbytes for b in buffers)
 
 
+def batch_bytes(batches: Mapping[str, Sequence[Any]]) -> int:
+    """The update's batch as the driver dispatches it, plus the routing its samples hold by reference
+    (``RoutingRef``: in the engines' object stores, each rank fetching its own), at the arrays' size."""
+    from mars_megatron.agents.sample import RoutingRef
+
+    referenced = sum(
+        int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize
+        for samples in batches.values()
+        for s in samples
+        if isinstance(r := s.routed_experts, RoutingRef)
+    )
+    return serialized_bytes(dict(batches)) + referenced
+
+
 def packing_rank_class() -> type:
     """:class:`~mars_megatron.rl.worker.PolicyWorker` without its model: the real ``train`` and ``_pack``,
     with a ``_train_policy`` that stops where the first forward would start, on a model-less engine whose
@@ -266,6 +288,7 @@ def packing_rank_class() -> type:
     importing this file (``--help``) needs no torch."""
     import torch.distributed as dist
 
+    from mars_megatron.agents.sample import fetch_routing
     from mars_megatron.rl.worker import PolicyWorker, _Policy, check_sample_routing
     from mars_megatron.training.engine import MegatronEngine
 
@@ -321,7 +344,7 @@ def packing_rank_class() -> type:
             for key, value in metrics.items():  # summed over policies ("train/" or "train/<name>/")
                 totals[key.rsplit("/", 1)[-1]] += value
             totals.update(
-                receive_cpu=receive_cpu,
+                receive_cpu=receive_cpu + totals.pop("fetch_cpu", 0.0),
                 arrived=arrived,
                 received_bytes=serialized_bytes(dict(batches)),
                 received_samples=sum(len(share.own()) for share in batches.values()),
@@ -334,10 +357,12 @@ def packing_rank_class() -> type:
             return dict(totals)
 
         def _train_policy(self, policy: Any, share: Any) -> dict[str, float]:
-            """What ``PolicyWorker._train_policy`` does before the model: R3's routing check, then this
-            rank's packs (``_pack``: the micro-batches of its share's packs)."""
-            start = time.process_time()
+            """What ``PolicyWorker._train_policy`` does before the model: R3's routing fetched and
+            checked, then this rank's packs (``_pack``: the micro-batches of its share's packs)."""
+            start = fetched = time.process_time()
             if self.cfg.moe.routing_replay == "R3":
+                fetch_routing(share.own())
+                fetched = time.process_time()
                 check_sample_routing(share.own(), policy.engine.arch)
             checked = time.process_time()
             updates = self._pack(policy.engine, share)
@@ -346,7 +371,8 @@ def packing_rank_class() -> type:
                 u.share[i] for u in updates for mb in u.micro_batches if mb.pack for i in mb.pack.sample_ids
             ]
             return {
-                "check_cpu": checked - start,
+                "fetch_cpu": fetched - start,
+                "check_cpu": checked - fetched,
                 "pack_cpu": packs_cpu,
                 "packs": float(sum(len(u.micro_batches) for u in updates)),
                 "share_bytes": float(serialized_bytes(own)),
@@ -546,9 +572,11 @@ def rollout(bench: Bench, clock: PhaseClock) -> None:
             with clock.phase("rollout I/O"):
                 wire = pickle.dumps(([segment_request(j, d.sampling) for j in jobs], s.version), protocol=5)
             with clock.phase("engine (simulated)"):
-                reply, buffers = bench.engine.serve(wire)
+                reply, buffers, refs = bench.engine.serve(wire)
             with clock.phase("rollout I/O"):
                 outputs, version = pickle.loads(reply, buffers=buffers)
+                for out, ref in zip(outputs, refs, strict=True):
+                    out.routed_experts = ref
             with clock.phase("record"):
                 finished.extend(record_outputs(s, jobs, outputs, decode, version))
         with clock.phase("rewards"):
@@ -586,7 +614,7 @@ def run_step(bench: Bench, step: int, problems: int) -> StepFigures:
     with clock.phase("advantages"):
         batches, stats = bench.driver._training_data(batch, step)
     with clock.phase("measure (not the driver's)"):
-        total = serialized_bytes(dict(batches))
+        total = batch_bytes(batches)
         bench.group.call("mark")
     submitted = time.time()
     with clock.phase("dispatch"):
