@@ -65,7 +65,7 @@ def load_engine(
     from mars_megatron.conversion.model_io import load_weights, validate_hf_checkpoint
     from mars_megatron.convert import is_mcore_checkpoint, load_mcore
     from mars_megatron.models.hf_config import load_hf_config
-    from mars_megatron.training.engine import MegatronEngine
+    from mars_megatron.training.megatron_engine import MegatronEngine
 
     if is_mcore_checkpoint(model_dir):
         arch, meta = read_meta(model_dir)

@@ -61,7 +61,7 @@ def score_and_train(cases: list[Case], seed: int = 1234) -> dict[str, dict]:
 
 
 def _score_and_train(case: Case, seed: int) -> dict:
-    from mars_megatron.training.engine import MegatronEngine
+    from mars_megatron.training.megatron_engine import MegatronEngine
 
     layout = case.parallel()
     parallel.init_model_parallel(layout, seed)

@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
+from mars_megatron.algorithm.tensors import MicroBatch
 from mars_megatron.config import OptimizerConfig, ParallelConfig
 from mars_megatron.training import parallel
-from mars_megatron.training.batches import MicroBatch
-from mars_megatron.training.engine import lm_loss
+from mars_megatron.training.megatron_engine import lm_loss
 
 TRAIN = [[(11 * i + 3 * j) % 1000 for j in range(20)] for i in range(4)]
 

@@ -25,7 +25,7 @@ def train_once_counting(hf: str, overrides: list[str], samples: list[Sample]) ->
 
     cfg = load_config(None, [f"model.hf_dir={hf}", "model.transformer_impl=local", *overrides])
     worker = PolicyWorker(cfg, hf, ["shared"])
-    engine = worker.policies["shared"].engine
+    engine = worker.policies["shared"].megatron
     scoring = engine.forward_logprobs
     calls = []
 

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
+from mars_megatron.algorithm.tensors import MicroBatch
 from mars_megatron.training import parallel
-from mars_megatron.training.batches import MicroBatch, make_micro_batches, padded_length
+from mars_megatron.training.batches import make_micro_batches, padded_length
 from mars_megatron.training.logprobs import vocab_parallel_logprobs
 from tests import engine_workers
 

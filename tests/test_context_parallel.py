@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mars_megatron.algorithm.objective import LossInputs
+from mars_megatron.algorithm.tensors import MicroBatch
 from mars_megatron.config import ConfigError, ParallelConfig, load_config
 from mars_megatron.training import parallel
-from mars_megatron.training.batches import MicroBatch
 from mars_megatron.training.context_parallel import local_mask, rank_indices, thd_index, zigzag_index
 from mars_megatron.training.packing import build_pack, build_plan_pack, plan_packs
 

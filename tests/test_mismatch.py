@@ -29,9 +29,9 @@ from mars_megatron.algorithm.mismatch import (
     role_sums,
     token_sums,
 )
+from mars_megatron.algorithm.tensors import MicroBatch
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
-from mars_megatron.training.batches import MicroBatch
 from mars_megatron.training.context_parallel import rank_indices
 from mars_megatron.training.packing import build_pack
 from tests.rl_workers import train_once_counting, train_samples

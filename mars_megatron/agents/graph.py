@@ -216,6 +216,10 @@ class LoopSpec:
     start_retries: int = 3
 
 
+SHARED = "shared"
+"""The one policy's name when every role shares a model (``algorithm.policies=shared``, MarsRL's)."""
+
+
 @dataclass(frozen=True)
 class AgentGraph:
     """A whole agent system. Build with :func:`~mars_megatron.agents.graph_file.load_graph`, which
@@ -270,16 +274,16 @@ class AgentGraph:
 
     def policy_names(self, mode: str) -> list[str]:
         """``algorithm.policies``: ``shared`` (one model), ``per_role`` or ``graph`` (its grouping)."""
-        if mode == "shared":
-            return ["shared"]
+        if mode == SHARED:
+            return [SHARED]
         if mode == "per_role":
             return list(self.roles)
         return list(self.policies)
 
     def policy_of(self, role: str, names: Sequence[str]) -> str:
         """The policy serving ``role`` among ``names`` (from :meth:`policy_names`)."""
-        if list(names) == ["shared"]:
-            return "shared"
+        if list(names) == [SHARED]:
+            return SHARED
         if role in names and role not in self.policies:
             return role
         for policy, roles in self.policies.items():

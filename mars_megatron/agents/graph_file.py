@@ -308,3 +308,10 @@ def graph_for(cfg: MarsConfig) -> AgentGraph:
                     f"{where}.{role}",
                 )
     return graph
+
+
+def policy_names(cfg: MarsConfig, graph: AgentGraph | None = None) -> list[str]:
+    """The run's policies (models), by ``algorithm.policies``: ``["shared"]``, one per role, or the graph's
+    grouping (``graph``: the run's, when already loaded). Free of torch, like this module: the launcher
+    counts rollout engines with it in its own environment."""
+    return (graph or graph_for(cfg)).policy_names(cfg.algorithm.policies)

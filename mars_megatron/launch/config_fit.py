@@ -111,7 +111,7 @@ def trainer_memory(
     cfg: MarsConfig, arch: Qwen3Arch, world: int, rollout: Rollout, cluster: Cluster
 ) -> tuple[Layout, Workload, Memory]:
     """The trainer's layout, workload and per-GPU memory on ``world`` ranks (see the module docstring)."""
-    from mars_megatron.rl.policies import policy_names
+    from mars_megatron.agents.graph_file import policy_names
 
     layout = config_layout(cfg, world)
     work = Workload(

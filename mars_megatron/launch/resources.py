@@ -13,7 +13,7 @@ from mars_megatron.config import ConfigError, MarsConfig
 
 def rollout_engines(cfg: MarsConfig) -> int:
     """Rollout engines of a run: ``pipeline.rollout_workers`` per policy."""
-    from mars_megatron.rl.policies import policy_names
+    from mars_megatron.agents.graph_file import policy_names
 
     return cfg.pipeline.rollout_workers * len(policy_names(cfg))
 

@@ -25,10 +25,9 @@ from typing import Any
 
 from mars_megatron import runtime_env
 from mars_megatron.agents.graph import prompt_set_of
-from mars_megatron.agents.graph_file import graph_for
+from mars_megatron.agents.graph_file import graph_for, policy_names
 from mars_megatron.config import ConfigError, MarsConfig, dump_config
 from mars_megatron.rl.data import ProblemStream
-from mars_megatron.rl.policies import policy_names
 from mars_megatron.rl.worker import PolicyWorker
 
 STATE_VERSION = 1

@@ -20,10 +20,10 @@ from mars_megatron.agents.sample import Sample, fetch_routing
 from mars_megatron.algorithm import losses as L
 from mars_megatron.algorithm.mismatch import SUM_KEYS, MismatchTally, mismatch_metrics
 from mars_megatron.algorithm.objective import LossInputs, make_loss_fn, packed_loss_inputs
+from mars_megatron.algorithm.tensors import MicroBatch
 from mars_megatron.config import AlgorithmConfig, MarsConfig
 from mars_megatron.rl.shares import BatchShare, MiniBatchShare, shard_batch
 from mars_megatron.training import parallel as par
-from mars_megatron.training.batches import MicroBatch
 from mars_megatron.training.packing import PackSpec
 from mars_megatron.training.weight_sync import SendsWeights, WeightSender
 
@@ -133,7 +133,7 @@ class MiniBatchUpdate:
 
 @dataclass
 class _Policy:
-    engine: Any  # MegatronEngine
+    megatron: Any  # MegatronEngine
     reference: Any | None  # frozen initial weights, for the KL penalty
     sender: WeightSender
 
@@ -150,7 +150,7 @@ class PolicyWorker(SendsWeights):
         self.loss = cfg.algorithm
         self.policies: dict[str, _Policy] = {}
         for name in names:
-            engine = load_engine(
+            megatron = load_engine(
                 model_dir,
                 cfg.parallel,
                 dtype=cfg.model.dtype,
@@ -170,25 +170,25 @@ class PolicyWorker(SendsWeights):
                     fp8=cfg.model.fp8,
                     routing_replay=cfg.moe.routing_replay != "off",
                 )
-            sender = WeightSender(engine.arch, cfg.pipeline.bucket_mb * 1024**2)
-            self.policies[name] = _Policy(engine, reference, sender)
+            sender = WeightSender(megatron.arch, cfg.pipeline.bucket_mb * 1024**2)
+            self.policies[name] = _Policy(megatron, reference, sender)
 
     # ------------------------------------------------------------------------------------------ weights
     def weight_senders(self) -> dict[str, tuple[Any, WeightSender]]:
         """What the fleet's pushes send from (:class:`~mars_megatron.training.weight_sync.SendsWeights`)."""
-        return {name: (p.engine.model, p.sender) for name, p in self.policies.items()}
+        return {name: (p.megatron.model, p.sender) for name, p in self.policies.items()}
 
     # --------------------------------------------------------------------------------------------- train
     def pack_spec(self) -> PackSpec:
         """How this trainer packs a batch (the same for every policy: one layout), for the driver to cut
         batches into data-parallel shares (:func:`~mars_megatron.rl.shares.shard_batch`)."""
-        return next(iter(self.policies.values())).engine.pack_spec()
+        return next(iter(self.policies.values())).megatron.pack_spec()
 
     def local_shares(self, batches: Mapping[str, Sequence[Sample]]) -> dict[str, BatchShare]:
         """This rank's shares of whole batches it holds itself: for tools and tests that run ranks without
         a driver (the driver sends each rank only its share)."""
         spec = self.pack_spec()
-        rank = next(iter(self.policies.values())).engine.dp_rank
+        rank = next(iter(self.policies.values())).megatron.dp_rank
         train = self.cfg.train
         return {
             name: shard_batch(samples, spec, train.pack_length, train.updates_per_batch)[rank]
@@ -218,11 +218,11 @@ class PolicyWorker(SendsWeights):
         the updates: R2 the routing to replay, the scoring forward the old log-probs, the reference its
         log-probs (KL), MIS the sequences to leave out, DMMPT the batch's one on/off decision
         (:class:`BatchTerms`); the updates then read them through :meth:`MiniBatchUpdate.loss_inputs`."""
-        engine, replay, algo = policy.engine, self.cfg.moe.routing_replay, self.cfg.algorithm
+        megatron, replay, algo = policy.megatron, self.cfg.moe.routing_replay, self.cfg.algorithm
         if replay == "R3":
             fetch_routing(share.own())  # from the engines' object stores, this rank's samples only
-            check_sample_routing(share.own(), engine.arch)
-        updates = self._pack(engine, share)
+            check_sample_routing(share.own(), megatron.arch)
+        updates = self._pack(megatron, share)
         forwards = update_forwards(self.cfg, share.engine_logprobs, len(updates))
         tally = MismatchTally(algo.mismatch_threshold) if forwards.watch else None
         if tally is not None:
@@ -231,7 +231,7 @@ class PolicyWorker(SendsWeights):
         for u in updates:
             u.routing = {} if replay == "R2" else None
             if forwards.need_old:
-                u.old = engine.forward_logprobs(u.micro_batches, record_routing=u.routing)
+                u.old = megatron.forward_logprobs(u.micro_batches, record_routing=u.routing)
         if policy.reference is not None:
             for u in updates:
                 u.ref = policy.reference.forward_logprobs(u.micro_batches, replay_routing=u.routing)
@@ -239,19 +239,24 @@ class PolicyWorker(SendsWeights):
         sums: dict[str, list[float]] = {}
         routing_changed = None
         if forwards.need_old and measure:
-            sums, outliers, routing_changed = self._measure_old(engine, tally, updates)
+            sums, outliers, routing_changed = self._measure_old(megatron, tally, updates)
             if tally is not None and algo.mis:
                 for u, out in zip(updates, outliers, strict=True):
                     u.excluded = out
-        terms = self._batch_terms(engine, updates)
+        terms = self._batch_terms(megatron, updates)
         stats: list[dict[str, torch.Tensor]] = []
         metrics = self._update(
-            engine, updates, terms, stats, tally if forwards.in_update else None, in_update=forwards.in_update
+            megatron,
+            updates,
+            terms,
+            stats,
+            tally if forwards.in_update else None,
+            in_update=forwards.in_update,
         )
         if forwards.in_update and measure:
             # each rank scored its own columns of the packs in the update
             sums, _, routing_changed = self._first_forward_sums(
-                engine, tally, replay == "R3", whole_packs=False
+                megatron, tally, replay == "R3", whole_packs=False
             )
         for key in stats[0] if stats else ():
             metrics[key] = float(torch.stack([s[key].detach().float() for s in stats]).mean())
@@ -270,7 +275,7 @@ class PolicyWorker(SendsWeights):
         return metrics
 
     def _measure_old(
-        self, engine: Any, tally: MismatchTally | None, updates: Sequence[MiniBatchUpdate]
+        self, megatron: Any, tally: MismatchTally | None, updates: Sequence[MiniBatchUpdate]
     ) -> tuple[dict[str, list[float]], list[set[int]], float | None]:
         """:meth:`_first_forward_sums` of the scoring forward under the pre-update weights."""
         if tally is not None:
@@ -280,15 +285,17 @@ class PolicyWorker(SendsWeights):
                 for mb, lp in zip(u.micro_batches, u.old, strict=True):
                     tally.add(lp, mb)
         # the old log-probs are whole packs on every CP rank: count them once
-        return self._first_forward_sums(engine, tally, self.cfg.moe.routing_replay == "R3", whole_packs=True)
+        return self._first_forward_sums(
+            megatron, tally, self.cfg.moe.routing_replay == "R3", whole_packs=True
+        )
 
-    def _pack(self, engine: Any, share: BatchShare) -> list[MiniBatchUpdate]:
+    def _pack(self, megatron: Any, share: BatchShare) -> list[MiniBatchUpdate]:
         """One update per mini-batch of this rank's share, with its micro-batches."""
         r3 = self.cfg.moe.routing_replay == "R3"
         return [
             MiniBatchUpdate(
                 mini,
-                engine.pack_micro_batches(
+                megatron.pack_micro_batches(
                     mini.packs,
                     {i: s.tokens for i, s in mini.samples.items()},
                     mini.capacity,
@@ -299,16 +306,16 @@ class PolicyWorker(SendsWeights):
             for mini in share.minis
         ]
 
-    def _batch_terms(self, engine: Any, updates: Sequence[MiniBatchUpdate]) -> BatchTerms:
+    def _batch_terms(self, megatron: Any, updates: Sequence[MiniBatchUpdate]) -> BatchTerms:
         """What the whole batch decides once for every update's loss: DMMPT's on/off from its entropy."""
         if not self.loss.dmmpt:
             return BatchTerms()
-        entropy = self._batch_entropy(engine, updates)
+        entropy = self._batch_entropy(megatron, updates)
         return BatchTerms(entropy, L.dmmpt_active(entropy, self.loss.dmmpt_entropy_target))
 
     def _update(
         self,
-        engine: Any,
+        megatron: Any,
         updates: Sequence[MiniBatchUpdate],
         terms: BatchTerms,
         stats: list[dict[str, torch.Tensor]],
@@ -326,12 +333,12 @@ class PolicyWorker(SendsWeights):
             loss_fn = make_loss_fn(self.loss, partial(u.loss_inputs, algo=self.loss, terms=terms), stats)
             if watching is not None:
                 loss_fn = watching.watching(loss_fn)
-            metrics = engine.step(
+            metrics = megatron.step(
                 u.micro_batches, loss_fn, replay_routing=u.routing, measure_routing=r3 and in_update
             )
         return metrics
 
-    def _batch_entropy(self, engine: Any, updates: Sequence[MiniBatchUpdate]) -> float:
+    def _batch_entropy(self, megatron: Any, updates: Sequence[MiniBatchUpdate]) -> float:
         """Token-mean entropy estimate (:func:`~mars_megatron.algorithm.losses.entropy_estimate`) of the
         whole rollout batch under the pre-update weights: every mini-batch's response tokens (MIS outliers
         included: they are known only later), summed on each rank, then one all-reduce over the
@@ -349,11 +356,11 @@ class PolicyWorker(SendsWeights):
                 parts.append(L.entropy_sums(lp, mask.to(lp.device)))
         # one host copy for the whole batch, then one all-reduce of two numbers
         local = torch.stack([torch.stack(p).double() for p in parts]).sum(0).tolist() if parts else [0.0, 0.0]
-        total, count = engine.sum_over_replicas(local, ps.get_context_parallel_rank() == 0)
+        total, count = megatron.sum_over_replicas(local, ps.get_context_parallel_rank() == 0)
         return total / max(count, 1.0)
 
     def _first_forward_sums(
-        self, engine: Any, tally: MismatchTally | None, routing: bool, *, whole_packs: bool
+        self, megatron: Any, tally: MismatchTally | None, routing: bool, *, whole_packs: bool
     ) -> tuple[dict[str, list[float]], list[set[int]], float | None]:
         """What the batch's first forward under the pre-update weights measured, over all ranks in one
         all-reduce: with a ``tally``, the trainer-vs-engine mismatch sums per role and each mini-batch's
@@ -363,9 +370,9 @@ class PolicyWorker(SendsWeights):
         from megatron.core import parallel_state as ps
 
         flat = tally.flat() if tally is not None else []
-        counts = engine.routing_changes() if routing else ()
+        counts = megatron.routing_changes() if routing else ()
         contribute = not whole_packs or ps.get_context_parallel_rank() == 0
-        reduced = engine.sum_over_replicas(flat, contribute, extra=counts)
+        reduced = megatron.sum_over_replicas(flat, contribute, extra=counts)
         sums, outliers = tally.finish(reduced[: len(flat)]) if tally is not None else ({}, [])
         routing_changed = None
         if routing:
@@ -380,13 +387,13 @@ class PolicyWorker(SendsWeights):
 
         assets = tokenizer_dir(self.model_dir)
         for name, policy in self.policies.items():
-            save_rank_state(Path(directory), name, policy.engine, assets=assets)
+            save_rank_state(Path(directory), name, policy.megatron, assets=assets)
 
     def load(self, directory: str) -> None:
         from mars_megatron.checkpoint.rank_state import load_rank_state
 
         for name, policy in self.policies.items():
-            load_rank_state(Path(directory), name, policy.engine)
+            load_rank_state(Path(directory), name, policy.megatron)
 
     def rank_info(self) -> dict[str, Any]:
         from megatron.core import parallel_state as ps

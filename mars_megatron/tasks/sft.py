@@ -206,7 +206,7 @@ def sft_job(
     from mars_megatron.convert import check_output_dir
     from mars_megatron.jobs import load_engine, tokenizer_dir
     from mars_megatron.training import parallel as par
-    from mars_megatron.training.engine import lm_loss
+    from mars_megatron.training.megatron_engine import lm_loss
 
     if sft.out_dir is None:
         raise ConfigError("must be set", "sft.out_dir")

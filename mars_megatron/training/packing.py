@@ -621,9 +621,9 @@ def build_plan_pack(
 @dataclass(frozen=True)
 class PackSpec:
     """What packing a batch depends on besides its lengths: the trainer's layout. The driver plans each
-    batch once with it and sends every data-parallel rank only its packs' samples; a rank's engine gives
-    the same spec (:meth:`~mars_megatron.training.engine.MegatronEngine.pack_spec`), so a plan made on the
-    driver equals the one the rank would make."""
+    batch once with it and sends every data-parallel rank only its packs' samples; a rank's Megatron engine
+    gives the same spec (:meth:`~mars_megatron.training.megatron_engine.MegatronEngine.pack_spec`), so a
+    plan made on the driver equals the one the rank would make."""
 
     dp: int
     """Data-parallel ranks: every one gets the same number of packs (short ones get empty packs)."""

@@ -306,8 +306,8 @@ def worker(
     model_dir: str, overrides: list[str], shape: Shape, repeats: int, warmup: int, profile: bool
 ) -> dict[str, Any]:
     """One rank: build the trainer's PolicyWorker, time its train step and the bare loop alternately."""
+    from mars_megatron.agents.graph import SHARED
     from mars_megatron.config import load_config
-    from mars_megatron.rl.policies import SHARED
     from mars_megatron.rl.worker import PolicyWorker
 
     cfg = load_config(
@@ -324,7 +324,7 @@ def worker(
         ],
     )
     trainer = PolicyWorker(cfg, model_dir, [SHARED])
-    engine = trainer.policies[SHARED].engine
+    engine = trainer.policies[SHARED].megatron
     samples = make_samples(shape, engine.arch.vocab_size)
     packs = prepare_bare(engine, samples, shape.pack_length, trainer.loss)
     grad_diff, grad_scale = _check_same_gradient(trainer, engine, samples, packs)

@@ -126,7 +126,7 @@ def _free() -> None:
 
 def _measure_shape(trainer: Any, shape: Any, repeats: int, warmup: int) -> dict[str, Any]:
     """One pack length: the gradient comparison, the alternated timings, then our step's peak memory."""
-    from mars_megatron.rl.policies import SHARED
+    from mars_megatron.agents.graph import SHARED
     from tools.bench.train_step import (
         _breakdown,
         _check_same_gradient,
@@ -136,7 +136,7 @@ def _measure_shape(trainer: Any, shape: Any, repeats: int, warmup: int) -> dict[
         time_alternately,
     )
 
-    engine = trainer.policies[SHARED].engine
+    engine = trainer.policies[SHARED].megatron
     trainer.cfg.train.pack_length = shape.pack_length  # PolicyWorker packs every batch with it
     samples = make_samples(shape, engine.arch.vocab_size)
     packs = prepare_bare(engine, samples, shape.pack_length, trainer.loss)
@@ -176,8 +176,8 @@ def measure(
     """Spawned (a world of one): for each ``(name, model_dir)`` the trainer on it, then each shape in
     turn. A model or shape that fails (an out-of-memory at 8k) gives its traceback, the others their
     figures."""
+    from mars_megatron.agents.graph import SHARED
     from mars_megatron.config import load_config
-    from mars_megatron.rl.policies import SHARED
     from mars_megatron.rl.worker import PolicyWorker
 
     longest = max(s.pack_length for s in shapes)

@@ -116,7 +116,7 @@ def _worker(model_dir: str, dtype: str, setup: Setup, lr: float) -> Any:
 
 
 def _steps(worker: Any, first: int, last: int, setup: Setup, save_dir: str | None = None) -> list[dict]:
-    vocab = worker.policies[POLICY].engine.arch.vocab_size
+    vocab = worker.policies[POLICY].megatron.arch.vocab_size
     out = []
     for step in range(first, last + 1):
         samples = batch(step, setup, vocab)

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from mars_megatron.algorithm.tensors import MicroBatch
 from mars_megatron.comm import collectives
 from mars_megatron.config import OptimizerConfig, ParallelConfig
 from mars_megatron.models.hf_config import Qwen3Arch
-from mars_megatron.training.batches import MicroBatch, make_micro_batches
+from mars_megatron.training.batches import make_micro_batches
 from mars_megatron.training.logprobs import vocab_parallel_logprobs
 from mars_megatron.training.model_provider import build_model, resolve_impl
 from mars_megatron.training.packing import PackPlan, PackSpec, build_pack
