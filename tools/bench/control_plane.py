@@ -23,11 +23,11 @@ simulated:
   seeded coin flip per role (as simulate.py). Text is a stand-in for the tokenizer's decode (4 characters
   a token) ending in a boxed answer and a Correctness verdict, which the real checker scores. Prompts are
   the problem (1k tokens) plus the outputs they carry (solution, report), cut to 32k as the chat codec
-  cuts them. Engine requests and outputs cross a pickle-5 round trip in this process (Ray's
-  serialisation, without Ray's copy): the driver's side is timed, the engine's is not the driver's. The
-  engine's side returns what ``RolloutActor.generate_versioned`` returns (``GenerationOutput.compact``):
-  tokens and log-probs as arrays and the routing put in the object store (``RoutingRef``), which each rank
-  fetches for its own samples.
+  cuts them. The stand-in engine runs in a Ray actor of its own and answers as
+  ``RolloutActor.generate_versioned`` does (``GenerationOutput.compact``): tokens and log-probs as arrays,
+  the routing put in the actor's object store (``RoutingRef``), which each rank fetches for its own
+  samples. What it must know of each sample (role, length so far, the judged solution's outcome) is sent
+  to it before each call, outside the driver's figures.
 
 Counted: driver CPU is ``time.process_time`` of this process inside the driver's phases only (schedule,
 rollout I/O, record, rewards, advantages, dispatch, wait); the simulated engine, the reward actor and the
@@ -39,8 +39,7 @@ measured without editing this file; ``share`` is the samples of the rank's own p
 (the rank process's CPU from just before the dispatch to the call's first line: Ray's fetch and
 deserialisation; then fetching its samples' routing), the routing check, and the plan and packs. Not in
 the figures: the real tokenizer (decoding every output, templating every prompt: the stand-ins here are a
-string repeat and an array copy) and Ray's own per-call cost of the engine calls (their bytes cross a
-pickle round trip instead).
+string repeat and an array copy).
 
 Scale. A paper step holds about 9,200 outputs and 380M tokens (prompts carry earlier outputs), and R3
 routing is 384 bytes a token: a batch of about 140 GiB, not a 24 GiB machine. So every token count
@@ -191,13 +190,13 @@ class SimulatedEngine:
     """Stands in for a rollout engine: answers segment requests with random tokens, log-probs and routing
     of the model's shape. How long each output gets and whether it is right are seeded per sample (the
     lengths as :class:`~mars_megatron.pipeline.simulate.Lengths` draws them, the outcome as
-    ``Simulation._score`` flips it); it reads the scheduler's records for the role and the solution judged,
-    the simulation's oracle."""
+    ``Simulation._score`` flips it), from what the scheduler's records say of each sample (its role, its
+    length so far, whether the solution it judges is right: the oracle, :func:`oracle_of`)."""
 
-    def __init__(self, samples: Mapping[str, Any], shape: Shape, arch: Any, seed: int) -> None:
+    def __init__(self, shape: Shape, arch: Any, seed: int) -> None:
         from mars_megatron.rollout.engine import routing_dtype
 
-        self.samples = samples
+        self.oracle: dict[str, SimpleNamespace] = {}
         self.lengths = shape.lengths
         self.seed = seed
         self.vocab = arch.vocab_size
@@ -208,25 +207,27 @@ class SimulatedEngine:
         # distinct experts per position and layer, as a router's top-k: check_routing insists
         self.routing = ((base + np.arange(k) * (experts // k)) % experts).astype(routing_dtype(experts))
 
-    def serve(self, wire: bytes) -> tuple[bytes, list[Any], list[Any]]:
-        """One engine call across the wire: requests in, ``(outputs, version)`` out, pickled as Ray would,
-        with the outputs' routing references beside the reply (Ray's serialiser carries object references
-        inside a reply; a plain pickle loses their owner)."""
-        requests, version = pickle.loads(wire)
+    def know(self, oracle: Mapping[str, tuple[str, str, int, bool | None]]) -> None:
+        """What the next call's samples are (the bench's, not an engine's: see :func:`oracle_of`)."""
+        self.oracle = {
+            sid: SimpleNamespace(sample_id=sid, role=role, response_len=done, judged_right=judged)
+            for sid, (sid, role, done, judged) in oracle.items()
+        }
+
+    def serve(self, requests: Sequence[Any], version: int) -> tuple[list[Any], int, float]:
+        """One engine call as ``RolloutActor.generate_versioned`` answers it (``GenerationOutput.compact``:
+        tokens and log-probs as arrays, the routing left in this actor's object store), and the CPU seconds
+        the engine spent."""
+        start = time.process_time()
         outputs = [o.compact(routing_by_reference=True) for o in self.generate(requests)]
-        refs = [o.routed_experts for o in outputs]
-        for o in outputs:
-            o.routed_experts = None
-        buffers: list[pickle.PickleBuffer] = []
-        reply = pickle.dumps((outputs, version), protocol=5, buffer_callback=buffers.append)
-        return reply, buffers, refs
+        return outputs, version, time.process_time() - start
 
     def generate(self, requests: Sequence[Any]) -> list[Any]:
         from mars_megatron.rollout.engine import GenerationOutput
 
         outputs = []
         for r in requests:
-            q = self.samples[r.request_id]
+            q = self.oracle[r.request_id]
             target = self.lengths.draw(q, self.seed)
             n = max(1, min(r.sampling.max_tokens, target - q.response_len))
             stopped = q.response_len + n >= target
@@ -250,6 +251,30 @@ class SimulatedEngine:
         if q.judged_right is None or q.role != "verifier":
             return right
         return q.judged_right if right else not q.judged_right
+
+
+def oracle_of(
+    samples: Mapping[str, Any], jobs: Sequence[Any]
+) -> dict[str, tuple[str, str, int, bool | None]]:
+    """What the stand-in engine needs to know of each job's sample to decide its length and outcome, as
+    plain values (the engine runs in an actor of its own)."""
+    return {
+        j.sample_id: (
+            j.sample_id,
+            j.role,
+            samples[j.sample_id].response_len,
+            samples[j.sample_id].judged_right,
+        )
+        for j in jobs
+    }
+
+
+def engine_actor(shape: Shape, arch: Any, seed: int) -> Any:
+    """:class:`SimulatedEngine` in a Ray actor of its own, as a rollout engine runs: its work and its
+    object store are not the driver's."""
+    import ray
+
+    return ray.remote(num_cpus=0)(SimulatedEngine).remote(shape, arch, seed)
 
 
 def decode(ids: Sequence[int]) -> str:
@@ -290,7 +315,7 @@ def packing_rank_class() -> type:
 
     from mars_megatron.agents.sample import fetch_routing
     from mars_megatron.rl.worker import PolicyWorker, _Policy, check_sample_routing
-    from mars_megatron.training.engine import MegatronEngine
+    from mars_megatron.training.megatron_engine import MegatronEngine
 
     class PackingEngine:
         """What ``MegatronEngine.pack_spec`` and ``MegatronEngine.pack_micro_batches`` read (the
@@ -363,9 +388,9 @@ def packing_rank_class() -> type:
             if self.cfg.moe.routing_replay == "R3":
                 fetch_routing(share.own())
                 fetched = time.process_time()
-                check_sample_routing(share.own(), policy.engine.arch)
+                check_sample_routing(share.own(), policy.megatron.arch)
             checked = time.process_time()
-            updates = self._pack(policy.engine, share)
+            updates = self._pack(policy.megatron, share)
             packs_cpu = time.process_time() - checked
             own = [
                 u.share[i] for u in updates for mb in u.micro_batches if mb.pack for i in mb.pack.sample_ids
@@ -476,9 +501,8 @@ class Bench:
     at one shape (the ranks and the reward actor are kept across shapes)."""
 
     def __init__(self, ranks: int, shape: Shape) -> None:
-        from mars_megatron.agents.graph_file import graph_for
+        from mars_megatron.agents.graph_file import graph_for, policy_names
         from mars_megatron.pipeline.facades import RewardPool, TrainerGroup, TrainerRanks
-        from mars_megatron.rl.policies import policy_names
         from mars_megatron.training.ray_group import RayWorkerGroup
 
         self.graph = graph_for(shape.cfg)
@@ -526,7 +550,11 @@ class Bench:
             shared_reward=cfg.algorithm.reward == "shared",
             filter_zero_variance=cfg.algorithm.filter_zero_variance,
         )
-        self.engine = SimulatedEngine(scheduler.samples, shape, arch, cfg.train.seed)
+        if getattr(self, "engine", None) is not None:
+            import ray
+
+            ray.kill(self.engine)
+        self.engine = engine_actor(shape, arch, cfg.train.seed)
         self.group.call("configure", cfg)
         self.trainers.train = cfg.train  # this scale's pack length
 
@@ -556,6 +584,8 @@ def rollout(bench: Bench, clock: PhaseClock) -> None:
     """Decode and score until the update is due, as ``PipelineDriver`` does: segments for each of
     ``pipeline.rollout_workers`` engines (``rollout.max_batch`` each), their outputs recorded, the finished
     ones scored by the reward pool and put back on the scheduler."""
+    import ray
+
     from mars_megatron.pipeline.agents import record_outputs, segment_request
 
     d, s = bench.driver, bench.driver.scheduler
@@ -569,14 +599,15 @@ def rollout(bench: Bench, clock: PhaseClock) -> None:
             raise RuntimeError(f"the schedule stalled: {s.stats()}")
         finished: list[str] = []
         for jobs in calls:
+            with clock.phase("oracle (not the driver's)"):
+                bench.engine.know.remote(oracle_of(s.samples, jobs))
             with clock.phase("rollout I/O"):
-                wire = pickle.dumps(([segment_request(j, d.sampling) for j in jobs], s.version), protocol=5)
-            with clock.phase("engine (simulated)"):
-                reply, buffers, refs = bench.engine.serve(wire)
+                call = bench.engine.serve.remote([segment_request(j, d.sampling) for j in jobs], s.version)
+            with clock.phase("engine (not the driver's)"):
+                ray.wait([call])
             with clock.phase("rollout I/O"):
-                outputs, version = pickle.loads(reply, buffers=buffers)
-                for out, ref in zip(outputs, refs, strict=True):
-                    out.routed_experts = ref
+                outputs, version, engine_cpu = ray.get(call)
+            clock.cpu["engine (simulated)"] += engine_cpu
             with clock.phase("record"):
                 finished.extend(record_outputs(s, jobs, outputs, decode, version))
         with clock.phase("rewards"):
