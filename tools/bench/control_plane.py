@@ -207,11 +207,11 @@ class SimulatedEngine:
         # distinct experts per position and layer, as a router's top-k: check_routing insists
         self.routing = ((base + np.arange(k) * (experts // k)) % experts).astype(routing_dtype(experts))
 
-    def know(self, oracle: Mapping[str, tuple[str, str, int, bool | None]]) -> None:
+    def know(self, oracle: Mapping[str, tuple[str, int, bool | None]]) -> None:
         """What the next call's samples are (the bench's, not an engine's: see :func:`oracle_of`)."""
         self.oracle = {
             sid: SimpleNamespace(sample_id=sid, role=role, response_len=done, judged_right=judged)
-            for sid, (sid, role, done, judged) in oracle.items()
+            for sid, (role, done, judged) in oracle.items()
         }
 
     def serve(self, requests: Sequence[Any], version: int) -> tuple[list[Any], int, float]:
@@ -253,18 +253,11 @@ class SimulatedEngine:
         return q.judged_right if right else not q.judged_right
 
 
-def oracle_of(
-    samples: Mapping[str, Any], jobs: Sequence[Any]
-) -> dict[str, tuple[str, str, int, bool | None]]:
+def oracle_of(samples: Mapping[str, Any], jobs: Sequence[Any]) -> dict[str, tuple[str, int, bool | None]]:
     """What the stand-in engine needs to know of each job's sample to decide its length and outcome, as
     plain values (the engine runs in an actor of its own)."""
     return {
-        j.sample_id: (
-            j.sample_id,
-            j.role,
-            samples[j.sample_id].response_len,
-            samples[j.sample_id].judged_right,
-        )
+        j.sample_id: (j.role, samples[j.sample_id].response_len, samples[j.sample_id].judged_right)
         for j in jobs
     }
 
