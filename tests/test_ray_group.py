@@ -148,9 +148,8 @@ def test_each_rank_receives_its_own_arguments(group: RayWorkerGroup) -> None:
 class _RoutingEngine:
     """Stands in for a rollout actor: its outputs as ``RolloutActor.generate_versioned`` returns them."""
 
-    def output(self, width: int = 2) -> GenerationOutput:
-        """3 prompt + 2 new tokens: 4 positions of ``width`` layers x ``width`` experts."""
-        routing = (np.arange(4 * width * width) % 251).astype(np.uint8).reshape(4, width, width)
+    def output(self) -> GenerationOutput:
+        routing = np.arange(16, dtype=np.uint8).reshape(4, 2, 2)  # 3 prompt + 2 new tokens: 4 positions
         return GenerationOutput("s", [1, 2], [-0.5, 1e-7], "stop", routed_experts=routing).compact(True)
 
 

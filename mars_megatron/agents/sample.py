@@ -76,9 +76,7 @@ class RoutingRef:
     (:func:`fetch_routing`).
 
     The store's owner is the engine's actor: if that actor dies before the update, the routing is gone
-    and fetching it fails naming the samples (the sample must be decoded again). Ray inlines up to 10 MiB
-    of a reply's objects into the reply (``task_rpc_inlined_bytes_limit``), so a small call's routing does
-    reach the driver; a paper-scale call's (6 MiB a 16k-token output) stays in the engine's store."""
+    and fetching it fails naming the samples (the sample must be decoded again)."""
 
     ref: Any
     """Ray's ``ObjectRef`` of the array."""
