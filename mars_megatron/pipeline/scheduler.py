@@ -569,8 +569,7 @@ class Scheduler:
 
     def idle(self) -> bool:
         """Nothing left to decode, score or train, and no problem waiting."""
-        busy = any(tree.active for tree in self._trajectories.values())
-        return not self._waiting and not busy and not self._queue and self.training is None
+        return not self._waiting and not self.unfinished() and not self._queue and self.training is None
 
     @property
     def trained(self) -> int:
