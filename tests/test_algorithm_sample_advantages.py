@@ -68,6 +68,20 @@ def test_a_record_grows_segment_by_segment_and_stays_valid():
         s.add_segment([8], [math.nan], version=3)
 
 
+def test_token_ids_outside_int32_are_refused_not_wrapped():
+    """The record keeps ids as int32 (half the bytes of every hop): an id an int64 array or a Python
+    int carries beyond that would wrap silently in a cast, so it is refused, naming the range."""
+    import numpy as np
+
+    s = Sample([1, 2], [], "solver", "p", behaviour_logprobs=[], sample_id="s")
+    s.add_segment(np.array([151_935], dtype=np.int64), [-0.5], version=0)  # Qwen3's last id: kept
+    assert s.response_ids.dtype == np.int32 and s.response_ids.tolist() == [151_935]
+    for bad in (np.array([2**31], dtype=np.int64), np.array([-1], dtype=np.int64), [2**40]):
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, 2147483647\]"):
+            s.add_segment(bad, [-0.5], version=0)
+    assert s.response_ids.tolist() == [151_935]  # nothing appended by a refused segment
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

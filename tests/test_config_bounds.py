@@ -302,6 +302,24 @@ def test_sampling_params_refuse_non_finite_and_mistyped(kwargs: dict[str, Any], 
     assert str(err.value) == message
 
 
+def test_a_segments_params_check_the_budget_and_seed_they_change() -> None:
+    """``with_budget`` (one per segment) keeps the run's checked sampling and checks what it sets."""
+    from mars_megatron.rollout.engine import SamplingParams
+
+    run = SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, top_k=5, stop_token_ids=(2,))
+    segment = run.with_budget(16, 2**63 - 1)
+    assert segment == SamplingParams(16, 0.7, 0.9, 5, seed=2**63 - 1, stop_token_ids=(2,))
+    assert run.max_tokens == 64 and run.seed is None  # the run's params are left as they were
+    for budget, seed, message in [
+        (0, 1, "max_tokens must be an int >= 1, got 0"),
+        (True, 1, "max_tokens must be an int >= 1, got True"),
+        (4, 2**63, f"seed must be a 64-bit int or None, got {2**63}"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            run.with_budget(budget, seed)
+        assert str(err.value) == message
+
+
 def test_sampling_params_take_numpy_numbers() -> None:
     import numpy as np
 

@@ -160,7 +160,9 @@ def test_routing_stays_in_the_engines_store_until_a_rank_fetches_it(cluster: Non
     engine = _RoutingEngine.remote()  # type: ignore[attr-defined]
     out = ray.get(engine.output.remote())
     assert isinstance(out.routed_experts, RoutingRef) and out.routed_experts.shape == (4, 2, 2)
-    assert out.token_ids.dtype == np.int64 and out.logprobs.tolist() == [-0.5, 1e-7]  # every bit kept
+    # the record's types on the wire; an engine's float32 log-probs keep every bit
+    assert out.token_ids.dtype == np.int32 and out.logprobs.dtype == np.float32
+    assert out.logprobs.tolist() == [-0.5, float(np.float32(1e-7))]
     s = Sample([7, 8, 9], [], "solver", "p", sample_id="s")
     s.add_segment(out.token_ids, out.logprobs, 0, out.routed_experts)
     with pytest.raises(ValueError, match="fetch_routing before saving"):

@@ -6,11 +6,13 @@ log-probs the engine sampled them with, the policy version that decoded them, th
 selection, the reward, the per-role metrics, GRPO (``advantage``), the packer and the loss all read
 and annotate this one record; nothing copies it into another type.
 
-The per-token fields are numpy arrays (token ids ``int64``, log-probs ``float64``, the loss mask ``int8``),
+The per-token fields are numpy arrays (token ids ``int32``, log-probs ``float32``, the loss mask ``int8``),
 made from whatever sequence a caller passes: at paper scale a step holds hundreds of millions of tokens,
 and the driver only moves them (appends a segment, pickles a share for its trainer rank), which for an
 array is a memory copy and for a list of Python numbers tens of nanoseconds a token
-(``tools/bench/control_plane.py``). Compare them with ``.tolist()`` or ``np.array_equal``.
+(``tools/bench/control_plane.py``). The types are the narrowest that lose nothing: vocabularies are far
+below 2**31 ids, and every engine computes its log-probs in float32 (the trainer reads them as float32
+too). Compare them with ``.tolist()`` or ``np.array_equal``.
 
 The checks hold for partial records too (a sample still decoding has fewer tokens, and every per-token
 array has as many entries as ``response_ids``). Every token's values are checked once: all of them on
@@ -33,15 +35,30 @@ if TYPE_CHECKING:
     from numpy.typing import ArrayLike
 
 
-TOKEN_DTYPE = np.dtype(np.int64)
-LOGPROB_DTYPE = np.dtype(np.float64)
-"""float64: the engines' log-probs arrive as Python floats, so the record keeps their every bit."""
+TOKEN_DTYPE = np.dtype(np.int32)
+"""int32: half the bytes of int64 on every hop (engine reply, request, record, share); a vocabulary is
+far below 2**31 ids (Qwen3's 151,936), and an id outside the type is refused, not wrapped."""
+LOGPROB_DTYPE = np.dtype(np.float32)
+"""float32: what every engine computes (HF's and vLLM's log-softmax in float32, sent as Python floats
+that are float32 values) and what the loss and the mismatch metrics read (they cast to float32 first),
+so nothing the trainer sees changes; the scheduler's checkpoint kept them as float32 already."""
 MASK_DTYPE = np.dtype(np.int8)
+_TOKEN_MAX = int(np.iinfo(TOKEN_DTYPE).max)
 
 
 def token_array(values: ArrayLike) -> np.ndarray:
-    """Token ids as the record keeps them (no copy when they already are)."""
-    return np.asarray(values, dtype=TOKEN_DTYPE).reshape(-1)
+    """Token ids as the record keeps them (no copy when they already are). Ids from a wider integer
+    array are range-checked before the cast (numpy would wrap them); Python ints out of range raise in
+    numpy itself."""
+    ids = np.asarray(values)
+    if ids.dtype == TOKEN_DTYPE:
+        return ids.reshape(-1)
+    if ids.dtype.kind in "iu" and ids.size and (int(ids.min()) < 0 or int(ids.max()) > _TOKEN_MAX):
+        raise ValueError(f"token ids must be in [0, {_TOKEN_MAX}], got {int(ids.min())}..{int(ids.max())}")
+    try:
+        return np.asarray(values, dtype=TOKEN_DTYPE).reshape(-1)
+    except OverflowError as e:
+        raise ValueError(f"token ids must be in [0, {_TOKEN_MAX}]: {e}") from None
 
 
 def logprob_array(values: ArrayLike) -> np.ndarray:

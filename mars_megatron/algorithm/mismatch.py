@@ -121,7 +121,7 @@ def engine_layout(samples: SampleLookup, pack: PackedSequence) -> tuple[torch.Te
         first, count = response_span(sample, start, end)
         if count <= 0:
             continue
-        # float32 first, as the loss sees them (the record keeps the engine's float64)
+        # float32, as the loss sees them (the record keeps float32: LOGPROB_DTYPE)
         engine[0, first : first + count] = torch.as_tensor(
             sample.behaviour_logprobs[:count], dtype=torch.float32
         )

@@ -46,15 +46,7 @@ def prompt_builder(
 
 def segment_request(job: SegmentJob, sampling: SamplingParams) -> GenerationRequest:
     """The engine request of one segment: the run's sampling with the segment's budget and seed."""
-    params = SamplingParams(
-        max_tokens=job.max_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        seed=job.seed,
-        stop_token_ids=sampling.stop_token_ids,
-    )
-    return GenerationRequest(job.sample_id, job.context(), params)
+    return GenerationRequest(job.sample_id, job.context(), sampling.with_budget(job.max_tokens, job.seed))
 
 
 def record_outputs(

@@ -12,6 +12,7 @@ Optional capabilities are separate protocols rather than methods that raise NotI
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from mars_megatron.agents.sample import RoutingRef
+from mars_megatron.agents.sample import RoutingRef, logprob_array, token_array
 
 if TYPE_CHECKING:
     from mars_megatron.transfer.channel import TransferStats
@@ -59,16 +60,32 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k}")
-        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**63):
+        self._check_seed(self.seed)
+
+    def with_budget(self, max_tokens: int, seed: int | None) -> SamplingParams:
+        """These params with another token budget and seed (a segment's), checking only those two: the
+        driver makes one per segment, 15,000 a paper step, and the rest was checked when these were
+        made."""
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        self._check_seed(seed)
+        params = copy.copy(self)
+        object.__setattr__(params, "max_tokens", max_tokens)
+        object.__setattr__(params, "seed", seed)
+        return params
+
+    @staticmethod
+    def _check_seed(seed: object) -> None:
+        if seed is not None and not (_is_int(seed) and -(2**63) <= seed < 2**63):  # type: ignore[operator]
             # engines seed a torch.Generator (int64 here, uint64 on its own) or send it as JSON int64
-            raise ValueError(f"seed must be a 64-bit int or None, got {self.seed!r}")
+            raise ValueError(f"seed must be a 64-bit int or None, got {seed!r}")
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
     prompt_ids: Sequence[int] | np.ndarray
-    """A tuple, or the scheduler's int64 array (pickled as one buffer, not one object a token)."""
+    """A tuple, or the scheduler's int32 array (pickled as one buffer, not one object a token)."""
     sampling: SamplingParams
 
     def __post_init__(self) -> None:
@@ -96,15 +113,16 @@ class GenerationOutput:
     order. The trainer replays them (``moe.routing_replay=R3``)."""
 
     def compact(self, routing_by_reference: bool) -> GenerationOutput:
-        """The same output as a rollout actor returns it to the driver: tokens and log-probs as arrays
-        (int64, float64: every value kept), so the driver unpickles two buffers, not an object a token;
+        """The same output as a rollout actor returns it to the driver: tokens and log-probs as arrays of
+        the record's types (int32, float32: see :data:`~mars_megatron.agents.sample.TOKEN_DTYPE`), so the
+        driver unpickles two buffers, not an object a token, and appends them without a cast;
         with ``routing_by_reference`` (a Ray actor), the routing left in this process's object store
         (:class:`RoutingRef`), so the driver never holds it: the trainer rank fetches it."""
         routing = self.routed_experts
         return GenerationOutput(
             self.request_id,
-            np.asarray(self.token_ids, dtype=np.int64),
-            np.asarray(self.logprobs, dtype=np.float64),
+            token_array(self.token_ids),
+            logprob_array(self.logprobs),
             self.finish_reason,
             self.extra,
             RoutingRef.put(routing) if routing_by_reference and isinstance(routing, np.ndarray) else routing,
