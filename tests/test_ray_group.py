@@ -22,6 +22,7 @@ from mars_megatron.agents.sample import RoutingRef, Sample, fetch_routing  # noq
 from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors  # noqa: E402
 from mars_megatron.models.hf_config import load_hf_config  # noqa: E402
 from mars_megatron.models.presets import init_model  # noqa: E402
+from mars_megatron.rollout.batch import OutputBatch  # noqa: E402
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams  # noqa: E402
 from mars_megatron.rollout.hf_engine import HFEngine  # noqa: E402
 from mars_megatron.training import parallel  # noqa: E402
@@ -150,7 +151,9 @@ class _RoutingEngine:
 
     def output(self) -> GenerationOutput:
         routing = np.arange(16, dtype=np.uint8).reshape(4, 2, 2)  # 3 prompt + 2 new tokens: 4 positions
-        return GenerationOutput("s", [1, 2], [-0.5, 1e-7], "stop", routed_experts=routing).compact(True)
+        out = GenerationOutput("s", [1, 2], [-0.5, 1e-7], "stop", routed_experts=routing)
+        (only,) = OutputBatch.of([out], routing_by_reference=True).outputs()
+        return only
 
 
 def test_routing_stays_in_the_engines_store_until_a_rank_fetches_it(cluster: None) -> None:

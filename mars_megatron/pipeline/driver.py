@@ -35,13 +35,14 @@ from mars_megatron.pipeline.agents import (
     batch_metrics,
     record_outputs,
     score_request,
-    segment_request,
+    segment_batch,
     set_shared_rewards,
     write_rollouts,
 )
 from mars_megatron.pipeline.facades import ProblemFeed, RewardPool, TrainerGroup
 from mars_megatron.pipeline.fleet import EngineFleet
 from mars_megatron.pipeline.scheduler import Batch, Scheduler
+from mars_megatron.rollout.batch import OutputBatch
 from mars_megatron.rollout.chat import ChatCodec
 from mars_megatron.rollout.engine import SamplingParams
 
@@ -116,7 +117,7 @@ class PipelineDriver:
             jobs = self.scheduler.take_segments(self.max_batch, roles=self.trainers.roles_of(name))
             if not jobs:
                 continue
-            ref = engine.actor.generate_versioned.remote([segment_request(j, self.sampling) for j in jobs])
+            ref = engine.actor.generate_versioned.remote(segment_batch(jobs, self.sampling))
             self.flight[ref] = _InFlight("rollout", w, jobs)
             self.busy_rollout.add(w)
         while self.to_score:
@@ -131,11 +132,12 @@ class PipelineDriver:
             self.to_score = []
 
     # ----------------------------------------------------------------------------------------- results
-    def _on_rollout(self, item: _InFlight, result: tuple[list[Any], int]) -> None:
+    def _on_rollout(self, item: _InFlight, result: tuple[OutputBatch, int]) -> None:
         outputs, version = result
         self.busy_rollout.discard(item.worker)
+        codec = self.codec
         recorded = record_outputs(
-            self.scheduler, item.payload, outputs, self.codec.decode, version, self.codec.encode_text
+            self.scheduler, item.payload, outputs.outputs(), codec.decode, version, codec.encode_text
         )
         self.to_score.extend(recorded)
 

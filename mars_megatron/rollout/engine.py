@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from mars_megatron.agents.sample import RoutingRef, logprob_array, token_array
+from mars_megatron.agents.sample import RoutingRef
 
 if TYPE_CHECKING:
     from mars_megatron.transfer.channel import TransferStats
@@ -111,22 +111,6 @@ class GenerationOutput:
     the model consumed as input, the prompt's included (the last generated token is never fed back).
     Rows follow the MoE layers in model order (dense layers have none), each row's top-k in the router's
     order. The trainer replays them (``moe.routing_replay=R3``)."""
-
-    def compact(self, routing_by_reference: bool) -> GenerationOutput:
-        """The same output as a rollout actor returns it to the driver: tokens and log-probs as arrays of
-        the record's types (int32, float32: see :data:`~mars_megatron.agents.sample.TOKEN_DTYPE`), so the
-        driver unpickles two buffers, not an object a token, and appends them without a cast;
-        with ``routing_by_reference`` (a Ray actor), the routing left in this process's object store
-        (:class:`RoutingRef`), so the driver never holds it: the trainer rank fetches it."""
-        routing = self.routed_experts
-        return GenerationOutput(
-            self.request_id,
-            token_array(self.token_ids),
-            logprob_array(self.logprobs),
-            self.finish_reason,
-            self.extra,
-            RoutingRef.put(routing) if routing_by_reference and isinstance(routing, np.ndarray) else routing,
-        )
 
 
 def _is_int(value: object) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from mars_megatron.rollout.batch import OutputBatch, RequestBatch
 from mars_megatron.rollout.engine import (
     GenerationOutput,
     GenerationRequest,
@@ -80,14 +81,16 @@ class RolloutActor:
                 f"version {self._version}); it generates again once a transfer completes"
             )
 
-    def generate_versioned(self, requests: Sequence[GenerationRequest]) -> tuple[list[GenerationOutput], int]:
-        """``generate``, and the policy version that decoded it: the actor runs one call at a time, so a
-        call never straddles a weight update (the agentic pipeline records this per segment)."""
+    def generate_versioned(self, batch: RequestBatch) -> tuple[OutputBatch, int]:
+        """``generate`` of one call's requests as columns (:mod:`~mars_megatron.rollout.batch`: a few
+        objects to pickle, whatever the call's size), and the policy version that decoded them: the actor
+        runs one call at a time, so a call never straddles a weight update (the agentic pipeline records
+        this per segment)."""
         self._check_whole()
         import ray
 
         by_reference = ray.is_initialized()  # a Ray actor: the routing stays in this node's object store
-        return [o.compact(by_reference) for o in self.engine.generate(requests)], self._version
+        return OutputBatch.of(self.engine.generate(batch.requests()), by_reference), self._version
 
     # ------------------------------------------------------------------------------ weight transfer
     def transfer_ranks(self) -> int:
