@@ -12,6 +12,7 @@ Real Ray (a local instance started here; run inside a loopback-only network name
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from collections.abc import Iterator
@@ -64,7 +65,8 @@ def cluster() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def runs(cluster: None, bench: ModuleType) -> dict:
-    return bench.measure(SCALES, ranks=DP, steps=1, warmup=0, problems=PROBLEMS, log=lambda _: None)
+    points = [bench.Point(s, PROBLEMS) for s in SCALES]
+    return bench.measure(points, ranks=DP, steps=1, warmup=0, log=lambda _: None)
 
 
 def test_every_sample_reaches_exactly_one_rank(runs: dict) -> None:
@@ -95,8 +97,10 @@ def test_bytes_received_against_the_share(runs: dict) -> None:
 def test_cpu_is_counted_per_phase_on_the_driver_and_the_ranks(runs: dict, bench: ModuleType) -> None:
     for steps in runs.values():
         (step,) = steps
-        assert all(step.clock.cpu[p] >= 0 for p in bench.DRIVER_PHASES)
-        assert step.clock.driver_cpu() == pytest.approx(sum(step.clock.cpu[p] for p in bench.DRIVER_PHASES))
+        assert all(step.clock.work(p) >= 0 for p in bench.DRIVER_PHASES)
+        assert step.clock.driver_cpu() == pytest.approx(sum(step.clock.work(p) for p in bench.DRIVER_PHASES))
+        for p in bench.DRIVER_PHASES:  # the idle burn left out: at most the rate times the phase's wall
+            assert step.clock.cpu[p] - step.clock.work(p) <= step.clock.idle_rate * step.clock.wall[p] + 1e-9
         assert step.clock.cpu["dispatch"] > 0 and step.clock.cpu["engine (simulated)"] > 0
         assert step.wall >= step.clock.wall["dispatch"] + step.clock.wall["wait"]
         for r in step.ranks:
@@ -110,7 +114,7 @@ def test_the_report_extrapolates_to_the_paper_scale(
     out = capsys.readouterr().out
     assert "driver CPU s: total" in out and "Extrapolated, not measured" in out
     assert out.count(": met") + out.count(": not met") == 2  # both goals judged on the extrapolation
-    measured = runs[SCALES[-1]][0]
+    measured = runs[bench.Point(SCALES[-1], PROBLEMS)][0]
     assert ex.tokens == pytest.approx(measured.tokens * 1024, rel=0.1)  # tokens scale with the scale
     assert (
         ex.paper["received / (total/DP) (max)"] <= 1.5
@@ -118,3 +122,21 @@ def test_the_report_extrapolates_to_the_paper_scale(
     # over 3 ranks less evenly than 128 over 8
     assert ex.paper["bytes: total (batch)"] > 500 * measured.total_bytes
     assert ex.per_token["bytes: total (batch)"] >= ROUTING_BYTES_PER_POSITION
+
+
+def test_the_fit_separates_step_sample_and_token_costs(bench: ModuleType) -> None:
+    """The paper column is ``per step + per sample x samples + per token x tokens`` fitted through the
+    points: with points of many short samples and of few paper-length ones, each part is recovered; no
+    part is negative; too few points put everything on the tokens (an upper bound)."""
+    samples, tokens = [9208, 9208, 576, 144], [0.36e6, 2.9e6, 5.1e6, 6.3e6]
+    ys = [0.05 + 2.5e-4 * n + 2e-8 * t for n, t in zip(samples, tokens, strict=True)]
+    cost = bench.Cost.fit(samples, tokens, ys)
+    assert (cost.per_step, cost.per_sample, cost.per_token) == pytest.approx((0.05, 2.5e-4, 2e-8))
+    falling = bench.Cost.fit(samples, tokens, [1.0, 0.9, 0.5, 0.4])  # more tokens, less cost: noise
+    assert min(falling.per_step, falling.per_sample, falling.per_token) >= 0
+    assert bench.Cost.fit([9208], [0.36e6], [1.8]) == bench.Cost(0.0, 0.0, 1.8 / 0.36e6)
+    assert bench.parse_point("1/4:8", 128) == bench.Point(Fraction(1, 4), 8)
+    assert bench.parse_point("1/1024", 128) == bench.Point(Fraction(1, 1024), 128)
+    for bad in ("2", "0:3", "1:0", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"scale|problems|point"):
+            bench.parse_point(bad, 128)

@@ -7,7 +7,7 @@ simulated:
 * **real**: the :class:`~mars_megatron.pipeline.scheduler.Scheduler` built as the trainer builds it from
   ``examples/qwen3_30b_a3b.yaml`` (128 problems per step, G = 8, 5 positions, 2 inputs per later
   position, segments of 16k), in ``pipeline.mode=sync`` so that one step trains every output of its 128
-  problems; the driver's segment requests (``segment_request``), ``record_outputs``, ``score_request``s
+  problems; the driver's segment requests (``segment_batch``), ``record_outputs``, ``score_request``s
   scored by a real :class:`~mars_megatron.pipeline.facades.RewardPool` actor (math-verify and the
   verdict reader), ``on_scored``; the driver's ``_training_data`` (``assign_advantages``,
   ``balance_roles``, ``TrainerGroup.split``); the dispatch ``TrainerGroup.submit`` (the batch cut into
@@ -24,42 +24,46 @@ simulated:
   a token) ending in a boxed answer and a Correctness verdict, which the real checker scores. Prompts are
   the problem (1k tokens) plus the outputs they carry (solution, report), cut to 32k as the chat codec
   cuts them. The stand-in engine runs in a Ray actor of its own and answers as
-  ``RolloutActor.generate_versioned`` does (``GenerationOutput.compact``): tokens and log-probs as arrays,
-  the routing put in the actor's object store (``RoutingRef``), which each rank fetches for its own
+  ``RolloutActor.generate_versioned`` does (``OutputBatch``): tokens and log-probs as columns, the
+  routing put in the actor's object store (``RoutingRef``), which each rank fetches for its own
   samples. What it must know of each sample (role, length so far, the judged solution's outcome) is sent
   to it before each call, outside the driver's figures.
 
 Counted: driver CPU is ``time.process_time`` of this process inside the driver's phases only (schedule,
-rollout I/O, record, rewards, advantages, dispatch, wait); the simulated engine, the reward actor and the
-byte counting are left out. Bytes are the pickle protocol 5 size with out-of-band buffers counted (in-band
-stream + raw numpy buffers: what Ray's serialiser writes): ``total`` is the update's whole batch, measured
-on the driver, the routing it holds by reference counted at its size; ``received`` is what reached a
-rank's ``train``, its routing fetched included, measured on the rank, so a ``submit`` that shards is
-measured without editing this file; ``share`` is the samples of the rank's own packs. Rank CPU: receiving
-(the rank process's CPU from just before the dispatch to the call's first line: Ray's fetch and
-deserialisation; then fetching its samples' routing), the routing check, and the plan and packs. Not in
-the figures: the real tokenizer (decoding every output, templating every prompt: the stand-ins here are a
-string repeat and an array copy).
+rollout I/O, record, rewards, advantages, dispatch, wait), less what the process burns idle over each
+phase's wall time (Ray's own threads poll: the rate is measured with every actor up and the driver asleep,
+and printed); the simulated engine, the reward actor and the byte counting are left out. Bytes are the
+pickle protocol 5 size with out-of-band buffers counted (in-band stream + raw numpy buffers: what Ray's
+serialiser writes): ``total`` is the update's whole batch, measured on the driver, the routing it holds by
+reference counted at its size; ``received`` is what reached a rank's ``train``, its routing fetched
+included, measured on the rank, so a ``submit`` that shards is measured without editing this file;
+``share`` is the samples of the rank's own packs. Rank CPU: receiving (the rank process's CPU from just
+before the dispatch to the call's first line: Ray's fetch and deserialisation; then fetching its samples'
+routing), the routing check, and the plan and packs. Not in the figures: the real tokenizer (decoding
+every output, templating every prompt: the stand-ins here are a string repeat and an array copy).
 
-Scale. A paper step holds about 9,200 outputs and 380M tokens (prompts carry earlier outputs), and R3
-routing is 384 bytes a token: a batch of about 140 GiB, not a 24 GiB machine. So every token count
-(lengths, caps, segments, pack length) is multiplied by ``--scales`` while the problems, samples, groups
-and the schedule stay at paper size. Each figure is measured at every scale (the median of ``--steps``
-steps) and fitted as ``a + b * tokens`` through the scales: ``a / samples`` is printed per sample (what
-does not shrink with the tokens), ``b`` per token, and the paper column is the line at a paper step's
-tokens. That column is an extrapolation, never a measurement; wall times and the simulated engine are not
-extrapolated (2 shared cores say nothing of a cluster's wall time).
+Points. A paper step holds about 9,200 outputs and 380M tokens (prompts carry earlier outputs), and R3
+routing is 384 bytes a token: a batch of about 140 GiB, not a 24 GiB machine. So each step is measured at
+a *point*, ``scale:problems``: every token count (lengths, caps, segments, pack length) times ``scale``,
+with ``problems`` problems (the paper's 128 unless named). The default points are 128 problems at token
+scales 1/1024 and 1/128 (a paper step's samples, groups and schedule with short arrays) and 8 and 2
+problems at scales 1/4 and 1 (a paper step's own array sizes: a 16k-token segment crosses Ray through the
+object store, where a 16-token one travels inline). Each figure is the median of ``--steps`` steps per
+point, fitted by least squares as ``per step + per sample x samples + per token x tokens`` (no part
+negative), and the paper column is that fit at a paper step's samples and tokens. That column is an
+extrapolation, never a measurement; wall times and the simulated engine are not extrapolated (2 shared
+cores say nothing of a cluster's wall time). Ratios are judged at the points of 128 problems (a few
+problems balance worse over 8 ranks).
 
-With no arguments it runs 3 steps at each of the token scales 1/1024 and 1/256 on 8 ranks (after an
-unreported warm-up step of one problem) and prints the driver's CPU seconds per phase, wall seconds, bytes
-per rank against total / DP and against the rank's share, the ranks' CPU, peak memory, and the paper-scale
-extrapolation beside the goals (driver <= 5 s per step, bytes per rank <= 1.1 x total / DP): 3 to 6
-minutes on 2 cores (195 s, and 349 s with other runs on the cores), 5.3 GiB at most (the summed PSS of
-every process of the run; 1/128 needs about twice that).
+With no arguments it runs 3 steps at each default point on 8 ranks (after an unreported warm-up step of
+one problem) and prints the driver's CPU seconds per phase, wall seconds, bytes per rank against total / DP
+and against the rank's share, the ranks' CPU, peak memory, and the paper-scale extrapolation beside the
+goals (driver <= 5 s per step, bytes per rank <= 1.1 x total / DP): about 5 minutes on 2 cores, under
+8 GiB (a paper-length point's routing is 2.3 GiB in the object store, and again on the ranks).
 
 Starts Ray: run it inside a loopback-only network namespace, e.g.
     unshare -n bash -c 'ip link set lo up && python tools/bench/control_plane.py'
-    python tools/bench/control_plane.py --scales 1/1024,1/512,1/256 --steps 5 agents.inputs_per_agent=1
+    python tools/bench/control_plane.py --scales 1/1024,1/256,1:4 --steps 5 agents.inputs_per_agent=1
 """
 
 from __future__ import annotations
@@ -119,6 +123,17 @@ class Shape:
     """simulate.Lengths: the response lengths drawn, prompt size and input cap, scaled."""
 
 
+@dataclass(frozen=True, order=True)
+class Point:
+    """Where a step is measured: every token count times ``scale``, with ``problems`` problems."""
+
+    scale: Fraction
+    problems: int
+
+    def __str__(self) -> str:
+        return f"{self.scale} x {self.problems}"
+
+
 def scaled(tokens: int, scale: Fraction) -> int:
     return max(1, round(tokens * scale))
 
@@ -174,7 +189,9 @@ def carried_prompts(lengths: Any, vocab: int) -> Any:
         head = heads.get(problem.problem_id)
         if head is None:
             rng = np.random.default_rng(problem.line)
-            head = heads[problem.problem_id] = rng.integers(FIRST_ID, vocab, lengths.prompt_tokens)
+            head = heads[problem.problem_id] = rng.integers(
+                FIRST_ID, vocab, lengths.prompt_tokens, dtype=np.int32
+            )
         ids = np.concatenate(
             [head, *(q.response_ids for q in (inputs.solution, inputs.report) if q is not None)]
         )
@@ -214,12 +231,14 @@ class SimulatedEngine:
             for sid, (role, done, judged) in oracle.items()
         }
 
-    def serve(self, requests: Sequence[Any], version: int) -> tuple[list[Any], int, float]:
-        """One engine call as ``RolloutActor.generate_versioned`` answers it (``GenerationOutput.compact``:
-        tokens and log-probs as arrays, the routing left in this actor's object store), and the CPU seconds
-        the engine spent."""
+    def serve(self, batch: Any, version: int) -> tuple[Any, int, float]:
+        """One engine call as ``RolloutActor.generate_versioned`` answers it (``OutputBatch.of``: tokens
+        and log-probs as columns, the routing left in this actor's object store), and the CPU seconds the
+        engine spent."""
+        from mars_megatron.rollout.batch import OutputBatch
+
         start = time.process_time()
-        outputs = [o.compact(routing_by_reference=True) for o in self.generate(requests)]
+        outputs = OutputBatch.of(self.generate(batch.requests()), routing_by_reference=True)
         return outputs, version, time.process_time() - start
 
     def generate(self, requests: Sequence[Any]) -> list[Any]:
@@ -445,10 +464,22 @@ def rank_figures(result: Mapping[str, float], submitted: float) -> RankFigures:
 
 
 # ------------------------------------------------------------------------------------------- the driver
-class PhaseClock:
-    """CPU (``process_time``) and wall seconds of this process, per named phase."""
+def idle_cpu_rate(seconds: float = 2.0) -> float:
+    """CPU seconds a wall second this process spends doing nothing (Ray's own threads: polling, heartbeats;
+    about 2 to 3 ms a second here), measured while it sleeps."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    time.sleep(seconds)
+    return max(0.0, (time.process_time() - cpu) / (time.perf_counter() - wall))
 
-    def __init__(self) -> None:
+
+class PhaseClock:
+    """CPU (``process_time``: every thread, Ray's included) and wall seconds of this process, per named
+    phase. A phase's *work* is its CPU less what the process burns idle over the phase's wall time
+    (``idle_rate``): on 2 shared cores a driver waits long for 8 ranks, and that idle burn would otherwise
+    be charged to the step's data (a wait grows with the ranks' work, so it looked like cost per token)."""
+
+    def __init__(self, idle_rate: float = 0.0) -> None:
+        self.idle_rate = idle_rate
         self.cpu: dict[str, float] = defaultdict(float)
         self.wall: dict[str, float] = defaultdict(float)
 
@@ -461,15 +492,23 @@ class PhaseClock:
             self.cpu[name] += time.process_time() - cpu
             self.wall[name] += time.perf_counter() - wall
 
+    def idle(self, name: str) -> float:
+        """The part of phase ``name``'s CPU that the process would have burnt idle."""
+        return min(self.cpu[name], self.idle_rate * self.wall[name])
+
+    def work(self, name: str) -> float:
+        return self.cpu[name] - self.idle(name)
+
     def driver_cpu(self) -> float:
-        return sum(self.cpu[p] for p in DRIVER_PHASES)
+        """The driver's work over the step: its phases' CPU, the idle burn left out."""
+        return sum(self.work(p) for p in DRIVER_PHASES)
 
 
 @dataclass
 class StepFigures:
     """One measured step."""
 
-    scale: Fraction
+    point: Point
     samples: int
     tokens: int
     """Prompt + response tokens of the samples trained."""
@@ -508,6 +547,7 @@ class Bench:
         self.trainers = TrainerGroup(self.group, None, names, self.graph, shape.cfg.train, ranks_)  # type: ignore[arg-type]
         self.rewards = RewardPool(shape.cfg.pipeline.reward_workers)
         self.problems_seen = 0
+        self.idle_rate = idle_cpu_rate()  # every actor up and idle
         self.reshape(shape)
 
     def reshape(self, shape: Shape) -> None:
@@ -579,7 +619,7 @@ def rollout(bench: Bench, clock: PhaseClock) -> None:
     ones scored by the reward pool and put back on the scheduler."""
     import ray
 
-    from mars_megatron.pipeline.agents import record_outputs, segment_request
+    from mars_megatron.pipeline.agents import record_outputs, segment_batch
 
     d, s = bench.driver, bench.driver.scheduler
     while True:
@@ -595,20 +635,21 @@ def rollout(bench: Bench, clock: PhaseClock) -> None:
             with clock.phase("oracle (not the driver's)"):
                 bench.engine.know.remote(oracle_of(s.samples, jobs))
             with clock.phase("rollout I/O"):
-                call = bench.engine.serve.remote([segment_request(j, d.sampling) for j in jobs], s.version)
+                call = bench.engine.serve.remote(segment_batch(jobs, d.sampling), s.version)
             with clock.phase("engine (not the driver's)"):
                 ray.wait([call])
             with clock.phase("rollout I/O"):
                 outputs, version, engine_cpu = ray.get(call)
             clock.cpu["engine (simulated)"] += engine_cpu
             with clock.phase("record"):
-                finished.extend(record_outputs(s, jobs, outputs, decode, version))
-        with clock.phase("rewards"):
-            score(bench, finished)
+                finished.extend(record_outputs(s, jobs, outputs.outputs(), decode, version))
+        score(bench, finished, clock)
 
 
-def score(bench: Bench, finished: Sequence[str]) -> None:
-    """The finished outputs' rewards, from a real reward actor, onto the records (``_on_reward``)."""
+def score(bench: Bench, finished: Sequence[str], clock: PhaseClock) -> None:
+    """The finished outputs' rewards, from a real reward actor, onto the records (``_on_reward``). As
+    ``PipelineDriver`` does, the driver waits for the result (``ray.wait``: the reward actor's time, not
+    the driver's) before it takes it."""
     import ray
 
     from mars_megatron.pipeline.agents import score_request
@@ -616,17 +657,24 @@ def score(bench: Bench, finished: Sequence[str]) -> None:
     if not finished:
         return
     s = bench.driver.scheduler
-    requests = [score_request(s, sid) for sid in finished]
-    for sid, reward, verdict in ray.get(bench.rewards.score(0, requests)):
-        s.on_scored(sid, reward, verdict)
+    with clock.phase("rewards"):
+        requests = [score_request(s, sid) for sid in finished]
+        ref = bench.rewards.score(0, requests)
+    with clock.phase("reward actor (not the driver's)"):
+        ray.wait([ref])
+    with clock.phase("rewards"):
+        for sid, reward, verdict in ray.get(ref):
+            s.on_scored(sid, reward, verdict)
 
 
 def run_step(bench: Bench, step: int, problems: int) -> StepFigures:
     """One update: rollouts of ``problems`` problems, advantages, the dispatch to every rank and their
     packs; then the driver's bookkeeping of a finished update."""
+    import ray
+
     from mars_megatron.pipeline.agents import batch_metrics
 
-    clock = PhaseClock()
+    clock = PhaseClock(bench.idle_rate)
     add_problems(bench, problems)
     gc.collect()
     start = time.perf_counter()
@@ -643,7 +691,9 @@ def run_step(bench: Bench, step: int, problems: int) -> StepFigures:
     submitted = time.time()
     with clock.phase("dispatch"):
         handles = dispatch(bench.trainers, batches)
-    with clock.phase("wait"):
+    with clock.phase("ranks (not the driver's)"):
+        ray.wait(list(handles), num_returns=len(handles))
+    with clock.phase("wait"):  # the results, once the ranks are done
         results = bench.group.wait(handles)
     with clock.phase("schedule"):
         s.on_trained()
@@ -652,7 +702,7 @@ def run_step(bench: Bench, step: int, problems: int) -> StepFigures:
         batch_metrics(batch, bench.graph)
     wall = time.perf_counter() - start - clock.wall["measure (not the driver's)"]
     return StepFigures(
-        scale=bench.shape.scale,
+        point=Point(bench.shape.scale, problems),
         samples=int(stats["samples/trained"]),
         tokens=int(stats["tokens"]),
         total_bytes=total,
@@ -681,8 +731,13 @@ def _rank_max(attr: str) -> Any:
 
 
 FIGURES = [
-    *(Figure(f"driver CPU s: {p}", "cpu", lambda step, p=p: step.clock.cpu[p]) for p in DRIVER_PHASES),
+    *(Figure(f"driver CPU s: {p}", "cpu", lambda step, p=p: step.clock.work(p)) for p in DRIVER_PHASES),
     Figure("driver CPU s: total", "cpu", lambda step: step.clock.driver_cpu()),
+    Figure(
+        "driver CPU s: idle burn (left out)",
+        "wall",
+        lambda step: sum(step.clock.idle(p) for p in DRIVER_PHASES),
+    ),
     Figure("driver wall s: step", "wall", lambda step: step.wall),
     Figure("engine CPU s (simulated)", "sim", lambda step: step.clock.cpu["engine (simulated)"]),
     Figure("bytes: total (batch)", "bytes", lambda step: step.total_bytes),
@@ -707,59 +762,89 @@ def median_figures(steps: Sequence[StepFigures]) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
-class Line:
-    """``figure = a + b * tokens``, fitted through the measured scales: ``a`` is what does not shrink with
-    the tokens (per sample: the schedule, the records' fields), ``b`` the cost of a token. ``b`` is never
-    negative (no cost falls as the tokens grow: a negative slope is noise, and the figure is then its
-    mean)."""
+class Cost:
+    """``figure = per_step + per_sample * samples + per_token * tokens``, fitted by least squares through the
+    measured points. Points of 128 problems at small token scales pin what each sample costs (the
+    schedule, the records' fields, Ray's calls); points at or near the paper's own token lengths with a
+    few problems pin what a token costs at the array sizes a paper step has (a 16k-token segment crosses
+    Ray through the object store, a 16-token one inline), so the per-token part is measured rather than
+    read off a slope between tiny arrays; and a step's fixed costs (a call to every rank, the pack plan's
+    set-up) are not charged to the tokens of a step with few samples. No part is negative (no cost falls
+    as the work grows): the fit is the best over the parts left in, each set tried. Too few points for
+    three parts put everything on the tokens: an upper bound."""
 
-    a: float
-    b: float
+    per_step: float
+    per_sample: float
+    per_token: float
 
     @classmethod
-    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> Line:
-        if len(set(xs)) < 2:
-            return cls(0.0, statistics.fmean(ys) / statistics.fmean(xs))  # all of it per token: a bound
-        slope, intercept = statistics.linear_regression(xs, ys)
-        if slope < 0:
-            return cls(statistics.fmean(ys), 0.0)
-        return cls(intercept, slope)
+    def fit(cls, samples: Sequence[float], tokens: Sequence[float], ys: Sequence[float]) -> Cost:
+        columns = np.column_stack([np.ones(len(ys)), np.asarray(samples, float), np.asarray(tokens, float)])
+        y = np.asarray(ys, float)
+        if np.linalg.matrix_rank(columns / columns.max(axis=0)) < 3:
+            return cls(0.0, 0.0, float(y.sum() / columns[:, 2].sum()))
+        best: tuple[float, np.ndarray] | None = None
+        for kept in ((0, 1, 2), (1, 2), (0, 2), (0, 1), (2,), (1,), (0,)):
+            x = columns[:, kept]
+            part = np.linalg.lstsq(x, y, rcond=None)[0]
+            if (part < 0).any():
+                continue
+            residual = float(((x @ part - y) ** 2).sum())
+            if best is None or residual < best[0] - 1e-12 * float(y @ y):
+                full = np.zeros(3)
+                full[list(kept)] = part
+                best = (residual, full)
+        parts = best[1] if best is not None else np.zeros(3)
+        return cls(float(parts[0]), float(parts[1]), float(parts[2]))
 
-    def at(self, x: float) -> float:
-        return self.a + self.b * x
+    def at(self, samples: float, tokens: float) -> float:
+        return self.per_step + self.per_sample * samples + self.per_token * tokens
 
 
 @dataclass(frozen=True)
 class Extrapolation:
-    """Every figure as ``samples x per_sample + tokens x per_token``, and its value at the paper's
-    tokens."""
+    """Every figure as ``samples x per_sample + tokens x per_token``, and its value at a paper step."""
 
+    samples: float
+    """A paper step's samples: the measured samples per problem times the config's problems per step."""
     tokens: float
-    """A paper step's tokens: the measured tokens' line through the scales (proportional to them), at
-    scale 1."""
+    """A paper step's tokens: its samples times the tokens per sample at scale 1 (the line of tokens per
+    sample through the measured scales)."""
     paper: dict[str, float]
+    per_step: dict[str, float]
     per_sample: dict[str, float]
     per_token: dict[str, float]
 
 
-def extrapolate(points: Mapping[Fraction, Mapping[str, float]]) -> Extrapolation:
-    """The paper-scale figures from the measured scales: a :class:`Line` per figure against the measured
-    tokens, at a paper step's tokens. Ratios are averaged; wall times and the simulated engine are not
-    extrapolated."""
+def extrapolate(points: Mapping[Point, Mapping[str, float]], problems: int) -> Extrapolation:
+    """The paper-scale figures (``problems`` per step) from the measured points: a :class:`Cost` per
+    figure. Ratios are averaged; wall times and the simulated engine are not extrapolated."""
+    samples = [p["samples"] for p in points.values()]
     tokens = [p["tokens"] for p in points.values()]
-    samples = statistics.fmean(p["samples"] for p in points.values())
-    paper_tokens = Line.fit([float(s) for s in points], tokens).at(1.0)
-    paper, per_sample, per_token = {"tokens": paper_tokens, "samples": samples}, {}, {}
+    paper_samples = statistics.fmean(p["samples"] / k.problems for k, p in points.items()) * problems
+    per_sample_tokens = [t / n for t, n in zip(tokens, samples, strict=True)]
+    scales = [float(k.scale) for k in points]
+    if len(set(scales)) < 2:
+        at_one = statistics.fmean(per_sample_tokens) / statistics.fmean(scales)
+    else:
+        slope, intercept = statistics.linear_regression(scales, per_sample_tokens)
+        at_one = intercept + slope
+    paper_tokens = at_one * paper_samples
+    paper: dict[str, float] = {"tokens": paper_tokens, "samples": paper_samples}
+    per_step: dict[str, float] = {}
+    per_sample: dict[str, float] = {}
+    per_token: dict[str, float] = {}
     for f in FIGURES:
         ys = [p[f.name] for p in points.values()]
         if f.kind == "ratio":
             paper[f.name] = statistics.fmean(ys)
         elif f.kind in ("cpu", "bytes"):
-            line = Line.fit(tokens, ys)
-            paper[f.name] = line.at(paper_tokens)
-            per_sample[f.name] = line.a / samples
-            per_token[f.name] = line.b
-    return Extrapolation(paper_tokens, paper, per_sample, per_token)
+            cost = Cost.fit(samples, tokens, ys)
+            paper[f.name] = cost.at(paper_samples, paper_tokens)
+            per_step[f.name] = cost.per_step
+            per_sample[f.name] = cost.per_sample
+            per_token[f.name] = cost.per_token
+    return Extrapolation(paper_samples, paper_tokens, paper, per_step, per_sample, per_token)
 
 
 def fmt(kind: str, value: float | None, unit: str = "") -> str:
@@ -790,15 +875,16 @@ def goal(name: str, paper: float | None) -> str:
     return f"<= {limits[name]:g}{' s' if 'CPU' in name else 'x'}{verdict}"
 
 
-def print_table(points: Mapping[Fraction, Mapping[str, float]], ex: Extrapolation) -> None:
-    """Measured figures at each scale, their per-sample and per-token parts, the paper extrapolation and
-    the goals."""
+def print_table(points: Mapping[Point, Mapping[str, float]], ex: Extrapolation) -> None:
+    """Measured figures at each point (scale x problems), their per-sample and per-token parts, the paper
+    extrapolation and the goals."""
     scales = sorted(points)
-    heads = [f"scale {s}" for s in scales] + ["per sample", "per token", "paper (extrap.)"]
+    heads = [str(s) for s in scales] + ["per step", "per sample", "per token", "paper (extrap.)"]
     print(f"\n{'figure':<36}" + "".join(f"{h:>16}" for h in heads) + "  goal")
     for f in FIGURES:
         cells = [fmt(f.kind, points[s][f.name]) for s in scales]
         cells += [
+            fmt(f.kind, ex.per_step.get(f.name)),
             fmt(f.kind, ex.per_sample.get(f.name), "per sample"),
             fmt(f.kind, ex.per_token.get(f.name), "per token"),
             fmt(f.kind, ex.paper.get(f.name)),
@@ -810,7 +896,7 @@ def print_table(points: Mapping[Fraction, Mapping[str, float]], ex: Extrapolatio
 def print_ranks(step: StepFigures) -> None:
     """Per rank at one scale: what it received against total/DP and against its own packs, and its CPU."""
     print(
-        f"\nper rank at scale {step.scale} (one step): total {step.total_bytes / 2**20:,.1f} MiB, "
+        f"\nper rank at {step.point} (one step): total {step.total_bytes / 2**20:,.1f} MiB, "
         f"total/DP {step.total_bytes / step.dp / 2**20:,.1f} MiB"
     )
     print(
@@ -836,34 +922,31 @@ def ship_by_value() -> None:
 
 
 def measure(
-    scales: Sequence[Fraction],
+    points: Sequence[Point],
     *,
     ranks: int = 8,
     steps: int = 1,
     warmup: int = 1,
-    problems: int | None = None,
     overrides: Sequence[str] = (),
     log: Any = print,
-) -> dict[Fraction, list[StepFigures]]:
-    """Every scale's measured steps, on one rank group and reward actor (Ray must be running). A warm-up
-    step of ``warmup`` problems at the first scale comes first, unreported (first calls import and
+) -> dict[Point, list[StepFigures]]:
+    """Every point's measured steps, on one rank group and reward actor (Ray must be running). A warm-up
+    step of ``warmup`` problems at the first point comes first, unreported (first calls import and
     allocate)."""
     ship_by_value()
-    shapes = [paper_shape(s, overrides) for s in scales]
-    per_step = problems or shapes[0].cfg.data.problems_per_step
-    bench = Bench(ranks, shapes[0])
-    out: dict[Fraction, list[StepFigures]] = {}
+    bench = Bench(ranks, paper_shape(points[0].scale, overrides))
+    out: dict[Point, list[StepFigures]] = {}
     try:
         if warmup:
             run_step(bench, 0, warmup)
-        for shape in shapes:
-            bench.reshape(shape)
-            out[shape.scale] = []
+        for point in points:
+            bench.reshape(paper_shape(point.scale, overrides))
+            out[point] = []
             for k in range(steps):
-                step = run_step(bench, k + 1, per_step)
-                out[shape.scale].append(step)
+                step = run_step(bench, k + 1, point.problems)
+                out[point].append(step)
                 log(
-                    f"scale {shape.scale} step {k + 1}: {step.samples:,} samples, {step.tokens:,} tokens, "
+                    f"{point} step {k + 1}: {step.samples:,} samples, {step.tokens:,} tokens, "
                     f"driver {step.clock.driver_cpu():.2f} CPU s, wall {step.wall:.1f} s"
                 )
     finally:
@@ -871,11 +954,23 @@ def measure(
     return out
 
 
-def parse_scale(text: str) -> Fraction:
-    value = Fraction(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"a scale is a fraction in (0, 1], got {text}")
-    return value
+def parse_point(text: str, problems: int) -> Point:
+    """``scale`` or ``scale:problems`` (``1/1024``, ``1:2``)."""
+    scale_text, _, count = text.partition(":")
+    try:
+        scale, n = Fraction(scale_text), int(count) if count else problems
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a point is scale[:problems], e.g. 1/1024 or 1:2; got {text!r}"
+        ) from None
+    if not 0 < scale <= 1:
+        raise argparse.ArgumentTypeError(f"a scale is a fraction in (0, 1], got {scale_text}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a point's problems must be >= 1, got {count}")
+    return Point(scale, n)
+
+
+DEFAULT_POINTS = "1/1024,1/128,1/4:8,1:2"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -884,50 +979,73 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--scales",
-        type=lambda t: [parse_scale(x) for x in t.split(",")],
-        default=[Fraction(1, 1024), Fraction(1, 256)],
-        help="token scales, comma-separated fractions of the paper's (default 1/1024,1/256; two or more "
-        "give the paper-scale extrapolation)",
+        default=DEFAULT_POINTS,
+        help="the measured points, comma-separated: a token scale (a fraction of the paper's lengths), "
+        "optionally ':problems' (default: --problems); default 1/1024,1/128,1/4:8,1:2 (128 problems at "
+        "two small scales, then 8 and 2 problems at a quarter of and at the paper's own lengths)",
     )
     parser.add_argument("--ranks", type=int, default=8, help="trainer ranks, all data-parallel (default 8)")
     parser.add_argument(
-        "--steps", type=int, default=3, help="measured steps per scale, their medians printed (default 3)"
+        "--steps", type=int, default=3, help="measured steps per point, their medians printed (default 3)"
     )
     parser.add_argument(
-        "--problems", type=int, default=None, help="problems per step (default: the config's, 128)"
+        "--problems",
+        type=int,
+        default=None,
+        help="problems per step of a point that names none, and of the extrapolated paper step (default: "
+        "the config's, 128)",
     )
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. agents.inputs_per_agent=1")
     args = parser.parse_args(argv)
     if args.ranks < 1 or args.steps < 1 or (args.problems is not None and args.problems < 1):
         parser.error("--ranks, --steps and --problems must be >= 1")
+    if args.problems is None:
+        args.problems = paper_shape(Fraction(1, 1024), args.overrides).cfg.data.problems_per_step
+    try:
+        args.points = [parse_point(t, args.problems) for t in args.scales.split(",")]
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"--scales: {e}")
     return args
 
 
-def report(runs: Mapping[Fraction, Sequence[StepFigures]], problems: int, cfg: Any) -> Extrapolation:
-    """Print the measured figures, the extrapolation and the largest scale's ranks; the extrapolation."""
-    points = {scale: median_figures(steps) for scale, steps in runs.items()}
-    ex = extrapolate(points)
+def full_size(runs: Mapping[Point, Sequence[StepFigures]], problems: int) -> list[Point]:
+    """The points with a paper step's problems (all points where none has): where the balance of the
+    ranks is judged, as a paper step's samples spread over them."""
+    return [k for k in runs if k.problems == problems] or list(runs)
+
+
+def report(runs: Mapping[Point, Sequence[StepFigures]], problems: int, cfg: Any) -> Extrapolation:
+    """Print the measured figures, the extrapolation and the ranks of the largest full-size point; the
+    extrapolation."""
+    points = {point: median_figures(steps) for point, steps in runs.items()}
+    ex = extrapolate(points, problems)
+    full = full_size(runs, problems)
+    for f in FIGURES:  # a few problems over 8 ranks balance worse than a paper step's 128
+        if f.kind == "ratio":
+            ex.paper[f.name] = statistics.fmean(points[k][f.name] for k in full)
     a = cfg.agents
     steps = len(next(iter(runs.values())))
     print(
         f"\none MarsRL step (pipeline.mode=sync): {problems} problems x G {a.group_size} x {a.max_steps} "
-        f"positions, {a.inputs_per_agent} inputs per later position; {len(runs[max(runs)][0].ranks)} ranks, "
-        f"all data-parallel; R3 routing uint8 [positions, 48, 8]; median of {steps} step(s) per scale; "
-        f"{len(os.sched_getaffinity(0))} cores"
+        f"positions, {a.inputs_per_agent} inputs per later position; {len(runs[full[0]][0].ranks)} ranks, "
+        f"all data-parallel; R3 routing uint8 [positions, 48, 8]; median of {steps} step(s) per point "
+        f"(token scale x problems); {len(os.sched_getaffinity(0))} cores"
     )
     print_table(points, ex)
-    how = (
-        "the least-squares line a + b * tokens through the measured scales"
-        if len(points) > 1
-        else "the one measured scale, all of it counted per token (an upper bound)"
-    )
     print(
-        f"per sample = a / samples, per token = b; paper (extrap.) = {how}, at a paper step's "
-        f"{ex.tokens / 1e6:,.0f}M tokens (the tokens' own line through the scales, at scale 1). "
+        "per step, per sample, per token: the least-squares fit figure = per step + per sample x samples "
+        "+ per token x tokens through the points, no part negative; paper (extrap.) = that fit at a paper "
+        f"step's {ex.samples:,.0f} samples and {ex.tokens / 1e6:,.0f}M tokens; ratios: the mean over the "
+        f"points of {problems} problems. "
         "Extrapolated, not measured: a paper step does not fit this machine."
     )
-    print_ranks(runs[max(runs)][-1])
-    print(f"driver peak RSS {max(s.driver_peak_rss for r in runs.values() for s in r) / 2**30:.2f} GiB")
+    print_ranks(runs[max(full)][-1])
+    rate = next(iter(runs.values()))[0].clock.idle_rate
+    print(
+        f"driver peak RSS {max(s.driver_peak_rss for r in runs.values() for s in r) / 2**30:.2f} GiB; "
+        f"idle burn {rate * 1e3:.1f} ms of CPU a wall second (the driver asleep, every actor up), left out "
+        "of each phase over its wall time"
+    )
     return ex
 
 
@@ -937,13 +1055,10 @@ def main() -> None:
     args = parse_args()
     ray.init(num_cpus=args.ranks + 2, include_dashboard=False, log_to_driver=False)
     try:
-        runs = measure(
-            args.scales, ranks=args.ranks, steps=args.steps, problems=args.problems, overrides=args.overrides
-        )
+        runs = measure(args.points, ranks=args.ranks, steps=args.steps, overrides=args.overrides)
     finally:
         ray.shutdown()
-    cfg = paper_shape(max(runs), args.overrides).cfg
-    report(runs, args.problems or cfg.data.problems_per_step, cfg)
+    report(runs, args.problems, paper_shape(max(runs).scale, args.overrides).cfg)
 
 
 if __name__ == "__main__":
