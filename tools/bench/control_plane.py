@@ -58,8 +58,9 @@ problems balance worse over 8 ranks).
 With no arguments it runs 3 steps at each default point on 8 ranks (after an unreported warm-up step of
 one problem) and prints the driver's CPU seconds per phase, wall seconds, bytes per rank against total / DP
 and against the rank's share, the ranks' CPU, peak memory, and the paper-scale extrapolation beside the
-goals (driver <= 5 s per step, bytes per rank <= 1.1 x total / DP): about 5 minutes on 2 cores, under
-8 GiB (a paper-length point's routing is 2.3 GiB in the object store, and again on the ranks).
+goals (driver <= 5 s per step, bytes per rank <= 1.1 x total / DP): about 4 minutes on 2 cores, with
+about 11 GiB of the machine's memory in use at the peak (a paper-length point's routing is 2.2 GiB in the
+object store, and again on the ranks).
 
 Starts Ray: run it inside a loopback-only network namespace, e.g.
     unshare -n bash -c 'ip link set lo up && python tools/bench/control_plane.py'
