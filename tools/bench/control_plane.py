@@ -819,7 +819,8 @@ class Extrapolation:
 
 def extrapolate(points: Mapping[Point, Mapping[str, float]], problems: int) -> Extrapolation:
     """The paper-scale figures (``problems`` per step) from the measured points: a :class:`Cost` per
-    figure. Ratios are averaged; wall times and the simulated engine are not extrapolated."""
+    figure. Ratios are averaged over the full-size points (:func:`full_size`); wall times and the
+    simulated engine are not extrapolated."""
     samples = [p["samples"] for p in points.values()]
     tokens = [p["tokens"] for p in points.values()]
     paper_samples = statistics.fmean(p["samples"] / k.problems for k, p in points.items()) * problems
@@ -835,10 +836,11 @@ def extrapolate(points: Mapping[Point, Mapping[str, float]], problems: int) -> E
     per_step: dict[str, float] = {}
     per_sample: dict[str, float] = {}
     per_token: dict[str, float] = {}
+    full = full_size(points, problems)
     for f in FIGURES:
         ys = [p[f.name] for p in points.values()]
-        if f.kind == "ratio":
-            paper[f.name] = statistics.fmean(ys)
+        if f.kind == "ratio":  # a few problems over 8 ranks balance worse than a paper step's 128
+            paper[f.name] = statistics.fmean(points[k][f.name] for k in full)
         elif f.kind in ("cpu", "bytes"):
             cost = Cost.fit(samples, tokens, ys)
             paper[f.name] = cost.at(paper_samples, paper_tokens)
@@ -1009,7 +1011,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def full_size(runs: Mapping[Point, Sequence[StepFigures]], problems: int) -> list[Point]:
+def full_size(runs: Mapping[Point, Any], problems: int) -> list[Point]:
     """The points with a paper step's problems (all points where none has): where the balance of the
     ranks is judged, as a paper step's samples spread over them."""
     return [k for k in runs if k.problems == problems] or list(runs)
@@ -1021,9 +1023,6 @@ def report(runs: Mapping[Point, Sequence[StepFigures]], problems: int, cfg: Any)
     points = {point: median_figures(steps) for point, steps in runs.items()}
     ex = extrapolate(points, problems)
     full = full_size(runs, problems)
-    for f in FIGURES:  # a few problems over 8 ranks balance worse than a paper step's 128
-        if f.kind == "ratio":
-            ex.paper[f.name] = statistics.fmean(points[k][f.name] for k in full)
     a = cfg.agents
     steps = len(next(iter(runs.values())))
     print(
