@@ -65,6 +65,11 @@ def logprob_array(values: ArrayLike) -> np.ndarray:
     return np.asarray(values, dtype=LOGPROB_DTYPE).reshape(-1)
 
 
+def _at_most_zero(logprobs: np.ndarray) -> np.ndarray:
+    """Log-probs clamped to <= 0: an engine's rounding can put a certain token a hair above."""
+    return np.where(logprobs > 0.0, 0.0, logprobs)
+
+
 def group_id(problem_id: str, position: str, parent_id: str | None) -> str:
     """Identify a group: same problem, same position, same parent sample (so the same input)."""
     return f"{problem_id}/{position}/{parent_id or '-'}"
@@ -302,7 +307,7 @@ class Sample:
             self.routed_experts = routed_experts
         assert self.loss_mask is not None
         start = len(self.response_ids)
-        self._append(ids, np.where(lps > 0.0, 0.0, lps), np.ones(len(ids), dtype=MASK_DTYPE))
+        self._append(ids, _at_most_zero(lps), np.ones(len(ids), dtype=MASK_DTYPE))
         self.segment_versions.append(Segment(start, len(self.response_ids), version))
 
     def _append(self, ids: np.ndarray, logprobs: np.ndarray, mask: np.ndarray) -> None:
@@ -426,7 +431,6 @@ class Sample:
         (``group_id``, ``routing``, ``judged_right``, ``loss_mask``, ``tool_calls``) get what they meant
         then."""
         key, position = d["key"], str(d["position"])
-        logprobs = logprob_array(d["logprobs"])
         return cls(
             d["prompt_ids"],
             d["tokens"],
@@ -434,7 +438,7 @@ class Sample:
             problem_id,
             d.get("group_id") or group_id(key, position, d["parent_id"]),
             reward=d["reward"],
-            behaviour_logprobs=np.where(logprobs > 0.0, 0.0, logprobs),
+            behaviour_logprobs=_at_most_zero(logprob_array(d["logprobs"])),
             segment_versions=[Segment(*g) for g in d["segments"]],
             sample_id=d["sample_id"],
             routed_experts=d.get("routing"),

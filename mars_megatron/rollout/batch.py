@@ -64,7 +64,7 @@ class RequestBatch:
         decoded so far), copied once into the batch's array."""
         lengths = [sum(len(p) for p in parts) for parts in prompts]
         pieces = [token_array(p) for parts in prompts for p in parts]
-        tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=token_array([]).dtype)
+        tokens = np.concatenate(pieces) if pieces else token_array([])
         return cls(tuple(request_ids), tokens, _offsets(lengths), tuple(max_tokens), tuple(seeds), sampling)
 
     @classmethod
