@@ -300,18 +300,27 @@ class Sample:
             raise ValueError(f"{self.sample_id}: {len(ids)} tokens but {len(lps)} log-probs")
         if not len(ids):
             return
-        if np.isnan(lps).any():
+        highest = lps.max()  # one pass for both checks: a NaN anywhere makes the maximum NaN
+        if np.isnan(highest):
             raise ValueError(f"{self.sample_id}: the engine returned a NaN log-prob (behaviour_logprobs)")
         self._check_routing(routed_experts, len(self.response_ids) + len(ids))
         if routed_experts is not None:
             self.routed_experts = routed_experts
         assert self.loss_mask is not None
         start = len(self.response_ids)
-        self._append(ids, _at_most_zero(lps), np.ones(len(ids), dtype=MASK_DTYPE))
+        self._append(ids, _at_most_zero(lps) if highest > 0.0 else lps, np.ones(len(ids), dtype=MASK_DTYPE))
         self.segment_versions.append(Segment(start, len(self.response_ids), version))
 
     def _append(self, ids: np.ndarray, logprobs: np.ndarray, mask: np.ndarray) -> None:
-        """Grow the per-token arrays by one segment (one copy of each: a response has a few segments)."""
+        """Grow the per-token arrays by one segment (one copy of each: a response has a few segments).
+
+        The first segment is kept as given, not copied: most responses are one segment, and an engine
+        call's outputs are views of its :class:`~mars_megatron.rollout.batch.OutputBatch` (under Ray, of
+        the object store's read-only buffer), which nothing writes to. Nothing writes to a record's
+        arrays in place either; each later segment makes new ones."""
+        if not len(self.response_ids):
+            self.response_ids, self.behaviour_logprobs, self.loss_mask = ids, logprobs, mask
+            return
         before = self.behaviour_logprobs
         if before is None:
             before = np.zeros(len(self.response_ids), dtype=LOGPROB_DTYPE)
