@@ -108,3 +108,24 @@ def start_fleet(group: Any, factories: list[Any], replacement: Any, **kwargs: An
     restart = lambda i: start_rollout_actor(replacement, threads=1)  # noqa: E731
     options = {"host": "127.0.0.1", "backend": "gloo", "timeout_s": 60, **kwargs}
     return EngineFleet(group, engines, restart, **options)
+
+
+class PromptEcho:
+    """A rollout engine that answers each request with a few tokens derived from its prompt and returns
+    the prompt it was given in the output's extras: a test compares what the engine saw with what the
+    scheduler meant to send."""
+
+    def generate(self, requests: Any) -> list[Any]:
+        import numpy as np
+
+        from mars_megatron.rollout.engine import GenerationOutput
+
+        outputs = []
+        for r in requests:
+            prompt = np.asarray(r.prompt_ids)
+            n = min(r.sampling.max_tokens, 3)
+            ids = (int(prompt.sum()) + np.arange(n)) % 997 + 3
+            outputs.append(
+                GenerationOutput(r.request_id, ids, [-0.5] * n, "length", {"prompt": prompt.tolist()})
+            )
+        return outputs

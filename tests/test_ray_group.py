@@ -10,6 +10,7 @@ import functools
 import re
 import time
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from mars_megatron.agents.sample import RoutingRef, Sample, fetch_routing  # noq
 from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors  # noqa: E402
 from mars_megatron.models.hf_config import load_hf_config  # noqa: E402
 from mars_megatron.models.presets import init_model  # noqa: E402
-from mars_megatron.rollout.batch import OutputBatch  # noqa: E402
+from mars_megatron.rollout.batch import OutputBatch, RequestBatch  # noqa: E402
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams  # noqa: E402
 from mars_megatron.rollout.hf_engine import HFEngine  # noqa: E402
 from mars_megatron.training import parallel  # noqa: E402
@@ -32,7 +33,7 @@ from mars_megatron.training.ray_group import (  # noqa: E402
     RayWorkerGroup,
     make_worker_group,
 )
-from tests.ray_workers import TrainerRank, start_fleet, train_once  # noqa: E402
+from tests.ray_workers import PromptEcho, TrainerRank, start_fleet, train_once  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
@@ -196,6 +197,93 @@ def test_routing_stays_in_the_engines_store_until_a_rank_fetches_it(cluster: Non
         del lost  # the fetched array pins the object
         assert time.monotonic() < deadline, "the dead engine's routing was never released"
         time.sleep(0.5)
+
+
+def test_continuing_segments_name_their_context_in_the_store(cluster: None) -> None:
+    """A sequence's later segments are sent as references to what the object store already holds (its
+    prompt in the first call's batch, its tokens so far in earlier results): the engine sees every token
+    of each context, and the driver sends each prompt once and no decoded token back. A context whose
+    object is gone is named, and the same requests then go inline."""
+    from mars_megatron.agents.graph_file import load_graph
+    from mars_megatron.config import AgentsConfig
+    from mars_megatron.evaluation.data import Problem
+    from mars_megatron.pipeline.contexts import ContextIndex
+    from mars_megatron.pipeline.scheduler import Limits, Scheduler, SeqState
+    from mars_megatron.pipeline.simulate import Lengths, simple_prompts
+    from mars_megatron.rollout.batch import ContextLostError
+    from mars_megatron.rollout.ray_engine import RolloutActor
+
+    graph = load_graph("marsrl")
+    lengths = Lengths(dict.fromkeys(graph.roles, 8), sigma=0.5, prompt_tokens=4)
+    limits = Limits(12, 3, dict.fromkeys(graph.roles, 1), 2, 4, False)  # 12-token outputs, 3 a segment
+    agents = AgentsConfig(group_size=2, inputs_per_agent=1, max_steps=3)
+    s = Scheduler(agents, limits, simple_prompts(lengths), graph, seed=0)
+    s.add_problems(Problem(f"p{i}", f"q{i}", "1", i + 1) for i in range(2))
+    engine = ray.remote(RolloutActor).remote(PromptEcho)  # type: ignore[attr-defined]
+    index, sampling = ContextIndex(), SamplingParams(max_tokens=3)
+
+    def call(jobs: list) -> tuple:
+        batch = index.request_batch(jobs, sampling)
+        sent = ray.put(batch)
+        index.sent(batch, sent)
+        return batch, engine.generate_versioned.remote(sent)
+
+    inline = first_prompts = continued = 0
+    for _ in range(40):
+        jobs = s.take_segments(4)
+        assert jobs, f"the schedule ran dry: {s.stats()}"
+        if continued >= 8 and any(len(j.prefix) for j in jobs):
+            break  # these go to the second part
+        batch, result = call(jobs)
+        outputs, _ = ray.get(result)
+        for i, (job, out) in enumerate(zip(jobs, outputs.outputs(), strict=True)):
+            assert out.extra["prompt"] == job.context().tolist()  # every token, in order
+            sent_inline = batch.offsets[i + 1] - batch.offsets[i]
+            first_prompts += 0 if len(job.prefix) else len(job.prompt_ids)
+            continued += bool(len(job.prefix))
+            assert sent_inline == (0 if len(job.prefix) else len(job.prompt_ids))
+            inline += sent_inline
+            if s.on_segment(job.sample_id, out.token_ids, out.logprobs, stopped=len(job.prefix) >= 6):
+                s.on_scored(job.sample_id, 1.0, True if job.role == "verifier" else None)
+        index.received(outputs, result, s)
+        carried = {sid for sid, q in s.samples.items() if s.state(sid) is SeqState.READY and q.response_len}
+        assert carried <= {sid for sid in s.samples if sid in index}  # each one's next call names it
+    assert continued >= 8 and inline == first_prompts
+
+    # objects a call's requests name are lost (here: their owner dies; on a cluster, their node): the call
+    # fails naming them, and the same jobs then go inline (the driver forgets, requeues, sends again)
+    s.requeue([j.sample_id for j in jobs if not len(j.prefix)])
+    jobs = [j for j in jobs if len(j.prefix)]
+    owner = _Owner.remote()  # type: ignore[attr-defined]
+    (held,) = ray.get(owner.hold.remote(ContextIndex().request_batch(jobs, sampling)))
+    o = [sum(len(j.context()) for j in jobs[:i]) for i in range(len(jobs) + 1)]
+    named = RequestBatch.of(
+        [j.sample_id for j in jobs], [()] * len(jobs), [3] * len(jobs), [None] * len(jobs), sampling,
+        sources=(held,), spans=[((0, a, b),) for a, b in pairwise(o)],
+    )  # fmt: skip
+    outputs, _ = ray.get(engine.generate_versioned.remote(named))
+    assert [o.extra["prompt"] for o in outputs.outputs()] == [j.context().tolist() for j in jobs]
+    ray.kill(owner, no_restart=True)
+    deadline = time.monotonic() + 60
+    while True:  # the owner's death reaches the object directory within a second or so
+        try:
+            ray.get(engine.generate_versioned.remote(named), timeout=120)
+        except ContextLostError as e:
+            assert re.search(rf"context of requests {jobs[0].sample_id}.* is not in the object store", str(e))
+            break
+        assert time.monotonic() < deadline, "the dead owner's object was never reported lost"
+        time.sleep(0.5)
+    index.forget([j.sample_id for j in jobs])
+    batch, result = call(jobs)
+    assert not batch.sources and len(batch.tokens) == sum(len(j.context()) for j in jobs)
+    outputs, _ = ray.get(result)
+    assert [o.extra["prompt"] for o in outputs.outputs()] == [j.context().tolist() for j in jobs]
+
+
+@ray.remote
+class _Owner:
+    def hold(self, batch: RequestBatch) -> list:
+        return [ray.put(batch)]  # in a list, so the reference comes back and this actor owns the object
 
 
 def test_local_group_runs_the_same_worker_in_process(moe: Path, reference_step: list[dict]) -> None:

@@ -8,7 +8,8 @@ import pickle
 import numpy as np
 import pytest
 
-from mars_megatron.pipeline.agents import segment_batch, segment_request
+from mars_megatron.pipeline.agents import segment_request
+from mars_megatron.pipeline.contexts import ContextIndex
 from mars_megatron.pipeline.scheduler import SegmentJob
 from mars_megatron.rollout.batch import OutputBatch, RequestBatch
 from mars_megatron.rollout.engine import GenerationOutput, SamplingParams
@@ -34,7 +35,7 @@ def _jobs(n: int) -> list[SegmentJob]:
 
 def test_a_call_carries_each_segments_request_unchanged() -> None:
     jobs = _jobs(6)
-    batch = pickle.loads(pickle.dumps(segment_batch(jobs, SAMPLING), protocol=5))
+    batch = pickle.loads(pickle.dumps(ContextIndex().request_batch(jobs, SAMPLING), protocol=5))
     for got, job in zip(batch.requests(), jobs, strict=True):
         want = segment_request(job, SAMPLING)
         assert (got.request_id, got.sampling) == (want.request_id, want.sampling)
@@ -45,7 +46,7 @@ def test_a_call_carries_each_segments_request_unchanged() -> None:
 
 def test_a_call_pickles_as_a_few_objects_whatever_its_size() -> None:
     """The reason for the columns: pickled one object a request, Ray's serialiser paid per object."""
-    small, large = (segment_batch(_jobs(n), SAMPLING) for n in (4, 64))
+    small, large = (ContextIndex().request_batch(_jobs(n), SAMPLING) for n in (4, 64))
     buffers: list[pickle.PickleBuffer] = []
     pickle.dumps(large, protocol=5, buffer_callback=buffers.append)
     assert len(buffers) == 1  # every request's tokens in one array

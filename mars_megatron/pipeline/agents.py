@@ -23,7 +23,6 @@ from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.scheduler import Batch, Scheduler, SegmentJob, SeqState
 from mars_megatron.rewards.metrics import role_metrics
 from mars_megatron.rewards.scoring import ScoreRequest, shared_rewards
-from mars_megatron.rollout.batch import RequestBatch
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, SamplingParams
 
 
@@ -48,19 +47,6 @@ def prompt_builder(
 def segment_request(job: SegmentJob, sampling: SamplingParams) -> GenerationRequest:
     """The engine request of one segment: the run's sampling with the segment's budget and seed."""
     return GenerationRequest(job.sample_id, job.context(), sampling.with_budget(job.max_tokens, job.seed))
-
-
-def segment_batch(jobs: Sequence[SegmentJob], sampling: SamplingParams) -> RequestBatch:
-    """The requests of one engine call across Ray (:class:`RequestBatch`): :func:`segment_request` of
-    each job, as columns. Each segment's context (its input, then what is decoded so far) is copied once,
-    into the batch's array."""
-    return RequestBatch.of(
-        [j.sample_id for j in jobs],
-        [(j.prompt_ids, j.prefix) for j in jobs],
-        [j.max_tokens for j in jobs],
-        [j.seed for j in jobs],
-        sampling,
-    )
 
 
 def record_outputs(

@@ -35,14 +35,14 @@ from mars_megatron.pipeline.agents import (
     batch_metrics,
     record_outputs,
     score_request,
-    segment_batch,
     set_shared_rewards,
     write_rollouts,
 )
+from mars_megatron.pipeline.contexts import ContextIndex
 from mars_megatron.pipeline.facades import ProblemFeed, RewardPool, TrainerGroup
 from mars_megatron.pipeline.fleet import EngineFleet
 from mars_megatron.pipeline.scheduler import Batch, Scheduler
-from mars_megatron.rollout.batch import OutputBatch
+from mars_megatron.rollout.batch import ContextLostError, OutputBatch
 from mars_megatron.rollout.chat import ChatCodec
 from mars_megatron.rollout.engine import SamplingParams
 
@@ -100,6 +100,8 @@ class PipelineDriver:
         self.rollouts_dir = rollouts_dir
         """Where each update's outputs are written, one JSON line each (``logging.rollouts``); None: not."""
         self.flight: dict[Any, _InFlight] = {}
+        self.contexts = ContextIndex()
+        """Where each decoding sequence's context is in the object store (continuing segments name it)."""
         self.to_score: list[str] = []
         self.busy_rollout: set[int] = set()
         self.busy_reward: set[int] = set()
@@ -117,7 +119,7 @@ class PipelineDriver:
             jobs = self.scheduler.take_segments(self.max_batch, roles=self.trainers.roles_of(name))
             if not jobs:
                 continue
-            ref = engine.actor.generate_versioned.remote(segment_batch(jobs, self.sampling))
+            ref = engine.actor.generate_versioned.remote(self._put_requests(jobs))
             self.flight[ref] = _InFlight("rollout", w, jobs)
             self.busy_rollout.add(w)
         while self.to_score:
@@ -131,14 +133,25 @@ class PipelineDriver:
             self.busy_reward.add(w)
             self.to_score = []
 
+    def _put_requests(self, jobs: list[Any]) -> Any:
+        """One call's requests, put in the object store by the driver (so that later segments of the
+        same sequences can name what it carries: :class:`~.contexts.ContextIndex`)."""
+        import ray
+
+        batch = self.contexts.request_batch(jobs, self.sampling)
+        ref = ray.put(batch)
+        self.contexts.sent(batch, ref)
+        return ref
+
     # ----------------------------------------------------------------------------------------- results
-    def _on_rollout(self, item: _InFlight, result: tuple[OutputBatch, int]) -> None:
+    def _on_rollout(self, item: _InFlight, result: tuple[OutputBatch, int], ref: Any) -> None:
         outputs, version = result
         self.busy_rollout.discard(item.worker)
         codec = self.codec
         recorded = record_outputs(
             self.scheduler, item.payload, outputs.outputs(), codec.decode, version, codec.encode_text
         )
+        self.contexts.received(outputs, ref, self.scheduler)
         self.to_score.extend(recorded)
 
     def _on_reward(self, item: _InFlight, results: list[tuple[str, float, bool | None]]) -> None:
@@ -155,13 +168,20 @@ class PipelineDriver:
             name = self.fleet.engines[item.worker][0]
             self._log_restart(item.worker, name)
             self.busy_rollout.discard(item.worker)
-            self.scheduler.requeue(job.sample_id for job in item.payload)
+            self._requeue_rollout(item)
         else:
             self.counters["reward_restarts"] += 1
             self.rewards.restart(item.worker)
             self.busy_reward.discard(item.worker)
             self.scheduler.requeue(item.payload)
             self.to_score.extend(item.payload)
+
+    def _requeue_rollout(self, item: _InFlight) -> None:
+        """The call's segments are decoded again, their contexts sent inline (the objects they named may
+        be what was lost)."""
+        sample_ids = [job.sample_id for job in item.payload]
+        self.contexts.forget(sample_ids)
+        self.scheduler.requeue(sample_ids)
 
     def _log_restart(self, worker: int, name: str) -> None:
         version = self.fleet.versions.get(name)
@@ -236,6 +256,7 @@ class PipelineDriver:
         self.scheduler.on_trained()
         self.scheduler.release(batch)
         self.scheduler.check()
+        self.contexts.prune(self.scheduler)
         self.train_handles = None
         metrics.update(batch_metrics(batch, self.scheduler.graph))
         metrics.update(stats)
@@ -263,10 +284,15 @@ class PipelineDriver:
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
             self._lost(item)
             return
+        except ContextLostError as e:  # the engine is well; an object a request continued from is gone
+            self.log(f"rollout worker {item.worker}: {e}")
+            self.busy_rollout.discard(item.worker)
+            self._requeue_rollout(item)
+            return
         if item.kind == "rollout":
             if self.train_handles is not None:
                 self.counters["segments_during_update"] += 1
-            self._on_rollout(item, result)
+            self._on_rollout(item, result, ref)
         else:
             self._on_reward(item, result)
 

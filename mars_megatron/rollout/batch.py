@@ -8,6 +8,14 @@ its size: every request's tokens in one ``int32`` array with offsets, the budget
 Python ints (which pickle without a reducer), the sampling shared by the call once; every output's tokens
 and log-probs in one array each. Each side unpacks views, so the engines keep their
 ``generate(list[GenerationRequest])`` and the records their per-output appends.
+
+A segment that continues a sequence need not carry its context again: its prompt was in an earlier
+call's ``RequestBatch`` and its tokens so far in earlier calls' ``OutputBatch`` es, all still in Ray's
+object store. Such a request names them (``sources``: the objects' references; ``spans``: which tokens
+of which), and the engine's side fetches them from the store (:meth:`RequestBatch.requests`): nothing
+of the context passes through the driver again (:class:`~mars_megatron.pipeline.contexts.ContextIndex`
+keeps where each context is). A paper step sends about 1.8 times its trained tokens inline without this
+(each segment's whole context), and only the first segments' prompts with it.
 """
 
 from __future__ import annotations
@@ -26,10 +34,25 @@ def _offsets(lengths: Sequence[int]) -> tuple[int, ...]:
     return (0, *np.cumsum(lengths, dtype=np.int64).tolist())
 
 
+Span = tuple[int, int, int]
+"""``(source, start, stop)``: tokens ``start:stop`` of the token array that ``RequestBatch.sources[source]``
+carries (:func:`carried_tokens`)."""
+
+FETCH_TIMEOUT_S = 300.0
+"""How long an engine waits for the objects a call's requests continue from: they are in the object
+store already (or lost), so the wait is a transfer between nodes at most."""
+
+
+class ContextLostError(RuntimeError):
+    """An object a request's context was in is gone (its node died, or it was freed): the driver sends
+    those requests again with their tokens."""
+
+
 @dataclass(frozen=True)
 class RequestBatch:
     """The requests of one engine call. Every request shares ``sampling`` but for its token budget and
-    seed (a segment's); request ``i``'s prompt is ``tokens[offsets[i]:offsets[i + 1]]``."""
+    seed (a segment's); request ``i``'s prompt is ``tokens[offsets[i]:offsets[i + 1]]`` followed by the
+    tokens its ``spans[i]`` name in ``sources`` (none when ``spans`` is empty)."""
 
     request_ids: tuple[str, ...]
     tokens: np.ndarray
@@ -37,6 +60,10 @@ class RequestBatch:
     max_tokens: tuple[int, ...]
     seeds: tuple[int | None, ...]
     sampling: SamplingParams
+    sources: tuple[Any, ...] = ()
+    """References (Ray ``ObjectRef`` s) of earlier calls' ``RequestBatch`` es and results."""
+    spans: tuple[tuple[Span, ...], ...] = ()
+    """Per request, the parts of its context after its inline tokens; empty: every context is inline."""
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
@@ -50,6 +77,17 @@ class RequestBatch:
                 f"RequestBatch: offsets span {self.offsets[0]}..{self.offsets[-1]}, "
                 f"tokens hold {len(self.tokens)}"
             )
+        if not self.spans:
+            return
+        if len(self.spans) != n:
+            raise ValueError(f"RequestBatch: {n} request ids, spans for {len(self.spans)}")
+        for rid, spans in zip(self.request_ids, self.spans, strict=True):
+            for source, start, stop in spans:
+                if not (0 <= source < len(self.sources) and 0 <= start <= stop):
+                    raise ValueError(
+                        f"RequestBatch: request {rid} names tokens {start}:{stop} of source {source} "
+                        f"({len(self.sources)} sources)"
+                    )
 
     @classmethod
     def of(
@@ -59,13 +97,25 @@ class RequestBatch:
         max_tokens: Sequence[int],
         seeds: Sequence[int | None],
         sampling: SamplingParams,
+        sources: Sequence[Any] = (),
+        spans: Sequence[tuple[Span, ...]] = (),
     ) -> RequestBatch:
-        """``prompts[i]``: request ``i``'s prompt as consecutive parts (a segment's input, then the tokens
-        decoded so far), copied once into the batch's array."""
+        """``prompts[i]``: request ``i``'s inline prompt as consecutive parts (a segment's input, then the
+        tokens decoded so far), copied once into the batch's array; ``spans[i]``: what follows it, by
+        reference."""
         lengths = [sum(len(p) for p in parts) for parts in prompts]
         pieces = [token_array(p) for parts in prompts for p in parts]
         tokens = np.concatenate(pieces) if pieces else token_array([])
-        return cls(tuple(request_ids), tokens, _offsets(lengths), tuple(max_tokens), tuple(seeds), sampling)
+        return cls(
+            tuple(request_ids),
+            tokens,
+            _offsets(lengths),
+            tuple(max_tokens),
+            tuple(seeds),
+            sampling,
+            tuple(sources),
+            tuple(spans),
+        )
 
     @classmethod
     def of_requests(cls, requests: Sequence[GenerationRequest]) -> RequestBatch:
@@ -91,12 +141,18 @@ class RequestBatch:
         return len(self.request_ids)
 
     def requests(self) -> list[GenerationRequest]:
-        """The requests, each prompt a view of the batch's array (for the engine)."""
+        """The requests (for the engine): each prompt a view of the batch's array, or, where it continues
+        from earlier objects, those fetched from the object store and joined (a copy in the engine's
+        process, not the driver's)."""
+        carried = fetch_sources(self.sources, self.request_ids) if self.sources else []
         o, columns = self.offsets, zip(self.request_ids, self.max_tokens, self.seeds, strict=True)
-        return [
-            GenerationRequest(rid, self.tokens[o[i] : o[i + 1]], self.sampling.with_budget(budget, seed))
-            for i, (rid, budget, seed) in enumerate(columns)
-        ]
+        out = []
+        for i, (rid, budget, seed) in enumerate(columns):
+            prompt = self.tokens[o[i] : o[i + 1]]
+            if self.spans and self.spans[i]:
+                prompt = np.concatenate([prompt, *(carried[s][a:b] for s, a, b in self.spans[i])])
+            out.append(GenerationRequest(rid, prompt, self.sampling.with_budget(budget, seed)))
+        return out
 
 
 @dataclass(frozen=True)
@@ -143,8 +199,8 @@ class OutputBatch:
         return len(self.request_ids)
 
     def outputs(self) -> list[GenerationOutput]:
-        """The outputs, tokens and log-probs views of the batch's arrays (for the records, which copy
-        what they append)."""
+        """The outputs, tokens and log-probs views of the batch's arrays (a record keeps a first segment
+        as such a view, and copies later ones onto it)."""
         o = self.offsets
         return [
             GenerationOutput(
@@ -159,3 +215,28 @@ class OutputBatch:
                 zip(self.request_ids, self.finish_reasons, self.routing, strict=True)
             )
         ]
+
+
+def carried_tokens(obj: Any) -> np.ndarray:
+    """The token array of an object a request can continue from: a ``RequestBatch`` (the prompts it
+    carried), an ``OutputBatch``, or an engine call's result whose first item is one."""
+    if isinstance(obj, tuple) and obj:
+        obj = obj[0]
+    if not isinstance(obj, RequestBatch | OutputBatch):
+        raise TypeError(f"a request continues from a {type(obj).__name__}, which carries no tokens")
+    return obj.tokens
+
+
+def fetch_sources(sources: Sequence[Any], request_ids: Sequence[str]) -> list[np.ndarray]:
+    """The token arrays ``sources`` (object references) carry, fetched from the object store (views of
+    its read-only buffers where they are large). A lost object raises :class:`ContextLostError`, as does
+    one not there within :data:`FETCH_TIMEOUT_S`."""
+    import ray
+
+    try:
+        return [carried_tokens(obj) for obj in ray.get(list(sources), timeout=FETCH_TIMEOUT_S)]
+    except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError) as e:
+        raise ContextLostError(
+            f"the context of requests {', '.join(request_ids[:4])}{' ...' if len(request_ids) > 4 else ''} "
+            f"is not in the object store ({type(e).__name__}): they are sent again with their tokens"
+        ) from None

@@ -7,11 +7,13 @@ simulated:
 * **real**: the :class:`~mars_megatron.pipeline.scheduler.Scheduler` built as the trainer builds it from
   ``examples/qwen3_30b_a3b.yaml`` (128 problems per step, G = 8, 5 positions, 2 inputs per later
   position, segments of 16k), in ``pipeline.mode=sync`` so that one step trains every output of its 128
-  problems; the driver's segment requests (``segment_batch``), ``record_outputs``, ``score_request``s
-  scored by a real :class:`~mars_megatron.pipeline.facades.RewardPool` actor (math-verify and the
-  verdict reader), ``on_scored``; the driver's ``_training_data`` (``assign_advantages``,
-  ``balance_roles``, ``TrainerGroup.split``); the dispatch ``TrainerGroup.submit`` (the batch cut into
-  data-parallel shares, each mini-batch planned once: ``rl/shares.py``) on a real
+  problems; the driver's segment requests (``PipelineDriver._put_requests``: a continuing segment names
+  its context in the object store, :class:`~mars_megatron.pipeline.contexts.ContextIndex`),
+  ``record_outputs``, ``score_request``s scored by a real :class:`~mars_megatron.pipeline.facades.RewardPool`
+  actor (math-verify and the verdict reader), ``on_scored``; the driver's ``_training_data``
+  (``assign_advantages``, ``balance_roles``, ``TrainerGroup.split``); the dispatch
+  ``TrainerGroup.submit`` (the batch cut into data-parallel shares, each mini-batch planned once:
+  ``rl/shares.py``) on a real
   :class:`~mars_megatron.training.ray_group.RayWorkerGroup` of 8 rank actors (gloo world, one torch rank
   each); on every rank ``PolicyWorker.train`` and ``PolicyWorker._pack`` with ``check_sample_routing``
   and ``MegatronEngine.pack_micro_batches`` (``build_pack``, ``pack_routing``) bound to a model-less
@@ -620,7 +622,7 @@ def rollout(bench: Bench, clock: PhaseClock) -> None:
     ones scored by the reward pool and put back on the scheduler."""
     import ray
 
-    from mars_megatron.pipeline.agents import record_outputs, segment_batch
+    from mars_megatron.pipeline.agents import record_outputs
 
     d, s = bench.driver, bench.driver.scheduler
     while True:
@@ -636,7 +638,7 @@ def rollout(bench: Bench, clock: PhaseClock) -> None:
             with clock.phase("oracle (not the driver's)"):
                 bench.engine.know.remote(oracle_of(s.samples, jobs))
             with clock.phase("rollout I/O"):
-                call = bench.engine.serve.remote(segment_batch(jobs, d.sampling), s.version)
+                call = bench.engine.serve.remote(d._put_requests(jobs), s.version)
             with clock.phase("engine (not the driver's)"):
                 ray.wait([call])
             with clock.phase("rollout I/O"):
@@ -644,6 +646,7 @@ def rollout(bench: Bench, clock: PhaseClock) -> None:
             clock.cpu["engine (simulated)"] += engine_cpu
             with clock.phase("record"):
                 finished.extend(record_outputs(s, jobs, outputs.outputs(), decode, version))
+                d.contexts.received(outputs, call, s)
         score(bench, finished, clock)
 
 
@@ -700,6 +703,7 @@ def run_step(bench: Bench, step: int, problems: int) -> StepFigures:
         s.on_trained()
         s.release(batch)
         s.check()
+        bench.driver.contexts.prune(s)
         batch_metrics(batch, bench.graph)
     wall = time.perf_counter() - start - clock.wall["measure (not the driver's)"]
     return StepFigures(
