@@ -10,7 +10,6 @@ import functools
 import re
 import time
 from collections.abc import Iterator
-from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -200,10 +199,10 @@ def test_routing_stays_in_the_engines_store_until_a_rank_fetches_it(cluster: Non
 
 
 def test_continuing_segments_name_their_context_in_the_store(cluster: None) -> None:
-    """A sequence's later segments are sent as references to what the object store already holds (its
-    prompt in the first call's batch, its tokens so far in earlier results): the engine sees every token
-    of each context, and the driver sends each prompt once and no decoded token back. A context whose
-    object is gone is named, and the same requests then go inline."""
+    """A sequence's later segments are sent as references to what the object store already holds (the
+    latest result carries each cut output's next context): the engine sees every token of each context,
+    and the driver sends each prompt once and no decoded token back. A context whose object is gone is
+    named, and the same requests then go inline."""
     from mars_megatron.agents.graph_file import load_graph
     from mars_megatron.config import AgentsConfig
     from mars_megatron.evaluation.data import Problem
@@ -224,9 +223,7 @@ def test_continuing_segments_name_their_context_in_the_store(cluster: None) -> N
 
     def call(jobs: list) -> tuple:
         batch = index.request_batch(jobs, sampling)
-        sent = ray.put(batch)
-        index.sent(batch, sent)
-        return batch, engine.generate_versioned.remote(sent)
+        return batch, engine.generate_versioned.remote(batch)
 
     inline = first_prompts = continued = 0
     for _ in range(40):
@@ -259,7 +256,7 @@ def test_continuing_segments_name_their_context_in_the_store(cluster: None) -> N
     o = [sum(len(j.context()) for j in jobs[:i]) for i in range(len(jobs) + 1)]
     named = RequestBatch.of(
         [j.sample_id for j in jobs], [()] * len(jobs), [3] * len(jobs), [None] * len(jobs), sampling,
-        sources=(held,), spans=[((0, a, b),) for a, b in pairwise(o)],
+        sources=(held,), spans=list(zip([0] * len(jobs), o[:-1], o[1:], strict=True)),
     )  # fmt: skip
     outputs, _ = ray.get(engine.generate_versioned.remote(named))
     assert [o.extra["prompt"] for o in outputs.outputs()] == [j.context().tolist() for j in jobs]

@@ -76,6 +76,22 @@ def test_outputs_come_back_as_the_engine_wrote_them() -> None:
     assert got[0].routed_experts.tolist() == routing.tolist() and got[1].routed_experts is None
 
 
+def test_an_output_its_budget_cut_carries_its_next_context() -> None:
+    """What a continuing segment's request names: the prompt it was decoded from, then the output; only
+    for outputs the budget cut (one that stopped has no next segment)."""
+    outs = [
+        GenerationOutput("a", [5, 6], [-0.5, -0.5], "length"),
+        GenerationOutput("b", [7], [-0.5], "stop"),
+        GenerationOutput("c", [8], [-0.5], "length"),
+    ]
+    prompts = [np.array([1, 2, 3], dtype=np.int32), np.array([4], dtype=np.int32), (9, 9)]
+    batch = pickle.loads(pickle.dumps(OutputBatch.of(outs, False, prompts), protocol=5))
+    spans = [batch.next_context(i) for i in range(3)]
+    assert spans[1] is None and batch.carried is not None
+    assert [batch.carried[a:b].tolist() for a, b in (spans[0], spans[2])] == [[1, 2, 3, 5, 6], [9, 9, 8]]
+    assert OutputBatch.of(outs, False).next_context(0) is None  # not asked to carry: nothing carried
+
+
 def test_a_malformed_call_is_refused_naming_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="output x: 2 tokens but 1 log-probs"):
         OutputBatch.of([GenerationOutput("x", [1, 2], [-0.1], "stop")], routing_by_reference=False)
@@ -83,6 +99,9 @@ def test_a_malformed_call_is_refused_naming_what_is_wrong() -> None:
         RequestBatch(("a", "b"), np.zeros(3, dtype=np.int32), (0, 3), (1, 1), (None, None), SAMPLING)
     with pytest.raises(ValueError, match=r"offsets span 0\.\.2, tokens hold 3"):
         RequestBatch(("a",), np.zeros(3, dtype=np.int32), (0, 2), (1,), (None,), SAMPLING)
+    with pytest.raises(ValueError, match=r"request a names tokens 0:4 of source 1 \(1 sources\)"):
+        empty = np.zeros(0, dtype=np.int32)
+        RequestBatch(("a",), empty, (0, 0), (1,), (None,), SAMPLING, ("ref",), ((1, 0, 4),))
     hot = segment_request(_jobs(1)[0], SamplingParams(max_tokens=64, temperature=1.0))
     with pytest.raises(ValueError, match=r"request s0 samples with .*one call shares its sampling"):
         RequestBatch.of_requests([segment_request(_jobs(2)[1], SAMPLING), hot])

@@ -101,7 +101,7 @@ class PipelineDriver:
         """Where each update's outputs are written, one JSON line each (``logging.rollouts``); None: not."""
         self.flight: dict[Any, _InFlight] = {}
         self.contexts = ContextIndex()
-        """Where each decoding sequence's context is in the object store (continuing segments name it)."""
+        """Where each continuing sequence's context is in the object store (its next request names it)."""
         self.to_score: list[str] = []
         self.busy_rollout: set[int] = set()
         self.busy_reward: set[int] = set()
@@ -119,7 +119,7 @@ class PipelineDriver:
             jobs = self.scheduler.take_segments(self.max_batch, roles=self.trainers.roles_of(name))
             if not jobs:
                 continue
-            ref = engine.actor.generate_versioned.remote(self._put_requests(jobs))
+            ref = engine.actor.generate_versioned.remote(self.contexts.request_batch(jobs, self.sampling))
             self.flight[ref] = _InFlight("rollout", w, jobs)
             self.busy_rollout.add(w)
         while self.to_score:
@@ -132,16 +132,6 @@ class PipelineDriver:
             self.flight[ref] = _InFlight("reward", w, list(self.to_score))
             self.busy_reward.add(w)
             self.to_score = []
-
-    def _put_requests(self, jobs: list[Any]) -> Any:
-        """One call's requests, put in the object store by the driver (so that later segments of the
-        same sequences can name what it carries: :class:`~.contexts.ContextIndex`)."""
-        import ray
-
-        batch = self.contexts.request_batch(jobs, self.sampling)
-        ref = ray.put(batch)
-        self.contexts.sent(batch, ref)
-        return ref
 
     # ----------------------------------------------------------------------------------------- results
     def _on_rollout(self, item: _InFlight, result: tuple[OutputBatch, int], ref: Any) -> None:

@@ -9,13 +9,17 @@ Python ints (which pickle without a reducer), the sampling shared by the call on
 and log-probs in one array each. Each side unpacks views, so the engines keep their
 ``generate(list[GenerationRequest])`` and the records their per-output appends.
 
-A segment that continues a sequence need not carry its context again: its prompt was in an earlier
-call's ``RequestBatch`` and its tokens so far in earlier calls' ``OutputBatch`` es, all still in Ray's
-object store. Such a request names them (``sources``: the objects' references; ``spans``: which tokens
-of which), and the engine's side fetches them from the store (:meth:`RequestBatch.requests`): nothing
-of the context passes through the driver again (:class:`~mars_megatron.pipeline.contexts.ContextIndex`
-keeps where each context is). A paper step sends about 1.8 times its trained tokens inline without this
-(each segment's whole context), and only the first segments' prompts with it.
+A segment that continues a sequence need not carry its context again. The engine's side hands back,
+with each output its token budget cut short, that request's whole context followed by the output
+(``OutputBatch.carried``): the next segment's context, left in Ray's object store with the call's result.
+The next request names it (``sources``: the results' references; ``spans``: which tokens of which), and
+the engine's side fetches it from the store (:meth:`RequestBatch.requests`), so no decoded token goes
+back through the driver (:class:`~mars_megatron.pipeline.contexts.ContextIndex` keeps where each context
+is). A paper step's requests carried 1.8 times its trained tokens inline without this (each segment's
+whole context) and 0.8 times with it (the first segments' prompts). One span, in the latest result, per
+continuing request, rather than the prompt and every segment in the objects that first held them: each
+reference an object carries costs the driver some 30 µs to put and to have resolved, about what 15,000
+tokens cost to copy.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ def _offsets(lengths: Sequence[int]) -> tuple[int, ...]:
 Span = tuple[int, int, int]
 """``(source, start, stop)``: tokens ``start:stop`` of the token array that ``RequestBatch.sources[source]``
 carries (:func:`carried_tokens`)."""
+
+CARRIED: tuple[FinishReason, ...] = ("length",)
+"""The outputs whose next context a call hands back: those its token budget cut (the others ended)."""
 
 FETCH_TIMEOUT_S = 300.0
 """How long an engine waits for the objects a call's requests continue from: they are in the object
@@ -61,9 +68,10 @@ class RequestBatch:
     seeds: tuple[int | None, ...]
     sampling: SamplingParams
     sources: tuple[Any, ...] = ()
-    """References (Ray ``ObjectRef`` s) of earlier calls' ``RequestBatch`` es and results."""
-    spans: tuple[tuple[Span, ...], ...] = ()
-    """Per request, the parts of its context after its inline tokens; empty: every context is inline."""
+    """References (Ray ``ObjectRef`` s) of earlier calls' results (or batches) that contexts are in."""
+    spans: tuple[Span | None, ...] = ()
+    """Per request, the context it continues after its inline tokens (None: none); empty: every context
+    is inline."""
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
@@ -81,13 +89,15 @@ class RequestBatch:
             return
         if len(self.spans) != n:
             raise ValueError(f"RequestBatch: {n} request ids, spans for {len(self.spans)}")
-        for rid, spans in zip(self.request_ids, self.spans, strict=True):
-            for source, start, stop in spans:
-                if not (0 <= source < len(self.sources) and 0 <= start <= stop):
-                    raise ValueError(
-                        f"RequestBatch: request {rid} names tokens {start}:{stop} of source {source} "
-                        f"({len(self.sources)} sources)"
-                    )
+        for rid, span in zip(self.request_ids, self.spans, strict=True):
+            if span is None:
+                continue
+            source, start, stop = span
+            if not (0 <= source < len(self.sources) and 0 <= start <= stop):
+                raise ValueError(
+                    f"RequestBatch: request {rid} names tokens {start}:{stop} of source {source} "
+                    f"({len(self.sources)} sources)"
+                )
 
     @classmethod
     def of(
@@ -98,7 +108,7 @@ class RequestBatch:
         seeds: Sequence[int | None],
         sampling: SamplingParams,
         sources: Sequence[Any] = (),
-        spans: Sequence[tuple[Span, ...]] = (),
+        spans: Sequence[Span | None] = (),
     ) -> RequestBatch:
         """``prompts[i]``: request ``i``'s inline prompt as consecutive parts (a segment's input, then the
         tokens decoded so far), copied once into the batch's array; ``spans[i]``: what follows it, by
@@ -141,16 +151,19 @@ class RequestBatch:
         return len(self.request_ids)
 
     def requests(self) -> list[GenerationRequest]:
-        """The requests (for the engine): each prompt a view of the batch's array, or, where it continues
-        from earlier objects, those fetched from the object store and joined (a copy in the engine's
-        process, not the driver's)."""
+        """The requests (for the engine): each prompt a view of the batch's array or, where it continues
+        a context, of that context fetched from the object store (views of its read-only buffer, or a
+        copy in the engine's process where a request has both)."""
         carried = fetch_sources(self.sources, self.request_ids) if self.sources else []
         o, columns = self.offsets, zip(self.request_ids, self.max_tokens, self.seeds, strict=True)
         out = []
         for i, (rid, budget, seed) in enumerate(columns):
             prompt = self.tokens[o[i] : o[i + 1]]
-            if self.spans and self.spans[i]:
-                prompt = np.concatenate([prompt, *(carried[s][a:b] for s, a, b in self.spans[i])])
+            span = self.spans[i] if self.spans else None
+            if span is not None:
+                source, start, stop = span
+                more = carried[source][start:stop]
+                prompt = np.concatenate((prompt, more)) if len(prompt) else more
             out.append(GenerationRequest(rid, prompt, self.sampling.with_budget(budget, seed)))
         return out
 
@@ -168,12 +181,22 @@ class OutputBatch:
     routing: tuple[np.ndarray | RoutingRef | None, ...]
     extras: tuple[dict[str, Any], ...] = field(default=())
     """Per output; empty when no output has any (the usual case: nothing to pickle)."""
+    carried: np.ndarray | None = None
+    """The next context of each output in :data:`CARRIED` (its request's prompt, then the output), at
+    ``carried[carried_offsets[i]:carried_offsets[i + 1]]`` (empty for the others); None: not carried."""
+    carried_offsets: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, outputs: Sequence[GenerationOutput], routing_by_reference: bool) -> OutputBatch:
+    def of(
+        cls,
+        outputs: Sequence[GenerationOutput],
+        routing_by_reference: bool,
+        prompts: Sequence[np.ndarray] | None = None,
+    ) -> OutputBatch:
         """An engine's outputs for the driver. With ``routing_by_reference`` (a Ray actor) each output's
         R3 routing is left in this process's object store (:class:`RoutingRef`): the trainer rank that
-        trains the sample fetches it, and the driver never holds it."""
+        trains the sample fetches it, and the driver never holds it. With the requests' ``prompts``, each
+        output the budget cut carries its next context (:attr:`carried`)."""
         ids = [token_array(o.token_ids) for o in outputs]
         lps = [logprob_array(o.logprobs) for o in outputs]
         for o, i, lp in zip(outputs, ids, lps, strict=True):
@@ -185,6 +208,15 @@ class OutputBatch:
             else o.routed_experts
             for o in outputs
         )
+        carried, carried_offsets = None, ()
+        if prompts is not None:
+            nexts = [
+                (token_array(p), i) if o.finish_reason in CARRIED and len(i) else ()
+                for o, p, i in zip(outputs, prompts, ids, strict=True)
+            ]
+            pieces = [piece for parts in nexts for piece in parts]
+            carried = np.concatenate(pieces) if pieces else token_array([])
+            carried_offsets = _offsets([sum(len(p) for p in parts) for parts in nexts])
         return cls(
             tuple(o.request_id for o in outputs),
             np.concatenate(ids) if ids else token_array([]),
@@ -193,7 +225,15 @@ class OutputBatch:
             tuple(o.finish_reason for o in outputs),
             routing,
             tuple(o.extra for o in outputs) if any(o.extra for o in outputs) else (),
+            carried,
+            carried_offsets,
         )
+
+    def next_context(self, i: int) -> tuple[int, int] | None:
+        """Where output ``i``'s next context is in :attr:`carried` (None: not carried)."""
+        if self.carried is None or self.carried_offsets[i + 1] == self.carried_offsets[i]:
+            return None
+        return self.carried_offsets[i], self.carried_offsets[i + 1]
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -218,13 +258,16 @@ class OutputBatch:
 
 
 def carried_tokens(obj: Any) -> np.ndarray:
-    """The token array of an object a request can continue from: a ``RequestBatch`` (the prompts it
-    carried), an ``OutputBatch``, or an engine call's result whose first item is one."""
+    """The token array of an object a request can continue from: an engine call's result (an
+    ``OutputBatch``, or a tuple whose first item is one: its :attr:`~OutputBatch.carried` contexts), or a
+    ``RequestBatch`` (the prompts it carried inline)."""
     if isinstance(obj, tuple) and obj:
         obj = obj[0]
-    if not isinstance(obj, RequestBatch | OutputBatch):
-        raise TypeError(f"a request continues from a {type(obj).__name__}, which carries no tokens")
-    return obj.tokens
+    if isinstance(obj, OutputBatch) and obj.carried is not None:
+        return obj.carried
+    if isinstance(obj, RequestBatch):
+        return obj.tokens
+    raise TypeError(f"a request continues from a {type(obj).__name__} that carries no contexts")
 
 
 def fetch_sources(sources: Sequence[Any], request_ids: Sequence[str]) -> list[np.ndarray]:

@@ -85,12 +85,15 @@ class RolloutActor:
         """``generate`` of one call's requests as columns (:mod:`~mars_megatron.rollout.batch`: a few
         objects to pickle, whatever the call's size), and the policy version that decoded them: the actor
         runs one call at a time, so a call never straddles a weight update (the agentic pipeline records
-        this per segment)."""
+        this per segment). Each output its budget cut carries its next context back in the result, which
+        stays in the object store for that segment's request to name."""
         self._check_whole()
         import ray
 
         by_reference = ray.is_initialized()  # a Ray actor: the routing stays in this node's object store
-        return OutputBatch.of(self.engine.generate(batch.requests()), by_reference), self._version
+        requests = batch.requests()
+        prompts = [r.prompt_ids for r in requests]  # each cut output carries its next context back
+        return OutputBatch.of(self.engine.generate(requests), by_reference, prompts), self._version
 
     # ------------------------------------------------------------------------------ weight transfer
     def transfer_ranks(self) -> int:

@@ -7,8 +7,8 @@ simulated:
 * **real**: the :class:`~mars_megatron.pipeline.scheduler.Scheduler` built as the trainer builds it from
   ``examples/qwen3_30b_a3b.yaml`` (128 problems per step, G = 8, 5 positions, 2 inputs per later
   position, segments of 16k), in ``pipeline.mode=sync`` so that one step trains every output of its 128
-  problems; the driver's segment requests (``PipelineDriver._put_requests``: a continuing segment names
-  its context in the object store, :class:`~mars_megatron.pipeline.contexts.ContextIndex`),
+  problems; the driver's segment requests (a continuing segment names its context in the object store:
+  :class:`~mars_megatron.pipeline.contexts.ContextIndex`),
   ``record_outputs``, ``score_request``s scored by a real :class:`~mars_megatron.pipeline.facades.RewardPool`
   actor (math-verify and the verdict reader), ``on_scored``; the driver's ``_training_data``
   (``assign_advantages``, ``balance_roles``, ``TrainerGroup.split``); the dispatch
@@ -236,12 +236,15 @@ class SimulatedEngine:
 
     def serve(self, batch: Any, version: int) -> tuple[Any, int, float]:
         """One engine call as ``RolloutActor.generate_versioned`` answers it (``OutputBatch.of``: tokens
-        and log-probs as columns, the routing left in this actor's object store), and the CPU seconds the
-        engine spent."""
+        and log-probs as columns, the routing left in this actor's object store, each cut output's next
+        context carried back), and the CPU seconds the engine spent (fetching the contexts requests
+        continue included)."""
         from mars_megatron.rollout.batch import OutputBatch
 
         start = time.process_time()
-        outputs = OutputBatch.of(self.generate(batch.requests()), routing_by_reference=True)
+        requests = batch.requests()
+        prompts = [r.prompt_ids for r in requests]
+        outputs = OutputBatch.of(self.generate(requests), routing_by_reference=True, prompts=prompts)
         return outputs, version, time.process_time() - start
 
     def generate(self, requests: Sequence[Any]) -> list[Any]:
@@ -638,7 +641,7 @@ def rollout(bench: Bench, clock: PhaseClock) -> None:
             with clock.phase("oracle (not the driver's)"):
                 bench.engine.know.remote(oracle_of(s.samples, jobs))
             with clock.phase("rollout I/O"):
-                call = bench.engine.serve.remote(d._put_requests(jobs), s.version)
+                call = bench.engine.serve.remote(d.contexts.request_batch(jobs, d.sampling), s.version)
             with clock.phase("engine (not the driver's)"):
                 ray.wait([call])
             with clock.phase("rollout I/O"):
