@@ -135,6 +135,12 @@ def test_the_fit_separates_step_sample_and_token_costs(bench: ModuleType) -> Non
     falling = bench.Cost.fit(samples, tokens, [1.0, 0.9, 0.5, 0.4])  # more tokens, less cost: noise
     assert min(falling.per_step, falling.per_sample, falling.per_token) >= 0
     assert bench.Cost.fit([9208], [0.36e6], [1.8]) == bench.Cost(0.0, 0.0, 1.8 / 0.36e6)
+    # relative to each point: a 25 % miss at a 0.12 s point outweighs a 5 % one at a 2 s point, so the
+    # fit follows the small points' tokens rather than reading the big points' noise as a cost per token
+    samples, tokens = [9208, 9208, 576, 144, 144], [0.36e6, 2.9e6, 6.0e6, 1.4e6, 5.8e6]
+    exact = [0.09 + 2e-4 * n for n in samples]  # no cost per token at all
+    noisy = [y * f for y, f in zip(exact, [0.93, 1.04, 1.0, 1.0, 1.0], strict=True)]
+    assert bench.Cost.fit(samples, tokens, noisy).per_token < 1e-9
     assert bench.parse_point("1/4:8", 128) == bench.Point(Fraction(1, 4), 8)
     assert bench.parse_point("1/1024", 128) == bench.Point(Fraction(1, 1024), 128)
     for bad in ("2", "0:3", "1:0", "x"):

@@ -48,14 +48,16 @@ Points. A paper step holds about 9,200 outputs and 380M tokens (prompts carry ea
 routing is 384 bytes a token: a batch of about 140 GiB, not a 24 GiB machine. So each step is measured at
 a *point*, ``scale:problems``: every token count (lengths, caps, segments, pack length) times ``scale``,
 with ``problems`` problems (the paper's 128 unless named). The default points are 128 problems at token
-scales 1/1024 and 1/128 (a paper step's samples, groups and schedule with short arrays) and 8 and 2
-problems at scales 1/4 and 1 (a paper step's own array sizes: a 16k-token segment crosses Ray through the
-object store, where a 16-token one travels inline). Each figure is the median of ``--steps`` steps per
-point, fitted by least squares as ``per step + per sample x samples + per token x tokens`` (no part
-negative), and the paper column is that fit at a paper step's samples and tokens. That column is an
-extrapolation, never a measurement; wall times and the simulated engine are not extrapolated (2 shared
-cores say nothing of a cluster's wall time). Ratios are judged at the points of 128 problems (a few
-problems balance worse over 8 ranks).
+scales 1/1024 and 1/128 (a paper step's samples, groups and schedule with short arrays), then 8 and 2
+problems at scale 1/4 and 2 problems at scale 1 (a paper step's own array sizes: a 16k-token segment
+crosses Ray through the object store, where a 16-token one travels inline). The last three pin the parts
+at those sizes: 8 and 2 problems at 1/4 differ in their samples at the same lengths, 2 problems at 1/4
+and at 1 only in their tokens (four times as many). Each figure is the median of ``--steps`` steps per
+point, fitted by least squares relative to each point's own figure as ``per step + per sample x samples
++ per token x tokens`` (no part negative: :class:`Cost`), and the paper column is that fit at a paper
+step's samples and tokens. That column is an extrapolation, never a measurement; wall times and the
+simulated engine are not extrapolated (2 shared cores say nothing of a cluster's wall time). Ratios
+are judged at the points of 128 problems (a few problems balance worse over 8 ranks).
 
 With no arguments it runs 3 steps at each default point on 8 ranks (after an unreported warm-up step of
 one problem) and prints the driver's CPU seconds per phase, wall seconds, bytes per rank against total / DP
@@ -769,17 +771,29 @@ def median_figures(steps: Sequence[StepFigures]) -> dict[str, float]:
     return {f.name: statistics.median(float(f.read(s)) for s in steps) for f in FIGURES}
 
 
+RELATIVE_FLOOR = 0.05
+"""A point's weight in the fit is one over its figure, or over this fraction of the largest figure if
+that is more (a phase that costs next to nothing at some point)."""
+
+
 @dataclass(frozen=True)
 class Cost:
-    """``figure = per_step + per_sample * samples + per_token * tokens``, fitted by least squares through the
-    measured points. Points of 128 problems at small token scales pin what each sample costs (the
+    """``figure = per_step + per_sample * samples + per_token * tokens``, fitted by weighted least squares
+    through the measured points. Points of 128 problems at small token scales pin what each sample costs (the
     schedule, the records' fields, Ray's calls); points at or near the paper's own token lengths with a
     few problems pin what a token costs at the array sizes a paper step has (a 16k-token segment crosses
     Ray through the object store, a 16-token one inline), so the per-token part is measured rather than
     read off a slope between tiny arrays; and a step's fixed costs (a call to every rank, the pack plan's
     set-up) are not charged to the tokens of a step with few samples. No part is negative (no cost falls
     as the work grows): the fit is the best over the parts left in, each set tried. Too few points for
-    three parts put everything on the tokens: an upper bound."""
+    three parts put everything on the tokens: an upper bound.
+
+    Each point is weighted by the inverse of its own figure (:data:`RELATIVE_FLOOR` keeps a figure near
+    zero from taking all the weight): the points span 0.1 to 2 s of driver CPU and a step's noise grows
+    with it (the same point measured 0.12 to 0.19 s on different runs, a 2 s point 1.75 to 2.24 s).
+    Unweighted, the two 2 s points decide the fit and a 30 % miss at a 0.12 s point costs it nothing, so
+    the per-token part was read off whatever the 128-problem points' noise left over (fits of two runs of
+    the same code: 10.4 and 2.0 s a paper step)."""
 
     per_step: float
     per_sample: float
@@ -791,6 +805,8 @@ class Cost:
         y = np.asarray(ys, float)
         if np.linalg.matrix_rank(columns / columns.max(axis=0)) < 3:
             return cls(0.0, 0.0, float(y.sum() / columns[:, 2].sum()))
+        weight = 1.0 / np.maximum(np.abs(y), RELATIVE_FLOOR * max(float(np.abs(y).max()), 1e-300))
+        columns, y = columns * weight[:, None], y * weight
         best: tuple[float, np.ndarray] | None = None
         for kept in ((0, 1, 2), (1, 2), (0, 2), (0, 1), (2,), (1,), (0,)):
             x = columns[:, kept]
@@ -980,7 +996,7 @@ def parse_point(text: str, problems: int) -> Point:
     return Point(scale, n)
 
 
-DEFAULT_POINTS = "1/1024,1/128,1/4:8,1:2"
+DEFAULT_POINTS = "1/1024,1/128,1/4:8,1/4:2,1:2"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -991,8 +1007,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--scales",
         default=DEFAULT_POINTS,
         help="the measured points, comma-separated: a token scale (a fraction of the paper's lengths), "
-        "optionally ':problems' (default: --problems); default 1/1024,1/128,1/4:8,1:2 (128 problems at "
-        "two small scales, then 8 and 2 problems at a quarter of and at the paper's own lengths)",
+        "optionally ':problems' (default: --problems); default 1/1024,1/128,1/4:8,1/4:2,1:2 (128 problems "
+        "at two small scales, 8 and 2 problems at a quarter of the paper's lengths, 2 at its own)",
     )
     parser.add_argument("--ranks", type=int, default=8, help="trainer ranks, all data-parallel (default 8)")
     parser.add_argument(
@@ -1040,8 +1056,9 @@ def report(runs: Mapping[Point, Sequence[StepFigures]], problems: int, cfg: Any)
     )
     print_table(points, ex)
     print(
-        "per step, per sample, per token: the least-squares fit figure = per step + per sample x samples "
-        "+ per token x tokens through the points, no part negative; paper (extrap.) = that fit at a paper "
+        "per step, per sample, per token: the least-squares fit (relative to each point's figure) figure = "
+        "per step + per sample x samples + per token x tokens through the points, no part negative; "
+        "paper (extrap.) = that fit at a paper "
         f"step's {ex.samples:,.0f} samples and {ex.tokens / 1e6:,.0f}M tokens; ratios: the mean over the "
         f"points of {problems} problems. "
         "Extrapolated, not measured: a paper step does not fit this machine."
