@@ -21,7 +21,7 @@ BENCH = ROOT / "tools" / "bench"
 
 # Benchmarks that run their default measurement with no arguments, and options their --help must list.
 RUNS_BY_DEFAULT = {
-    "convert.py": ["--preset", "--layers", "--repeats", "--workdir"],
+    "convert.py": ["--preset", "--layers", "--repeats", "--workdir", "--floor"],
     "packing.py": ["--seed", "--seeds", "--repeats"],
     "rewards.py": ["--checks", "--repeats"],
     "routing_replay.py": ["--out", "--steps", "--window", "--modes", "--plot"],

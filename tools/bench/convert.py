@@ -20,9 +20,17 @@ With no arguments it runs the default measurement (a tiny-moe widened to ~330 MB
 prints the table above, raw safetensors copy first as the baseline: under a minute on 2 cores. Nothing
 has to exist beforehand; ``--workdir``, when given, must be an existing directory.
 
+``--floor`` adds what any direct HF -> ``torch_dist`` copy must at least do, with no model and no record
+format (:func:`direct_floor`), one check at a time, in the same run: every tensor's bytes read once from
+the page cache and written once, the fused tensors (q/k/v, gate/up) copied once as the interleave and the
+concatenation would, each record's CRC-32 (``torch.save``'s zip), the files' SHA-256 on a second thread
+(the manifest), each file fsynced while the next is written. How close a converter could come to the
+target before its format costs anything.
+
     python tools/bench/convert.py                      # tiny-moe, ~330 MB float32
     python tools/bench/convert.py --layers 8 --experts 16 --moe-intermediate 512
     python tools/bench/convert.py --preset tiny-dense --layers 8 --intermediate 8192
+    python tools/bench/convert.py --floor
 """
 
 from __future__ import annotations
@@ -30,14 +38,19 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import hashlib
 import json
+import mmap
 import os
+import queue
 import resource
 import shutil
 import statistics
 import tempfile
 import threading
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +191,80 @@ def raw_copy(src: Path, dst: Path, fsync: bool) -> float:
     return elapsed
 
 
+FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+"""HF tensors a Megatron checkpoint holds fused (linear_qkv interleaved, linear_fc1 concatenated)."""
+
+FLOOR_STEPS = (
+    ("floor: write once", {}),
+    ("floor: + fused copies", {"fused": True}),
+    ("floor: + CRC-32", {"fused": True, "crc": True}),
+    ("floor: + SHA-256 thread", {"fused": True, "crc": True, "sha": True}),
+    ("floor: + fsync (all)", {"fused": True, "crc": True, "sha": True, "fsync": True}),
+)
+
+
+def _tensor_spans(shard: Path) -> tuple[mmap.mmap, dict[str, tuple[int, int]]]:
+    """The shard mapped read-only, and each tensor's byte range in it (the safetensors header)."""
+    with shard.open("rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    start = 8 + n
+    return mapped, {
+        k: (start + v["data_offsets"][0], start + v["data_offsets"][1])
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
+
+
+def direct_floor(
+    src: Path, dst: Path, *, fused: bool = False, crc: bool = False, sha: bool = False, fsync: bool = False
+) -> float:
+    """Seconds to copy every tensor of ``src`` into one new file per shard with the steps asked for (see
+    the module docstring): the least a direct converter does, no format written."""
+    dst.mkdir()
+    start = time.perf_counter()
+    chunks: queue.Queue[Any] = queue.Queue()
+
+    def digest() -> None:  # hashlib releases the GIL: this runs on the second core
+        h = hashlib.sha256()
+        while (chunk := chunks.get()) is not None:
+            h.update(chunk)
+
+    hasher = threading.Thread(target=digest)
+    if sha:
+        hasher.start()
+    syncing = ThreadPoolExecutor(1)
+    pending = []
+    for i, shard in enumerate(shards(src)):
+        mapped, spans = _tensor_spans(shard)
+        view = memoryview(mapped)
+        fd = os.open(dst / f"__0_{i}.distcp", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        for name in sorted(spans):
+            a, b = spans[name]
+            data = view[a:b]
+            if fused and any(part in name for part in FUSED):
+                data = memoryview(bytearray(data))
+            if crc:
+                zlib.crc32(data)
+            os.write(fd, data)
+            if sha:
+                chunks.put(data)
+        if fsync:  # written back while the next file is written
+            pending.append(syncing.submit(lambda fd=fd: (os.fsync(fd), os.close(fd))))
+        else:
+            os.close(fd)
+    for done in pending:
+        done.result()
+    if sha:
+        chunks.put(None)
+        hasher.join()
+    syncing.shutdown()
+    elapsed = time.perf_counter() - start
+    shutil.rmtree(dst)
+    return elapsed
+
+
 def bit_identical(a: Path, b: Path) -> bool:
     left: dict[str, torch.Tensor] = {}
     for shard in shards(a):
@@ -215,6 +302,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each step; the median is shown")
     p.add_argument("--workdir", default=None, help="an existing directory to make the temporary one in")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time what any direct HF -> torch_dist copy must do, one check at a time (no format)",
+    )
     args = p.parse_args()
     # Checked here, not by mkdtemp's traceback: the flag named before any work is done.
     if args.workdir is not None and not Path(args.workdir).is_dir():
@@ -258,6 +350,10 @@ def main() -> None:
 
         raw = [raw_copy(hf, root / f"raw{i}.hf", fsync=False) for i in range(args.repeats)]
         raw_fsync = [raw_copy(hf, root / f"raw-fsync{i}.hf", fsync=True) for i in range(args.repeats)]
+        floor = [
+            (name, [direct_floor(hf, root / f"floor{i}", **steps) for i in range(args.repeats)])
+            for name, steps in (FLOOR_STEPS if args.floor else ())
+        ]
         start = time.perf_counter()
         result = parallel.launch(
             bench_worker, 1, str(warmup), str(hf), str(root), args.repeats, int(args.out_shard_mb * 1e6)
@@ -274,6 +370,7 @@ def main() -> None:
     rows = [
         ("raw read+write (baseline)", raw),
         ("raw read+write+fsync", raw_fsync),
+        *floor,
         ("hf_to_mcore", result["to_mcore_s"]),
         ("mcore_to_hf", result["to_hf_s"]),
     ]
