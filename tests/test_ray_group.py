@@ -11,6 +11,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -252,14 +253,13 @@ def test_continuing_segments_name_their_context_in_the_store(cluster: None) -> N
     s.requeue([j.sample_id for j in jobs if not len(j.prefix)])
     jobs = [j for j in jobs if len(j.prefix)]
     owner = _Owner.remote()  # type: ignore[attr-defined]
-    (held,) = ray.get(owner.hold.remote(ContextIndex().request_batch(jobs, sampling)))
-    o = [sum(len(j.context()) for j in jobs[:i]) for i in range(len(jobs) + 1)]
+    held, spans, contexts = ray.get(owner.relay.remote(engine, ContextIndex().request_batch(jobs, sampling)))
     named = RequestBatch.of(
         [j.sample_id for j in jobs], [()] * len(jobs), [3] * len(jobs), [None] * len(jobs), sampling,
-        sources=(held,), spans=list(zip([0] * len(jobs), o[:-1], o[1:], strict=True)),
+        sources=(held,), spans=[(0, a, b) for a, b in spans],
     )  # fmt: skip
     outputs, _ = ray.get(engine.generate_versioned.remote(named))
-    assert [o.extra["prompt"] for o in outputs.outputs()] == [j.context().tolist() for j in jobs]
+    assert [o.extra["prompt"] for o in outputs.outputs()] == contexts
     ray.kill(owner, no_restart=True)
     deadline = time.monotonic() + 60
     while True:  # the owner's death reaches the object directory within a second or so
@@ -279,8 +279,13 @@ def test_continuing_segments_name_their_context_in_the_store(cluster: None) -> N
 
 @ray.remote
 class _Owner:
-    def hold(self, batch: RequestBatch) -> list:
-        return [ray.put(batch)]  # in a list, so the reference comes back and this actor owns the object
+    def relay(self, engine: Any, batch: RequestBatch) -> tuple:
+        """An engine call's result, put in the store by this actor, which then owns it: the reference
+        comes back (in a tuple, so it stays one) with where each output's next context is and its tokens,
+        not the result itself."""
+        result = ray.get(engine.generate_versioned.remote(batch))
+        spans = [result[0].next_context(i) for i in range(len(batch))]
+        return ray.put(result), spans, [result[0].carried[a:b].tolist() for a, b in spans]
 
 
 def test_local_group_runs_the_same_worker_in_process(moe: Path, reference_step: list[dict]) -> None:

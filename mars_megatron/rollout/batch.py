@@ -24,7 +24,7 @@ tokens cost to copy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,14 @@ from mars_megatron.rollout.engine import FinishReason, GenerationOutput, Generat
 
 def _offsets(lengths: Sequence[int]) -> tuple[int, ...]:
     return (0, *np.cumsum(lengths, dtype=np.int64).tolist())
+
+
+def _joined(items: Sequence[Sequence[Any]]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Each item's token parts, one after another in one ``int32`` array (one copy), and the offsets
+    where each item starts (one more than the items)."""
+    pieces = [token_array(p) for parts in items for p in parts]
+    tokens = np.concatenate(pieces) if pieces else token_array([])
+    return tokens, _offsets([sum(len(p) for p in parts) for parts in items])
 
 
 Span = tuple[int, int, int]
@@ -68,7 +76,7 @@ class RequestBatch:
     seeds: tuple[int | None, ...]
     sampling: SamplingParams
     sources: tuple[Any, ...] = ()
-    """References (Ray ``ObjectRef`` s) of earlier calls' results (or batches) that contexts are in."""
+    """References (Ray ``ObjectRef`` s) of earlier calls' results that contexts are in."""
     spans: tuple[Span | None, ...] = ()
     """Per request, the context it continues after its inline tokens (None: none); empty: every context
     is inline."""
@@ -113,13 +121,11 @@ class RequestBatch:
         """``prompts[i]``: request ``i``'s inline prompt as consecutive parts (a segment's input, then the
         tokens decoded so far), copied once into the batch's array; ``spans[i]``: what follows it, by
         reference."""
-        lengths = [sum(len(p) for p in parts) for parts in prompts]
-        pieces = [token_array(p) for parts in prompts for p in parts]
-        tokens = np.concatenate(pieces) if pieces else token_array([])
+        tokens, offsets = _joined(prompts)
         return cls(
             tuple(request_ids),
             tokens,
-            _offsets(lengths),
+            offsets,
             tuple(max_tokens),
             tuple(seeds),
             sampling,
@@ -210,13 +216,12 @@ class OutputBatch:
         )
         carried, carried_offsets = None, ()
         if prompts is not None:
-            nexts = [
-                (token_array(p), i) if o.finish_reason in CARRIED and len(i) else ()
-                for o, p, i in zip(outputs, prompts, ids, strict=True)
-            ]
-            pieces = [piece for parts in nexts for piece in parts]
-            carried = np.concatenate(pieces) if pieces else token_array([])
-            carried_offsets = _offsets([sum(len(p) for p in parts) for parts in nexts])
+            carried, carried_offsets = _joined(
+                [
+                    (p, i) if o.finish_reason in CARRIED and len(i) else ()
+                    for o, p, i in zip(outputs, prompts, ids, strict=True)
+                ]
+            )
         return cls(
             tuple(o.request_id for o in outputs),
             np.concatenate(ids) if ids else token_array([]),
@@ -257,16 +262,24 @@ class OutputBatch:
         ]
 
 
+def answer(
+    batch: RequestBatch,
+    generate: Callable[[list[GenerationRequest]], list[GenerationOutput]],
+    routing_by_reference: bool,
+) -> OutputBatch:
+    """One engine call from its batch to its result: the requests (their continued contexts fetched),
+    ``generate``, and the outputs as columns, each one the budget cut carrying its next context."""
+    requests = batch.requests()
+    return OutputBatch.of(generate(requests), routing_by_reference, [r.prompt_ids for r in requests])
+
+
 def carried_tokens(obj: Any) -> np.ndarray:
-    """The token array of an object a request can continue from: an engine call's result (an
-    ``OutputBatch``, or a tuple whose first item is one: its :attr:`~OutputBatch.carried` contexts), or a
-    ``RequestBatch`` (the prompts it carried inline)."""
+    """The contexts an engine call's result carries (an ``OutputBatch``, or a tuple whose first item is
+    one: its :attr:`~OutputBatch.carried`)."""
     if isinstance(obj, tuple) and obj:
         obj = obj[0]
     if isinstance(obj, OutputBatch) and obj.carried is not None:
         return obj.carried
-    if isinstance(obj, RequestBatch):
-        return obj.tokens
     raise TypeError(f"a request continues from a {type(obj).__name__} that carries no contexts")
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mars_megatron.rollout.batch import OutputBatch, RequestBatch
+from mars_megatron.rollout.batch import OutputBatch, RequestBatch, answer
 from mars_megatron.rollout.engine import (
     GenerationOutput,
     GenerationRequest,
@@ -91,9 +91,7 @@ class RolloutActor:
         import ray
 
         by_reference = ray.is_initialized()  # a Ray actor: the routing stays in this node's object store
-        requests = batch.requests()
-        prompts = [r.prompt_ids for r in requests]  # each cut output carries its next context back
-        return OutputBatch.of(self.engine.generate(requests), by_reference, prompts), self._version
+        return answer(batch, self.engine.generate, by_reference), self._version
 
     # ------------------------------------------------------------------------------ weight transfer
     def transfer_ranks(self) -> int:

@@ -241,12 +241,10 @@ class SimulatedEngine:
         and log-probs as columns, the routing left in this actor's object store, each cut output's next
         context carried back), and the CPU seconds the engine spent (fetching the contexts requests
         continue included)."""
-        from mars_megatron.rollout.batch import OutputBatch
+        from mars_megatron.rollout.batch import answer
 
         start = time.process_time()
-        requests = batch.requests()
-        prompts = [r.prompt_ids for r in requests]
-        outputs = OutputBatch.of(self.generate(requests), routing_by_reference=True, prompts=prompts)
+        outputs = answer(batch, self.generate, routing_by_reference=True)
         return outputs, version, time.process_time() - start
 
     def generate(self, requests: Sequence[Any]) -> list[Any]:
