@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 import torch.distributed as dist
 
@@ -43,7 +43,7 @@ def save_both_ways(hf: str, root: str, layout: tuple[int, int, int]) -> dict[str
 
     rank_files = sorted(ours.glob(f"__{dist.get_rank()}_*.distcp"))
     recorded = {p.name: manifest._take_written(p) for p in rank_files}
-    actual = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in rank_files}
+    actual = {p.name: {"size": p.stat().st_size, "blake3": _blake3(p)} for p in rank_files}
     loads, in_place = {}, {}
     for directory in (ours, theirs):
         fresh = build_model(arch, pc)
@@ -60,6 +60,5 @@ def save_both_ways(hf: str, root: str, layout: tuple[int, int, int]) -> dict[str
     return {"recorded": recorded, "actual": actual, "loads": loads, "in_place": in_place}
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _blake3(path: Path) -> str:
+    return blake3.blake3(path.read_bytes()).hexdigest()

@@ -25,13 +25,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 import torch
 
 from mars_megatron.checkpoint import CheckpointStore, python_rng_state
 from mars_megatron.checkpoint.dist_load import MetadataUnpickler, read_metadata
 from mars_megatron.checkpoint.errors import CheckpointError
-from mars_megatron.checkpoint.manifest import MANIFEST, list_files, seal, verify_manifest, write_manifest
+from mars_megatron.checkpoint.manifest import (
+    LEGACY_MANIFEST,
+    MANIFEST,
+    list_files,
+    seal,
+    verify_manifest,
+    write_manifest,
+)
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 from tests.checkpoint_workers import POLICY, Run, run
@@ -133,11 +141,11 @@ def _fake_checkpoint(root: Path) -> Path:
 def test_commit_seals_a_checkpoint_with_nested_manifests(tmp_path: Path) -> None:
     ckpt = _fake_checkpoint(tmp_path)
     top = json.loads((ckpt / MANIFEST).read_text())
-    assert top["format"] == "mars-manifest-v1"
+    assert top["format"] == "mars-manifest-v2"
     assert sorted(top["files"]) == ["pipeline_state.pt", f"{POLICY}/{MANIFEST}", "trainer_state.json"]
     state = top["files"]["trainer_state.json"]
     data = (ckpt / "trainer_state.json").read_bytes()
-    assert state == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert state == {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
     inner = json.loads((ckpt / POLICY / MANIFEST).read_text())["files"]
     assert sorted(inner) == ["dist/__0_0.distcp", "layout.json"]
     assert list_files(ckpt) == sorted(top["files"])
@@ -156,7 +164,7 @@ def test_commit_seals_a_checkpoint_with_nested_manifests(tmp_path: Path) -> None
         (
             lambda c: _flip_byte(c / "pipeline_state.pt", 3),
             "pipeline_state.pt",
-            "SHA-256 differs from the manifest",
+            "BLAKE3 differs from the manifest",
         ),
         (
             lambda c: (c / POLICY / "layout.json").unlink(),
@@ -168,7 +176,7 @@ def test_commit_seals_a_checkpoint_with_nested_manifests(tmp_path: Path) -> None
             f"{POLICY}/dist/evil.pt",
             "not in the manifest",
         ),
-        (lambda c: (c / POLICY / "layout.json").write_text("[]"), f"{POLICY}/layout.json", "SHA-256 differs"),
+        (lambda c: (c / POLICY / "layout.json").write_text("[]"), f"{POLICY}/layout.json", "BLAKE3 differs"),
         (
             lambda c: (c / POLICY / MANIFEST).write_text("{}"),
             f"{POLICY}/{MANIFEST}",
@@ -197,9 +205,49 @@ def test_shard_digests_are_left_to_the_loading_ranks(tmp_path: Path, monkeypatch
     _flip_byte(ckpt / POLICY / "dist" / "__0_0.distcp")
     verify_manifest(ckpt)
     with pytest.raises(
-        CheckpointError, match=re.escape(f"{ckpt / POLICY / 'dist' / '__0_0.distcp'}: SHA-256")
+        CheckpointError, match=re.escape(f"{ckpt / POLICY / 'dist' / '__0_0.distcp'}: BLAKE3")
     ):
         verify_manifest(ckpt, shards=True)
+
+
+def _as_first_version(directory: Path) -> None:
+    """Rewrite ``directory``'s manifest (and nested ones) as the first version wrote them: SHA-256
+    digests in ``MANIFEST.sha256.json``."""
+    for path in sorted(directory.rglob(MANIFEST), key=lambda p: -len(p.parts)):
+        files = json.loads(path.read_text())["files"]
+        for name in list(files):
+            data = (path.parent / name.replace(MANIFEST, LEGACY_MANIFEST)).read_bytes()
+            files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        files = {k.replace(MANIFEST, LEGACY_MANIFEST): v for k, v in files.items()}
+        # nested first: a parent pins its child's rewritten manifest
+        path.with_name(LEGACY_MANIFEST).write_text(json.dumps({"format": "mars-manifest-v1", "files": files}))
+        path.unlink()
+
+
+def test_a_first_version_manifest_is_still_checked_with_sha256(tmp_path: Path) -> None:
+    """Checkpoints written before the digest became BLAKE3 verify as they are, a damaged one is named
+    with the digest its manifest holds, and re-sealing writes this version's manifest in its place."""
+    ckpt = _fake_checkpoint(tmp_path)
+    _as_first_version(ckpt)
+    assert not list(ckpt.rglob(MANIFEST)) and (ckpt / POLICY / LEGACY_MANIFEST).is_file()
+    assert sorted(list_files(ckpt)) == [
+        "pipeline_state.pt",
+        f"{POLICY}/{LEGACY_MANIFEST}",
+        "trainer_state.json",
+    ]
+    verify_manifest(ckpt, shards=True)
+    _flip_byte(ckpt / POLICY / "dist" / "__0_0.distcp")
+    shard = ckpt / POLICY / "dist" / "__0_0.distcp"
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: SHA-256 differs from the manifest")):
+        verify_manifest(ckpt, shards=True)
+    seal(ckpt / POLICY)  # deliberate: the nested folder now has a v2 manifest, which the parent does not pin
+    assert not (ckpt / POLICY / LEGACY_MANIFEST).exists()
+    with pytest.raises(CheckpointError, match=re.escape(f"{ckpt / POLICY / MANIFEST}: not in the manifest")):
+        verify_manifest(ckpt)
+    seal(ckpt)
+    assert json.loads((ckpt / MANIFEST).read_text())["format"] == "mars-manifest-v2"
+    assert not (ckpt / LEGACY_MANIFEST).exists()
+    verify_manifest(ckpt, shards=True)
 
 
 def test_a_checkpoint_without_manifest_is_refused_with_the_way_out(tmp_path: Path) -> None:
@@ -224,10 +272,12 @@ def test_a_checkpoint_without_manifest_is_refused_with_the_way_out(tmp_path: Pat
     [
         "not json",
         '{"format": "other", "files": {}}',
-        '{"format": "mars-manifest-v1", "files": {"../../etc/passwd": {"size": 1, "sha256": "x"}}}',
-        '{"format": "mars-manifest-v1", "files": {"a": {"size": "1", "sha256": "x"}}}',
+        '{"format": "mars-manifest-v2", "files": {"../../etc/passwd": {"size": 1, "blake3": "x"}}}',
+        '{"format": "mars-manifest-v2", "files": {"a": {"size": "1", "blake3": "x"}}}',
+        '{"format": "mars-manifest-v2", "files": {"a": {"size": 1, "sha256": "x"}}}',
+        '{"format": "mars-manifest-v1", "files": {}}',
     ],
-    ids=["not-json", "foreign-format", "path-escapes", "size-not-int"],
+    ids=["not-json", "foreign-format", "path-escapes", "size-not-int", "other-digest", "v1-in-v2-file"],
 )
 def test_a_malformed_manifest_is_named(tmp_path: Path, manifest: str) -> None:
     ckpt = _fake_checkpoint(tmp_path)
@@ -362,7 +412,7 @@ def test_crafted_files_are_refused_by_mcore_to_hf_and_never_run(converted: dict[
     ("name", "file", "says"),
     [
         ("metadata-stale-manifest", "model/.metadata", "bytes, the manifest says"),
-        ("flipped-shard", "model/{shard}", "SHA-256 differs from the manifest"),
+        ("flipped-shard", "model/{shard}", "BLAKE3 differs from the manifest"),
         ("truncated-shard", "model/{shard}", "(cut short)"),
         ("deleted-shard", "model/{shard}", "missing (listed in the manifest"),
         ("added-file", "model/extra.pt", "not in the manifest"),
@@ -418,7 +468,7 @@ def test_resume_refuses_crafted_and_damaged_policy_folders(tmp_path: Path, hf: P
     assert raised["rng"][1].startswith(f"{policy['rng'] / 'rng' / 'rank_0.pt'}: refused:")
     shard = _shard(policy["flipped"] / "dist")
     assert raised["flipped"][1].startswith(f"{policy['flipped']}: does not match its manifest")
-    assert f"{shard}: SHA-256 differs from the manifest" in raised["flipped"][1]
+    assert f"{shard}: BLAKE3 differs from the manifest" in raised["flipped"][1]
     assert raised["no-manifest"][1].startswith(f"{policy['no-manifest'] / MANIFEST}: missing;")
     assert not marker.exists()
     # the driver refuses the resealed policy folder before any rank starts: the top manifest pins it

@@ -52,3 +52,24 @@ def test_no_metrics_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "x").mkdir()
     (tmp_path / "y").mkdir()
     assert compare_runs.main([str(tmp_path / "x"), str(tmp_path / "y")]) == 2
+
+
+def _checkpoint(tmp_path: Path, name: str, manifest: str, weights: bytes) -> Path:
+    """A checkpoint directory as `mars sft --out` leaves it, as far as the comparison reads it: weight
+    files listed in a manifest of either version (the digests in it are not what is compared)."""
+    ckpt = tmp_path / name
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "model" / "__0_0.distcp").write_bytes(weights)
+    (ckpt / "model" / ".metadata").write_bytes(name.encode())  # names the run: not compared
+    files = {"model/__0_0.distcp": {"size": len(weights)}, "model/.metadata": {"size": len(name)}}
+    (ckpt / manifest).write_text(json.dumps({"files": files}))
+    return ckpt
+
+
+def test_checkpoints_compare_by_their_weight_files_across_manifest_versions(tmp_path: Path, capsys) -> None:
+    old = _checkpoint(tmp_path, "old", "MANIFEST.sha256.json", b"w" * 64)
+    new = _checkpoint(tmp_path, "new", "MANIFEST.json", b"w" * 64)
+    assert compare_runs.main([str(old), str(new)]) == 0
+    changed = _checkpoint(tmp_path, "changed", "MANIFEST.json", b"w" * 63 + b"x")
+    assert compare_runs.main([str(old), str(changed)]) == 1
+    assert "MANIFEST.json: model/__0_0.distcp differs" in capsys.readouterr().out

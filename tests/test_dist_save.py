@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 import torch
 
@@ -122,17 +123,17 @@ def test_a_recorded_digest_is_used_only_for_the_unchanged_file(tmp_path: Path) -
     kept, changed = tmp_path / "kept.bin", tmp_path / "changed.bin"
     for path in (kept, changed):
         path.write_bytes(b"x" * 100)
-        manifest.record_written(path, {"size": 100, "sha256": "recorded"})
+        manifest.record_written(path, {"size": 100, "blake3": "recorded"})
     changed.write_bytes(b"y" * 100)
     os.utime(changed, ns=(1, 1))
     manifest.write_manifest(tmp_path)
     files = manifest.read_manifest(tmp_path)
-    assert files["kept.bin"]["sha256"] == "recorded"
-    assert files["changed.bin"]["sha256"] == hashlib.sha256(b"y" * 100).hexdigest()
+    assert files["kept.bin"]["blake3"] == "recorded"
+    assert files["changed.bin"]["blake3"] == blake3.blake3(b"y" * 100).hexdigest()
 
 
 def test_a_recorded_size_that_differs_from_the_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(b"x" * 10)
     with pytest.raises(ValueError, match="10 bytes on disk, 11 hashed as written"):
-        manifest.record_written(path, {"size": 11, "sha256": "0" * 64})
+        manifest.record_written(path, {"size": 11, "blake3": "0" * 64})

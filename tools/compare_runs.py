@@ -3,8 +3,10 @@
 Why: the tiny run is deterministic (docs/train.md, "What repeats"), so a refactor proves it changed no
 behaviour when every metric of every step matches the run before it. Wall-clock figures (``time/*``, the
 trainer's busy fraction) are the only fields allowed to differ. A directory holding a mars checkpoint
-(``mars sft --out``: its ``MANIFEST.sha256.json``) is compared by the digests of its weight files
-(``*.safetensors``, ``*.distcp``), byte for byte; its metadata files name the run and are not compared.
+(``mars sft --out``: its ``MANIFEST.json``, or ``MANIFEST.sha256.json`` from before BLAKE3) is compared by
+the digests of the weight files its manifest lists (``*.safetensors``, ``*.distcp``), hashed here, so a
+checkpoint of either manifest version compares with one of the other; its metadata files name the run and
+are not compared.
 
     python tools/compare_runs.py BEFORE_DIR AFTER_DIR   # exit 0: identical; 1: the differences, listed
 """
@@ -12,6 +14,7 @@ trainer's busy fraction) are the only fields allowed to differ. A directory hold
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -22,7 +25,8 @@ WALL_CLOCK_SUFFIXES = ("/time",)
 """Fields that measure elapsed time (``time/step``, ``eval/time``, …), so differ between identical runs."""
 
 
-MANIFEST = "MANIFEST.sha256.json"  # as mars_megatron/checkpoint/manifest.py writes it
+MANIFESTS = ("MANIFEST.json", "MANIFEST.sha256.json")  # mars_megatron/checkpoint/manifest.py: new, first
+MANIFEST = MANIFESTS[0]
 WEIGHT_SUFFIXES = (".safetensors", ".distcp")
 """Files of a checkpoint that hold its tensors (the rest, e.g. ``model/.metadata``, differ between runs)."""
 
@@ -58,10 +62,21 @@ def compare(before: Path, after: Path) -> list[str]:
     return out
 
 
+def _manifest(run: Path) -> Path | None:
+    return next((run / m for m in MANIFESTS if (run / m).is_file()), None)
+
+
 def _weights(run: Path) -> dict[str, str]:
-    with (run / MANIFEST).open(encoding="utf-8") as f:
+    manifest = _manifest(run)
+    assert manifest is not None
+    with manifest.open(encoding="utf-8") as f:
         files = json.load(f)["files"]
-    return {name: entry["sha256"] for name, entry in files.items() if name.endswith(WEIGHT_SUFFIXES)}
+    out = {}
+    for name in files:
+        if name.endswith(WEIGHT_SUFFIXES):
+            with (run / name).open("rb") as w:
+                out[name] = hashlib.file_digest(w, "sha256").hexdigest()
+    return out
 
 
 def compare_weights(before: Path, after: Path) -> tuple[list[str], int]:
@@ -97,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         diffs += compare(a, b)
         compared += len(_rows(a))
     weights = 0
-    if (args.before / MANIFEST).is_file() or (args.after / MANIFEST).is_file():
-        if not (args.before / MANIFEST).is_file() or not (args.after / MANIFEST).is_file():
+    if _manifest(args.before) or _manifest(args.after):
+        if not _manifest(args.before) or not _manifest(args.after):
             diffs.append(f"{MANIFEST}: present in only one run")
         else:
             found, weights = compare_weights(args.before, args.after)

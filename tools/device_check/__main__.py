@@ -57,10 +57,11 @@ CPU_BUDGET_S = 1200.0
 MIN_CHECK_S = 20.0
 """A check is not started with less time than this left."""
 
-NEEDED = ("megatron.core", "transformers", "safetensors", "numpy", "yaml", "psutil", "einops")
-"""Modules the checks need beyond torch: megatron-core from the carried wheels, the rest from the GPU
-machine's image. ``psutil``: megatron's checkpoint writer needs it in a forked process, and without it
-that process dies while the save waits for it forever, so its absence is named before anything runs."""
+NEEDED = ("megatron.core", "blake3", "transformers", "safetensors", "numpy", "yaml", "psutil", "einops")
+"""Modules the checks need beyond torch: megatron-core and blake3 (the checkpoint manifest's digest) from
+the carried wheels, the rest from the GPU machine's image. ``psutil``: megatron's checkpoint writer
+needs it in a forked process, and without it that process dies while the save waits for it forever, so
+its absence is named before anything runs."""
 
 
 def missing_modules(names: tuple[str, ...] = NEEDED) -> list[str]:
