@@ -21,6 +21,13 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", default="auto", choices=["auto", "local", "transformer_engine"])
 
 
+VIA_MODEL = (
+    "convert through a Megatron model on ranks of the layout flags, as before the direct path (which "
+    "needs no model and no process group, and is the default where it applies: no dtype cast; for "
+    "mcore-to-hf, every tensor present with its shape)"
+)
+
+
 def _layout(args: argparse.Namespace) -> ParallelConfig:
     """The layout flags as a ParallelConfig; errors name the flag (``--tp``), and ``--nproc`` is checked."""
     try:
@@ -73,11 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--via-model", action="store_true", help=VIA_MODEL)
     _add_layout(c)
     c = conv.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--max-shard-gb", type=float, default=5.0)
+    c.add_argument("--via-model", action="store_true", help=VIA_MODEL)
     _add_layout(c)
 
     p = sub.add_parser("score", help="per-token log-probs of token sequences under the Megatron model")
@@ -171,12 +180,17 @@ def _init_model(args: argparse.Namespace) -> None:
 
 def _convert(args: argparse.Namespace) -> None:
     from mars_megatron import jobs
+    from mars_megatron.conversion import direct
     from mars_megatron.convert import check_output_dir, preflight
 
     check_output_dir(args.dst)
     layout = _layout(args)
     if args.direction == "hf-to-mcore":
         _check_model(args.src, layout, hf_only=True)
+        if not args.via_model and direct.can_convert_directly(args.src, args.dtype):
+            direct.hf_to_mcore_direct(args.src, args.dst)
+            print(f"wrote {args.dst} (direct: loads into any layout)")
+            return
         jobs.run(
             jobs.hf_to_mcore_job, layout, args.src, args.dst, layout, args.dtype, args.impl, nproc=args.nproc
         )
@@ -186,8 +200,14 @@ def _convert(args: argparse.Namespace) -> None:
         if not Path(args.src).is_dir():
             raise FileNotFoundError(f"{args.src}: no such checkpoint directory")
         preflight(args.src)  # a cut, altered or crafted checkpoint is refused before ranks start
-        _check_model(args.src, layout)
         max_bytes = int(args.max_shard_gb * 2**30)
+        problem = "--via-model" if args.via_model else direct.export_problem(args.src)
+        if problem is None:
+            direct.mcore_to_hf_direct(args.src, args.dst, max_shard_bytes=max_bytes)
+            print(f"wrote {args.dst} (direct)")
+            return
+        print(f"exporting through a model ({problem})")
+        _check_model(args.src, layout)
         jobs.run(
             jobs.mcore_to_hf_job, layout, args.src, args.dst, layout, max_bytes, args.impl, nproc=args.nproc
         )

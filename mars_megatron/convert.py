@@ -101,6 +101,19 @@ def _finish(tmp: Path, out: Path, ok: bool, manifest: bool) -> None:
     dist.barrier()
 
 
+def check_assets(mcore_dir: str | Path) -> Path:
+    """The checkpoint's ``hf/`` folder, checked to hold what an HF export needs to load anywhere."""
+    assets = Path(mcore_dir) / "hf"
+    for needed in ("config.json", "tokenizer_config.json"):  # an HF model without them loads nowhere
+        if not (assets / needed).is_file():
+            raise CheckpointError(
+                f"{assets / needed}: missing; the checkpoint carries no HF {needed.split('.')[0]}, so its "
+                "export would not load (copy the source model's config and tokenizer files into "
+                f"{assets})"
+            )
+    return assets
+
+
 def check_loadable(hf_dir: Path) -> None:
     """The exported folder's config and tokenizer load with transformers (checked before the folder is
     renamed into place, so a broken export never appears under the output name)."""
@@ -204,14 +217,7 @@ def mcore_to_hf(
     """Convert a mars Megatron checkpoint to HF safetensors (every rank): one from :func:`hf_to_mcore` or
     ``mars sft``, or a policy folder of a ``mars train`` checkpoint (the trained policy)."""
     arch, meta = read_meta(mcore_dir)
-    assets = Path(mcore_dir) / "hf"
-    for needed in ("config.json", "tokenizer_config.json"):  # an HF model without them loads nowhere
-        if not (assets / needed).is_file():
-            raise CheckpointError(
-                f"{assets / needed}: missing; the checkpoint carries no HF {needed.split('.')[0]}, so its "
-                "export would not load (copy the source model's config and tokenizer files into "
-                f"{assets})"
-            )
+    assets = check_assets(mcore_dir)
     out = Path(out_dir)
     with staged_output(out, manifest=False) as tmp:  # an HF model directory
         model = build_model(

@@ -86,7 +86,7 @@ def moe(work: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def mcore(work: Path, moe: Path) -> Path:
-    result = ok(mars("convert", "hf-to-mcore", moe, "moe-mcore", "--ep", "2", cwd=work))
+    result = ok(mars("convert", "hf-to-mcore", moe, "moe-mcore", "--ep", "2", "--via-model", cwd=work))
     assert "wrote moe-mcore" in result.stdout
     meta = json.loads((work / "moe-mcore" / "mars_checkpoint.json").read_text())
     assert meta["written_by_layout"] == {"tp": 1, "pp": 1, "ep": 2}
@@ -117,6 +117,21 @@ def test_score_converted_checkpoint_matches_transformers(
     assert f"scored 5 sequences -> {out}" in result.stdout
     assert_close_to(read_logprobs(out), reference)
     assert not list(work.glob(".*partial*"))
+
+
+def test_convert_is_direct_both_ways_and_exact(work: Path, moe: Path, mcore: Path) -> None:
+    """Without ``--via-model`` both directions run in the command's own process, no model or ranks; the
+    direct checkpoint exports back bit-identical, and so does the model path's (``mcore``, EP2)."""
+    from tests.test_conversion import assert_bit_identical
+
+    result = ok(mars("convert", "hf-to-mcore", moe, "moe-direct", "--ep", "2", cwd=work))
+    assert "wrote moe-direct (direct: loads into any layout)" in result.stdout
+    meta = json.loads((work / "moe-direct" / "mars_checkpoint.json").read_text())
+    assert meta["written_by_layout"] == {"tp": 1, "pp": 1, "ep": 1}  # the layout flags do not apply
+    for src in ("moe-direct", mcore.name):
+        result = ok(mars("convert", "mcore-to-hf", src, f"{src}-hf", cwd=work))
+        assert f"wrote {src}-hf (direct)" in result.stdout and "through a model" not in result.stdout
+        assert_bit_identical(moe, work / f"{src}-hf")
 
 
 @pytest.mark.multiproc

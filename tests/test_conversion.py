@@ -8,6 +8,7 @@ checkpoints; each test then checks its own outputs.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mars_megatron.checkpoint.manifest import seal
+from mars_megatron.checkpoint.dist_load import read_metadata
+from mars_megatron.checkpoint.manifest import MANIFEST, seal, verify_manifest
 from mars_megatron.config import ParallelConfig
+from mars_megatron.conversion.direct import hf_to_mcore_direct, mcore_to_hf_direct
 from mars_megatron.conversion.hf_io import INDEX
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
@@ -135,6 +138,12 @@ CASES = [
     Case("moe-tied", 4, TP2EP2, PP2),
     Case("dense-tied", 4, TP2PP2, TP2PP2),
 ]
+DIRECT_READS: dict[int, list[tuple[str, Layout]]] = {
+    2: [("dense", TP2), ("moe", EP2), ("moe-bf16", TP2EP2_ETP1), ("dense-tied", PP2)],
+    4: [("moe", TP2EP2), ("moe-tied", PP2EP2)],
+}
+"""Checkpoints written by ``hf_to_mcore_direct`` (one process, no model) that the model path reads back in
+these layouts, in the launches the cases make anyway."""
 CASE_BY_ID = {c.id: c for c in CASES}
 assert len(CASE_BY_ID) == len(CASES), "case ids must be unique"
 for _c in CASES:  # every layout must be realisable on its world (data parallelism fills the rest)
@@ -229,6 +238,18 @@ class Conversions:
     def mcore_dir(self, source: str, world: int, write: Layout) -> Path:
         return self.root / f"w{world}" / f"{source}-{fmt(write)}.mcore"
 
+    def direct_dir(self, source: str) -> Path:
+        """``source`` converted by ``hf_to_mcore_direct`` (in this process, once)."""
+        out = self.root / f"{source}.direct"
+        if not out.exists():
+            hf_to_mcore_direct(self.sources[source], out)
+        return out
+
+    def direct_read_dir(self, source: str, world: int, read: Layout) -> Path:
+        """The direct checkpoint of ``source`` exported by the model path in layout ``read``."""
+        self._ensure(world)
+        return self.root / f"w{world}" / f"{source}.direct-read-{fmt(read)}.hf"
+
     def out_dir(self, case: Case) -> Path:
         self._ensure(case.world)
         return self.out_dir_path(case)
@@ -243,6 +264,15 @@ class Conversions:
         ops += [
             Op("to_hf", str(self.mcore_dir(c.source, world, c.write)), str(self.out_dir_path(c)), c.read)
             for c in sorted(cases, key=lambda c: (fmt(c.read), c.id))
+        ]
+        ops += [  # the direct path's checkpoints, read by the model path in other layouts
+            Op(
+                "to_hf",
+                str(self.direct_dir(s)),
+                str(self.root / f"w{world}" / f"{s}.direct-read-{fmt(r)}.hf"),
+                r,
+            )
+            for s, r in sorted(DIRECT_READS.get(world, []), key=lambda sr: (fmt(sr[1]), sr[0]))
         ]
         self.seconds[world] = parallel.launch(run_ops, world, ops, timeout_s=LAUNCH_TIMEOUT_S)[0]
 
@@ -305,6 +335,104 @@ def test_megatron_checkpoint_is_layout_free(
         for name in ASSETS:
             assert (mcore / "hf" / name).read_bytes() == (sources[source] / name).read_bytes(), label
         assert not list(mcore.rglob("*.safetensors")), label
+
+
+# ------------------------------------------------------------------------------------------ the direct path
+def _records(mcore: Path) -> dict[tuple[str, tuple[int, ...] | None], Any]:
+    """Every record of a dist checkpoint by (key, chunk offsets), loaded with ``weights_only``."""
+    metadata = read_metadata(mcore / "model")
+    out = {}
+    for index, info in metadata.storage_data.items():
+        with open(mcore / "model" / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        offsets = None if index.offset is None else tuple(index.offset)
+        out[(index.fqn, offsets)] = torch.load(io.BytesIO(data), weights_only=True)
+    return out
+
+
+def _entries(mcore: Path) -> dict[str, Any]:
+    """Each tensor's global shape, properties and chunks (sorted), or ``bytes`` for an object."""
+    entries = {}
+    for key, md in read_metadata(mcore / "model").state_dict_metadata.items():
+        if hasattr(md, "chunks"):
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+            entries[key] = (tuple(md.size), md.properties, chunks)
+        else:
+            entries[key] = "bytes"
+    return entries
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_direct_checkpoint_is_the_one_a_model_writes(
+    source: str, sources: dict[str, Path], conversions: Conversions
+) -> None:
+    """``hf_to_mcore_direct`` (no model) writes what one rank of a Megatron model writes: the same
+    tensors with the same global shapes, dtypes and chunks, the same objects, every record's value
+    equal; and a manifest of this version that checks out."""
+    model_path = conversions.mcore_dir(source, 1, S)
+    conversions.out_dir(CASE_BY_ID[f"{source}-w1-single"])  # world 1 ran
+    direct = conversions.direct_dir(source)
+    assert _entries(direct) == _entries(model_path)
+    ours, theirs = _records(direct), _records(model_path)
+    assert ours.keys() == theirs.keys()
+    differ = [
+        k
+        for k in ours
+        if not (torch.equal(ours[k], theirs[k]) if torch.is_tensor(ours[k]) else ours[k] == theirs[k])
+    ]
+    assert not differ, differ[:5]
+    assert json.loads((direct / "mars_checkpoint.json").read_text()) == json.loads(
+        (model_path / "mars_checkpoint.json").read_text()
+    )
+    assert {p.name for p in (direct / "hf").iterdir()} == ASSETS
+    verify_manifest(direct, shards=True)
+    assert json.loads((direct / MANIFEST).read_text())["format"] == "mars-manifest-v2"
+    assert not partial_of(direct).exists()
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_direct_round_trip_is_bit_identical(
+    source: str, sources: dict[str, Path], conversions: Conversions
+) -> None:
+    out = conversions.root / f"{source}.direct.hf"
+    mcore_to_hf_direct(conversions.direct_dir(source), out)
+    assert_bit_identical(sources[source], out)
+    assert shard_files(out) == ["model-00001-of-00001.safetensors"]
+    assert_assets_carried(sources[source], out)
+    assert not partial_of(out).exists()
+
+
+@pytest.mark.parametrize(
+    ("source", "world", "read"),
+    [
+        pytest.param(s, w, r, id=f"{s}-w{w}-read-{fmt(r)}", marks=pytest.mark.multiproc)
+        for w, reads in DIRECT_READS.items()
+        for s, r in reads
+    ],
+)
+def test_direct_checkpoint_loads_into_other_layouts(
+    source: str, world: int, read: Layout, sources: dict[str, Path], conversions: Conversions
+) -> None:
+    assert_bit_identical(sources[source], conversions.direct_read_dir(source, world, read))
+
+
+@pytest.mark.parametrize(
+    "world", [1, pytest.param(2, marks=pytest.mark.multiproc), pytest.param(4, marks=pytest.mark.multiproc)]
+)
+def test_direct_export_of_checkpoints_written_in_any_layout(
+    world: int, tmp_path: Path, sources: dict[str, Path], conversions: Conversions
+) -> None:
+    """``mcore_to_hf_direct`` exports what the model path wrote in every layout: the records of a
+    tensor written in pieces (TP, EP) are assembled, those of whole ones used as they are."""
+    conversions.out_dir(next(c for c in CASES if c.world == world))
+    writes = sorted(
+        {(c.source, c.write) for c in CASES if c.world == world}, key=lambda sw: (sw[0], fmt(sw[1]))
+    )
+    for source, write in writes:
+        out = tmp_path / f"{source}-{fmt(write)}.hf"
+        mcore_to_hf_direct(conversions.mcore_dir(source, world, write), out)
+        assert_bit_identical(sources[source], out)
 
 
 LOADABLE = ["dense-w1-single", "moe-w1-single", "dense-bf16-w2-tp2", "moe-w4-pp2xep2-read-tp2"]

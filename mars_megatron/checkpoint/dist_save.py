@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from mars_megatron.checkpoint.atomic import fsync_dir, fsync_file
 from mars_megatron.checkpoint.manifest import ALGORITHM, new_digest, record_written
 
-__all__ = ["FILES_PER_RANK", "save"]
+__all__ = ["FILES_PER_RANK", "DigestThread", "ShardFile", "save"]
 
 FILES_PER_RANK = 2
 """Data shards each rank writes (megatron's default ``thread_count``): the items are split between them
@@ -134,13 +134,13 @@ class InProcessWriter(FileSystemWriterAsync):
         return self._results
 
     def _write_files(self) -> None:
-        hasher = _Hasher()
+        hasher = DigestThread()
         syncing = ThreadPoolExecutor(1, thread_name_prefix="dist-save-fsync")
-        files: list[_ShardFile] = []
+        files: list[ShardFile] = []
         synced = []
         try:
             for name, items in self._files:
-                shard = _ShardFile(Path(self.checkpoint_dir) / name, hasher)
+                shard = ShardFile(Path(self.checkpoint_dir) / name, hasher)
                 files.append(shard)
                 self._results.extend(self._write_items(shard, name, items))
                 shard.flush()
@@ -160,7 +160,7 @@ class InProcessWriter(FileSystemWriterAsync):
             for shard in files:
                 shard.close()
 
-    def _write_items(self, shard: _ShardFile, name: str, items: list[WriteItem]) -> list[WriteResult]:
+    def _write_items(self, shard: ShardFile, name: str, items: list[WriteItem]) -> list[WriteResult]:
         results = []
         # bytes first, then tensors: the order of megatron's and torch's writers
         for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):
@@ -188,12 +188,12 @@ def owning_storage(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw).view(tensor.dtype).view(tensor.shape)
 
 
-class _ShardFile:
+class ShardFile:
     """The stream ``_write_item`` writes one data shard through: small writes are buffered and copied,
     large ones (a tensor's storage, passed by ``torch.save`` as a view of the tensor's own memory) go to
     the file and the hasher as they are; ``tell`` is the offset ``.metadata`` records."""
 
-    def __init__(self, path: Path, hasher: _Hasher) -> None:
+    def __init__(self, path: Path, hasher: DigestThread) -> None:
         self.path = path
         self._fd: int | None = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
         self._hasher = hasher
@@ -252,7 +252,7 @@ class _ShardFile:
             self._fd = None
 
 
-class _Hasher:
+class DigestThread:
     """The manifest's digest of each file from the chunks written to it, in order, on a thread of its own."""
 
     def __init__(self) -> None:

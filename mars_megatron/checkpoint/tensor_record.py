@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import os
 import pickletools
 import struct
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["read_into"]
+__all__ = ["data_offset", "read_into"]
 
 _MEMO = frozenset({"BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"})
 _INTS = frozenset({"BININT", "BININT1", "BININT2", "INT", "LONG", "LONG1", "LONG4"})
@@ -46,28 +47,39 @@ def read_into(fd: int, offset: int, length: int, target: torch.Tensor) -> bool:
     ``target`` unchanged, if it is not. ``OSError`` if the file cannot be read."""
     if target.device.type != "cpu" or not target.is_contiguous():
         return False
+    start = data_offset(fd, offset, length, target.dtype, tuple(target.shape))
+    if start is None:
+        return False
+    _read_fully(fd, target.reshape(-1).view(torch.uint8).numpy(), start)
+    return True
+
+
+def data_offset(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
+    """Where in the file the bytes of the tensor stored by the record at ``offset`` start, if the record
+    is the plain one of a contiguous ``dtype`` tensor of ``shape`` (module docstring); None if it is not.
+    The tensor's ``numel * itemsize`` bytes from there are inside the record."""
     view = _RecordView(fd, offset, length)
     try:
         archive = zipfile.ZipFile(view)
         pickled = [n for n in archive.namelist() if n.endswith("/data.pkl")]
         if len(pickled) != 1:
-            return False
+            return None
         prefix = pickled[0].removesuffix("data.pkl")
-        if _ops(archive.read(pickled[0])) != _expected(target.dtype, tuple(target.shape)):
-            return False
+        if _ops(archive.read(pickled[0])) != _expected(dtype, shape):
+            return None
         data = archive.getinfo(prefix + "data/0")
     except (zipfile.BadZipFile, KeyError, ValueError, EOFError, struct.error, NotImplementedError):
-        return False
-    if data.compress_type != _STORED or data.file_size != target.nbytes:
-        return False
+        return None
+    nbytes = dtype.itemsize * math.prod(shape)
+    if data.compress_type != _STORED or data.file_size != nbytes:
+        return None
     header = _LOCAL_HEADER.unpack(view.pread(data.header_offset, _LOCAL_HEADER.size))
     if header[0] != _LOCAL_SIGNATURE:
-        return False
+        return None
     start = data.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
     if start + data.file_size > length:
-        return False
-    _read_fully(fd, target.reshape(-1).view(torch.uint8).numpy(), offset + start)
-    return True
+        return None
+    return offset + start
 
 
 def _read_fully(fd: int, into: Any, at: int) -> None:

@@ -8,7 +8,16 @@ presets), then times in one run:
   since Megatron's checkpoint writer fsyncs;
 - ``hf_to_mcore`` then ``mcore_to_hf`` in one spawned rank (``parallel.launch`` with a world of one),
   timed inside the worker around each call. Process start and the worker's first, import-heavy round
-  trip of a tiny checkpoint are reported on their own and excluded from the throughput.
+  trip of a tiny checkpoint are reported on their own and excluded from the throughput;
+- the direct converters (``conversion/direct.py``: no model, no process group) in this process, after a
+  warm-up round trip of the tiny checkpoint: ``hf_to_mcore_direct``, then ``mcore_to_hf_direct`` of its
+  output. The direct checkpoint is also exported by the model path (untimed), and both outputs must be
+  bit-identical to the source.
+
+Every converter syncs what it wrote to disk before renaming it into place (an interrupted conversion
+leaves nothing half-written), which the first baseline does not: the table gives each step's throughput
+relative to both baselines, the raw copy (target >= 0.5x) and the raw copy with an fsync per file
+(the same durability as the converters).
 
 Each step runs ``--repeats`` times; the table shows the median and the range. It prints bytes, seconds
 and GB/s (1 GB = 1e9 bytes) per step, each step's throughput relative to the baseline (target >= 0.5x),
@@ -58,6 +67,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mars_megatron.config import ParallelConfig
+from mars_megatron.conversion.direct import hf_to_mcore_direct, mcore_to_hf_direct
 from mars_megatron.conversion.hf_io import INDEX
 from mars_megatron.convert import hf_to_mcore, mcore_to_hf
 from mars_megatron.models.presets import init_model
@@ -123,7 +133,9 @@ class MemorySampler:
 
 
 # ------------------------------------------------------------------------------------------------- worker
-def bench_worker(warmup_hf: str, hf: str, root: str, repeats: int, out_shard_bytes: int) -> dict[str, Any]:
+def bench_worker(
+    warmup_hf: str, hf: str, root: str, repeats: int, out_shard_bytes: int, direct: str
+) -> dict[str, Any]:
     """Runs on the spawned rank: a warm-up round trip of a tiny checkpoint (imports, first-call setup),
     then ``repeats`` timed round trips of the large one. Memory peaks are those of the first round trip,
     which starts from a trimmed heap as a one-off conversion does."""
@@ -157,6 +169,7 @@ def bench_worker(warmup_hf: str, hf: str, root: str, repeats: int, out_shard_byt
             shutil.rmtree(back)
     sampler.stop()
     out["max_rss"] = _max_rss()
+    mcore_to_hf(direct, f"{root}/direct.hf", pc, max_shard_bytes=out_shard_bytes, progress=False)  # untimed
     out["last"] = (f"{root}/bench{repeats - 1}.mcore", f"{root}/bench{repeats - 1}.hf")
     out["worker_s"] = time.perf_counter() - entered
     return out
@@ -354,33 +367,65 @@ def main() -> None:
             (name, [direct_floor(hf, root / f"floor{i}", **steps) for i in range(args.repeats)])
             for name, steps in (FLOOR_STEPS if args.floor else ())
         ]
+        out_shard = int(args.out_shard_mb * 1e6)
+        hf_to_mcore_direct(warmup, root / "warmup-direct.mcore")  # imports, first-call setup
+        direct = []
+        for i in range(args.repeats):
+            _trim()
+            start = time.perf_counter()
+            hf_to_mcore_direct(hf, root / f"direct{i}.mcore")
+            direct.append(time.perf_counter() - start)
+            if i + 1 < args.repeats:
+                shutil.rmtree(root / f"direct{i}.mcore")
+        last_direct = root / f"direct{args.repeats - 1}.mcore"
+        mcore_to_hf_direct(root / "warmup-direct.mcore", root / "warmup-direct.hf")
+        direct_back = []
+        for i in range(args.repeats):
+            _trim()
+            start = time.perf_counter()
+            mcore_to_hf_direct(last_direct, root / f"direct-back{i}.hf", max_shard_bytes=out_shard)
+            direct_back.append(time.perf_counter() - start)
+        direct_back_identical = bit_identical(hf, root / f"direct-back{args.repeats - 1}.hf")
         start = time.perf_counter()
         result = parallel.launch(
-            bench_worker, 1, str(warmup), str(hf), str(root), args.repeats, int(args.out_shard_mb * 1e6)
+            bench_worker,
+            1,
+            str(warmup),
+            str(hf),
+            str(root),
+            args.repeats,
+            out_shard,
+            str(last_direct),
         )[0]
         launch_s = time.perf_counter() - start
         last_mcore, last_hf = (Path(p) for p in result["last"])
         identical = bit_identical(hf, last_hf)
+        direct_identical = bit_identical(hf, root / "direct.hf")
         mcore_bytes = sum(p.stat().st_size for p in last_mcore.rglob("*") if p.is_file())
         out_shards = len(shards(last_hf))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    raw_gbs = size / statistics.median(raw) / GB
+    raw_s, synced_s = statistics.median(raw), statistics.median(raw_fsync)
     rows = [
         ("raw read+write (baseline)", raw),
         ("raw read+write+fsync", raw_fsync),
         *floor,
         ("hf_to_mcore", result["to_mcore_s"]),
+        ("hf_to_mcore, direct", direct),
         ("mcore_to_hf", result["to_hf_s"]),
+        ("mcore_to_hf, direct", direct_back),
     ]
     print()
-    print(f"{'step':<27}{'bytes':>13}{'seconds':>9}{'range':>13}{'GB/s':>8}{'vs raw':>8}")
+    print(f"{'step':<27}{'bytes':>13}{'seconds':>9}{'range':>13}{'GB/s':>8}{'vs raw':>8}{'vs raw+fsync':>14}")
     for name, runs in rows:
         median = statistics.median(runs)
         gbs = size / median / GB
         spread = f"{min(runs):.2f}-{max(runs):.2f}"
-        print(f"{name:<27}{size:>13,}{median:>9.3f}{spread:>13}{gbs:>8.3f}{gbs / raw_gbs:>7.2f}x")
+        print(
+            f"{name:<27}{size:>13,}{median:>9.3f}{spread:>13}{gbs:>8.3f}"
+            f"{raw_s / median:>7.2f}x{synced_s / median:>13.2f}x"
+        )
     print(f"(median of {args.repeats} runs each; GB = 1e9 bytes)")
     print()
     print(
@@ -389,6 +434,10 @@ def main() -> None:
     )
     print(f"Megatron checkpoint on disk: {mcore_bytes:,} bytes; HF output: {out_shards} shards")
     print(f"round trip bit-identical: {'yes' if identical else 'NO'}")
+    print(
+        f"direct round trip bit-identical: {'yes' if direct_back_identical else 'NO'}; the direct "
+        f"checkpoint through the model path (mcore_to_hf): {'yes' if direct_identical else 'NO'}"
+    )
 
     base = result["base"]
     print()
