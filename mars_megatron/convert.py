@@ -38,19 +38,11 @@ from mars_megatron.checkpoint.model_meta import META, copy_assets, read_meta, wr
 from mars_megatron.config import ParallelConfig
 from mars_megatron.conversion.hf_io import HFReader, HFWriter
 from mars_megatron.conversion.model_io import export_weights, load_weights, validate_hf_checkpoint
+from mars_megatron.conversion.outputs import check_assets, check_loadable, check_output_dir
 from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors
 from mars_megatron.dtypes import torch_dtype
 from mars_megatron.models.hf_config import Qwen3Arch, load_hf_config
 from mars_megatron.training.model_provider import build_model
-
-
-def check_output_dir(out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    if out.exists():
-        raise FileExistsError(f"{out}: output directory already exists; choose a new path or remove it")
-    if not out.parent.exists():
-        raise FileNotFoundError(f"{out.parent}: parent of the output directory does not exist")
-    return out
 
 
 @contextmanager
@@ -99,33 +91,6 @@ def _finish(tmp: Path, out: Path, ok: bool, manifest: bool) -> None:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-
-
-def check_assets(mcore_dir: str | Path) -> Path:
-    """The checkpoint's ``hf/`` folder, checked to hold what an HF export needs to load anywhere."""
-    assets = Path(mcore_dir) / "hf"
-    for needed in ("config.json", "tokenizer_config.json"):  # an HF model without them loads nowhere
-        if not (assets / needed).is_file():
-            raise CheckpointError(
-                f"{assets / needed}: missing; the checkpoint carries no HF {needed.split('.')[0]}, so its "
-                "export would not load (copy the source model's config and tokenizer files into "
-                f"{assets})"
-            )
-    return assets
-
-
-def check_loadable(hf_dir: Path) -> None:
-    """The exported folder's config and tokenizer load with transformers (checked before the folder is
-    renamed into place, so a broken export never appears under the output name)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    try:
-        AutoConfig.from_pretrained(hf_dir)
-        AutoTokenizer.from_pretrained(hf_dir)
-    except Exception as e:  # transformers raises many types for a bad file
-        raise CheckpointError(
-            f"the export's config or tokenizer does not load: {type(e).__name__}: {e}"
-        ) from e
 
 
 def is_mcore_checkpoint(path: str | Path) -> bool:

@@ -370,7 +370,7 @@ def _staged(out_dir: str | Path, *, seal: bool) -> Iterator[Path]:
     """A temporary sibling of ``out_dir`` to write into, renamed into place once complete: sealed with a
     manifest (``seal``), every file and directory synced, then the rename; removed on any error."""
     from mars_megatron.checkpoint.manifest import write_manifest
-    from mars_megatron.convert import check_output_dir
+    from mars_megatron.conversion.outputs import check_output_dir
 
     out = check_output_dir(out_dir)
     tmp = out.parent / f".{out.name}.partial"
@@ -523,8 +523,8 @@ def mcore_to_hf_direct(
     from mars_megatron.checkpoint.manifest import shard_digests_wanted, verify_manifest
     from mars_megatron.checkpoint.model_meta import read_meta
     from mars_megatron.conversion.hf_io import HFWriter
+    from mars_megatron.conversion.outputs import check_assets, check_loadable
     from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors, unshard
-    from mars_megatron.convert import check_assets, check_loadable
 
     arch, meta = read_meta(mcore_dir)
     assets = check_assets(mcore_dir)
