@@ -40,6 +40,7 @@ from mars_megatron.checkpoint.manifest import (
     verify_manifest,
     write_manifest,
 )
+from mars_megatron.conversion.direct import mcore_to_hf_direct
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 from tests.checkpoint_workers import POLICY, Run, run
@@ -423,6 +424,30 @@ def test_damage_is_named_by_mcore_to_hf(converted: dict[str, Any], name: str, fi
     assert message.startswith(f"{src}: does not match its manifest ({MANIFEST}), refused before loading: ")
     path = src / file.format(shard=converted["facts"]["shard"])
     assert f"{path}: " in message and says in message, message
+
+
+def test_the_direct_export_refuses_or_never_reads_every_hostile_copy(
+    converted: dict[str, Any], hf: Path
+) -> None:
+    """``mcore_to_hf_direct`` (``mars convert mcore-to-hf``'s default) on the same copies: what the model
+    path refuses for the metadata or the manifest it refuses with the same message; ``common.pt`` and the
+    objects in the shards it never reads (an export needs only the tensors), so those copies export
+    bit-identically, and nothing ran either way."""
+    refused_alike = [n for n in converted["cases"] if n not in ("common-resealed", "shard-object-resealed")]
+    for name, src in converted["cases"].items():
+        out = Path(f"{src}.direct")
+        try:
+            mcore_to_hf_direct(src, out)
+            raised = ("", "")
+        except CheckpointError as e:
+            raised = ("CheckpointError", str(e))
+        if name in refused_alike and name != "legitimate":
+            assert raised == converted["raised"][name], name
+            assert not out.exists() and not (out.parent / f".{out.name}.partial").exists(), name
+        else:
+            assert raised == ("", ""), (name, raised)
+            assert_bit_identical(hf, out)
+    assert not converted["marker"].exists()
 
 
 def test_missing_manifest_is_named_by_mcore_to_hf(converted: dict[str, Any]) -> None:

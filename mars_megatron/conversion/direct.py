@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from mars_megatron.checkpoint.atomic import fsync_dir, fsync_file, fsync_tree
+from mars_megatron.checkpoint.atomic import fsync_dir, fsync_tree
 from mars_megatron.checkpoint.errors import CheckpointError
 from mars_megatron.checkpoint.model_meta import copy_assets, write_meta
 from mars_megatron.checkpoint.tensor_record import data_offset
@@ -257,8 +257,9 @@ def _none_record() -> bytes:
 def write_dist_checkpoint(directory: Path, arch: Qwen3Arch, reader: HFReader, padded_vocab: int) -> None:
     """The ``torch_dist`` folder (data shards, ``.metadata``, ``common.pt``, ``metadata.json``) of a
     one-rank model of ``arch`` holding ``reader``'s tensors. The shards' digests are recorded for the
-    manifest as they are written."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    manifest as they are written, and each shard is synced to disk; the small files are left to the
+    caller's sync of the whole folder."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -282,12 +283,12 @@ def write_dist_checkpoint(directory: Path, arch: Qwen3Arch, reader: HFReader, pa
     hasher = DigestThread()
     written: list[ShardFile] = []
     source = _Source(reader, dtype)
-    with _fsync_behind() as syncing:
-        for f, indices in enumerate(_split_files(chunks, nbytes, FILES)):
-            name = f"__0_{f}.distcp"
-            shard = ShardFile(directory / name, hasher)
-            written.append(shard)
-            try:
+    try:
+        with _fsync_behind() as syncing:
+            for f, indices in enumerate(_split_files(chunks, nbytes, FILES)):
+                name = f"__0_{f}.distcp"
+                shard = ShardFile(directory / name, hasher)
+                written.append(shard)
                 for key in objects if f == 0 else ():  # small: all in the first file
                     at = shard.tell()
                     shard.write(none)
@@ -298,20 +299,18 @@ def write_dist_checkpoint(directory: Path, arch: Qwen3Arch, reader: HFReader, pa
                     shard.holding(tensor)
                     at = shard.tell()
                     torch.save(tensor, shard)
-                    storage[MetadataIndex(chunk.key, torch.Size(chunk.offsets))] = _StorageInfo(
-                        name, at, shard.tell() - at
-                    )
+                    index = MetadataIndex(chunk.key, torch.Size(chunk.offsets))
+                    storage[index] = _StorageInfo(name, at, shard.tell() - at)
                 shard.flush()
                 hasher.end_file(shard.path)
-            except BaseException:
-                shard.close()
-                raise
-            syncing(shard)
-        syncing(None)  # wait for every sync
+                syncing(shard)  # on disk while the next file is written
+            syncing(None)  # wait for every sync
         digests = hasher.join()
-    hasher.stop()
+    finally:
+        hasher.stop()
+        for shard in written:
+            shard.close()
     for shard in written:
-        shard.close()
         record_written(shard.path, digests[shard.path])
     properties = TensorProperties(dtype=dtype)
     state: dict[str, Any] = {key: BytesStorageMetadata() for key in objects}
@@ -325,14 +324,12 @@ def write_dist_checkpoint(directory: Path, arch: Qwen3Arch, reader: HFReader, pa
         state_dict_metadata=state,
         storage_data=storage,
         storage_meta=StorageMeta(checkpoint_id=str(directory), save_id=uuid.uuid4().hex),
-        version="1.0.0",
+        version=CURRENT_DCP_VERSION,
     )
     with open(directory / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     torch.save({}, directory / "common.pt")
-    (directory / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
-    for name in (".metadata", "common.pt", "metadata.json"):
-        fsync_file(directory / name)
+    (directory / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))  # synced by the caller
 
 
 @contextmanager
@@ -350,7 +347,6 @@ def _fsync_behind() -> Iterator[Any]:
                 done.result()
             pending.clear()
         else:
-            shard.flush()
             pending.append(pool.submit(shard.fsync))
 
     try:
@@ -427,7 +423,9 @@ class _Records:
     def record(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        info = self.metadata.storage_data[MetadataIndex(key, torch.Size(offsets))]
+        info = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
+        if info is None:
+            raise CheckpointError(f"{self.folder / '.metadata'}: no record of '{key}' at {list(offsets)}")
         fd, mapped = self._file(info.relative_path)
         if info.offset + info.length > len(mapped):
             raise CheckpointError(f"{self.folder / info.relative_path}: cut short (record of '{key}')")
