@@ -28,6 +28,16 @@ VIA_MODEL = (
 )
 
 
+def _unused_layout(args: argparse.Namespace) -> str:
+    """A note for the direct path when layout flags were given: they apply only to the model path."""
+    given = [f"--{k}" for k in ("tp", "pp", "ep", "etp", "nproc", "impl") if getattr(args, k) != _DEFAULTS[k]]
+    verb = "applies" if len(given) == 1 else "apply"
+    return f"; {' '.join(given)} {verb} only with --via-model" if given else ""
+
+
+_DEFAULTS = {"tp": 1, "pp": 1, "ep": 1, "etp": None, "nproc": None, "impl": "auto"}
+
+
 def _layout(args: argparse.Namespace) -> ParallelConfig:
     """The layout flags as a ParallelConfig; errors name the flag (``--tp``), and ``--nproc`` is checked."""
     try:
@@ -189,7 +199,7 @@ def _convert(args: argparse.Namespace) -> None:
         _check_model(args.src, layout, hf_only=True)
         if not args.via_model and direct.can_convert_directly(args.src, args.dtype):
             direct.hf_to_mcore_direct(args.src, args.dst)
-            print(f"wrote {args.dst} (direct: loads into any layout)")
+            print(f"wrote {args.dst} (direct: loads into any layout{_unused_layout(args)})")
             return
         jobs.run(
             jobs.hf_to_mcore_job, layout, args.src, args.dst, layout, args.dtype, args.impl, nproc=args.nproc
@@ -204,7 +214,7 @@ def _convert(args: argparse.Namespace) -> None:
         problem = "--via-model" if args.via_model else direct.export_problem(args.src)
         if problem is None:
             direct.mcore_to_hf_direct(args.src, args.dst, max_shard_bytes=max_bytes)
-            print(f"wrote {args.dst} (direct)")
+            print(f"wrote {args.dst} (direct{_unused_layout(args)})")
             return
         print(f"exporting through a model ({problem})")
         _check_model(args.src, layout)

@@ -125,7 +125,10 @@ def test_convert_is_direct_both_ways_and_exact(work: Path, moe: Path, mcore: Pat
     from tests.test_conversion import assert_bit_identical
 
     result = ok(mars("convert", "hf-to-mcore", moe, "moe-direct", "--ep", "2", cwd=work))
-    assert "wrote moe-direct (direct: loads into any layout)" in result.stdout
+    assert (
+        "wrote moe-direct (direct: loads into any layout; --ep applies only with --via-model)"
+        in result.stdout
+    )
     meta = json.loads((work / "moe-direct" / "mars_checkpoint.json").read_text())
     assert meta["written_by_layout"] == {"tp": 1, "pp": 1, "ep": 1}  # the layout flags do not apply
     for src in ("moe-direct", mcore.name):
