@@ -32,8 +32,8 @@ has to exist beforehand; ``--workdir``, when given, must be an existing director
 ``--floor`` adds what any direct HF -> ``torch_dist`` copy must at least do, with no model and no record
 format (:func:`direct_floor`), one check at a time, in the same run: every tensor's bytes read once from
 the page cache and written once, the fused tensors (q/k/v, gate/up) copied once as the interleave and the
-concatenation would, each record's CRC-32 (``torch.save``'s zip), the files' SHA-256 on a second thread
-(the manifest), each file fsynced while the next is written. How close a converter could come to the
+concatenation would, each record's CRC-32 (``torch.save``'s zip), the files' digest on a second thread
+(the manifest's BLAKE3), each file fsynced while the next is written. How close a converter could come to the
 target before its format costs anything.
 
     python tools/bench/convert.py                      # tiny-moe, ~330 MB float32
@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import hashlib
 import json
 import mmap
 import os
@@ -66,6 +65,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from mars_megatron.checkpoint.manifest import new_digest
 from mars_megatron.config import ParallelConfig
 from mars_megatron.conversion.direct import hf_to_mcore_direct, mcore_to_hf_direct
 from mars_megatron.conversion.hf_io import INDEX
@@ -211,8 +211,8 @@ FLOOR_STEPS = (
     ("floor: write once", {}),
     ("floor: + fused copies", {"fused": True}),
     ("floor: + CRC-32", {"fused": True, "crc": True}),
-    ("floor: + SHA-256 thread", {"fused": True, "crc": True, "sha": True}),
-    ("floor: + fsync (all)", {"fused": True, "crc": True, "sha": True, "fsync": True}),
+    ("floor: + digest thread", {"fused": True, "crc": True, "digest": True}),
+    ("floor: + fsync (all)", {"fused": True, "crc": True, "digest": True, "fsync": True}),
 )
 
 
@@ -231,7 +231,7 @@ def _tensor_spans(shard: Path) -> tuple[mmap.mmap, dict[str, tuple[int, int]]]:
 
 
 def direct_floor(
-    src: Path, dst: Path, *, fused: bool = False, crc: bool = False, sha: bool = False, fsync: bool = False
+    src: Path, dst: Path, *, fused: bool = False, crc: bool = False, digest: bool = False, fsync: bool = False
 ) -> float:
     """Seconds to copy every tensor of ``src`` into one new file per shard with the steps asked for (see
     the module docstring): the least a direct converter does, no format written."""
@@ -239,13 +239,13 @@ def direct_floor(
     start = time.perf_counter()
     chunks: queue.Queue[Any] = queue.Queue()
 
-    def digest() -> None:  # hashlib releases the GIL: this runs on the second core
-        h = hashlib.sha256()
+    def hash_chunks() -> None:  # the digest releases the GIL: this runs on the second core
+        h = new_digest()  # the manifest's (BLAKE3)
         while (chunk := chunks.get()) is not None:
             h.update(chunk)
 
-    hasher = threading.Thread(target=digest)
-    if sha:
+    hasher = threading.Thread(target=hash_chunks)
+    if digest:
         hasher.start()
     syncing = ThreadPoolExecutor(1)
     pending = []
@@ -261,7 +261,7 @@ def direct_floor(
             if crc:
                 zlib.crc32(data)
             os.write(fd, data)
-            if sha:
+            if digest:
                 chunks.put(data)
         if fsync:  # written back while the next file is written
             pending.append(syncing.submit(lambda fd=fd: (os.fsync(fd), os.close(fd))))
@@ -269,7 +269,7 @@ def direct_floor(
             os.close(fd)
     for done in pending:
         done.result()
-    if sha:
+    if digest:
         chunks.put(None)
         hasher.join()
     syncing.shutdown()
