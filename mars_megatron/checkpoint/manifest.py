@@ -8,11 +8,12 @@ deep inside megatron after the whole start-up; checked against the manifest firs
                            {"size": 490403, "blake3": "…"}, ...}}
 
 The digest is BLAKE3 (256 bits, cryptographic like SHA-256), not SHA-256 as in the first version of the
-format: SHA-256 runs at 0.27 GB/s a core on a CPU without the SHA extensions (measured on this project's
-2-core machines; 2 GB/s with them), so on such a machine hashing alone took six times as long as reading
-and writing the checkpoint, on every save, conversion and load. BLAKE3 runs at about 4 GB/s a core on
-the same CPU and releases the GIL. Manifests of the first version (``MANIFEST.sha256.json``,
-``mars-manifest-v1``, SHA-256) are still read and checked with SHA-256; new ones are written as above.
+format: SHA-256 runs at 0.27 GB/s a core on a CPU without the SHA extensions (measured on one of this
+project's 2-core machines; several times that with them), so on such a machine hashing alone took six
+times as long as reading and writing the checkpoint, on every save, conversion and load. BLAKE3 runs at
+about 4 GB/s a core on the same CPU and releases the GIL. Manifests of the first version
+(``MANIFEST.sha256.json``, ``mars-manifest-v1``, SHA-256) are still read and checked with SHA-256; new ones
+are written as above.
 
 A sub-directory with a manifest of its own (a policy folder inside a training checkpoint) appears in its
 parent's manifest as that one file: its digest pins the whole sub-tree, and each folder is checked on its
