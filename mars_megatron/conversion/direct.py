@@ -501,7 +501,11 @@ def export_problem(mcore_dir: str | Path) -> str | None:
     from mars_megatron.checkpoint.model_meta import read_meta
 
     arch, meta = read_meta(mcore_dir)
-    metadata = read_metadata(Path(mcore_dir) / meta.get("weights", "model"))
+    return _layout_problem(arch, meta, read_metadata(Path(mcore_dir) / meta.get("weights", "model")))
+
+
+def _layout_problem(arch: Qwen3Arch, meta: dict[str, Any], metadata: Any) -> str | None:
+    """:func:`export_problem` on a checkpoint's metadata already read."""
     shapes, _, _ = checkpoint_layout(arch, arch.padded_vocab_size(meta["vocab_pad_multiple"]))
     dtype = torch_dtype(meta["dtype"])
     for key, shape in shapes.items():
@@ -531,15 +535,17 @@ def mcore_to_hf_direct(
 
     arch, meta = read_meta(mcore_dir)
     assets = check_assets(mcore_dir)
-    problem = export_problem(mcore_dir)
+    folder = Path(mcore_dir) / meta.get("weights", "model")
+    metadata = read_metadata(folder)
+    problem = _layout_problem(arch, meta, metadata)
     if problem is not None:
         raise CheckpointError(f"{mcore_dir}: cannot be exported directly: {problem}")
-    verify_manifest(mcore_dir, shards=shard_digests_wanted())
-    folder = Path(mcore_dir) / meta.get("weights", "model")
+    if shard_digests_wanted():  # read_meta checked everything else
+        verify_manifest(mcore_dir, shards=True)
     dtype = torch_dtype(meta["dtype"])
     _, chunks, _ = checkpoint_layout(arch, arch.padded_vocab_size(meta["vocab_pad_multiple"]))
     hf_shapes = expected_hf_tensors(arch)
-    records = _Records(folder, read_metadata(folder), dtype)
+    records = _Records(folder, metadata, dtype)
     try:
         with _staged(out_dir, seal=False) as tmp:
             writer = HFWriter(tmp, {n: (shape, dtype) for n, shape in hf_shapes.items()}, max_shard_bytes)
