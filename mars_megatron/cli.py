@@ -11,14 +11,19 @@ from pathlib import Path
 from mars_megatron import runtime_env
 from mars_megatron.config import ConfigError, ParallelConfig, describe_config, load_config
 
+_LAYOUT_DEFAULTS = {"tp": 1, "pp": 1, "ep": 1, "etp": None, "nproc": None, "impl": "auto"}
+
 
 def _add_layout(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp)")
-    p.add_argument("--nproc", type=int, default=None, help="local processes (default: the layout's minimum)")
-    p.add_argument("--impl", default="auto", choices=["auto", "local", "transformer_engine"])
+    d = _LAYOUT_DEFAULTS
+    p.add_argument("--tp", type=int, default=d["tp"], help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=d["pp"], help="pipeline-parallel size")
+    p.add_argument("--ep", type=int, default=d["ep"], help="expert-parallel size")
+    p.add_argument("--etp", type=int, default=d["etp"], help="expert tensor-parallel size (default: tp)")
+    p.add_argument(
+        "--nproc", type=int, default=d["nproc"], help="local processes (default: the layout's minimum)"
+    )
+    p.add_argument("--impl", default=d["impl"], choices=["auto", "local", "transformer_engine"])
 
 
 VIA_MODEL = (
@@ -30,12 +35,9 @@ VIA_MODEL = (
 
 def _unused_layout(args: argparse.Namespace) -> str:
     """A note for the direct path when layout flags were given: they apply only to the model path."""
-    given = [f"--{k}" for k in ("tp", "pp", "ep", "etp", "nproc", "impl") if getattr(args, k) != _DEFAULTS[k]]
+    given = [f"--{k}" for k, default in _LAYOUT_DEFAULTS.items() if getattr(args, k) != default]
     verb = "applies" if len(given) == 1 else "apply"
     return f"; {' '.join(given)} {verb} only with --via-model" if given else ""
-
-
-_DEFAULTS = {"tp": 1, "pp": 1, "ep": 1, "etp": None, "nproc": None, "impl": "auto"}
 
 
 def _layout(args: argparse.Namespace) -> ParallelConfig:
