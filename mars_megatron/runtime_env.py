@@ -10,8 +10,8 @@ loaded, whatever its core count (docs/train.md, "What repeats"). Left alone, thr
 * MKL (torch's fp32 GEMMs, and its elementwise ``exp`` through VML) blocks its loops by the cache sizes
   it detects and, without conditional numerical reproducibility (CNR), may schedule its threads
   dynamically; its code path follows the CPU's vendor and generation (on an AVX-512 Xeon, VML's default
-  ``exp`` differs from COMPATIBLE's). On an AMD host MKL honours no branch but ``MKL_CBWR=COMPATIBLE`` (``AVX2``,
-  ``AVX512``, ``SSE4_2`` … all print ``CNR:AUTO`` under ``MKL_VERBOSE=1``, and
+  ``exp`` differs from COMPATIBLE's). On an AMD host MKL honours no branch but ``MKL_CBWR=COMPATIBLE``
+  (``AVX2``, ``AVX512``, ``SSE4_2`` … all print ``CNR:AUTO`` under ``MKL_VERBOSE=1``, and
   ``MKL_ENABLE_INSTRUCTIONS`` changes nothing), so COMPATIBLE (SSE2 without the approximate ``rcpps`` /
   ``rsqrtps``, documented by Intel to give the same results on Intel and compatible processors) is the
   one branch that is the same everywhere. Measured cost: about +50% per `mars sft` step of the tiny model.
