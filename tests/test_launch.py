@@ -60,12 +60,18 @@ def slurm_args(nodes: int, tmp: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+# `log LINE`: append one line to $FAKE_LOG under a lock. The script's steps run at once, and a long line
+# (a Ray head's command) is written in several writes, which two unlocked steps interleaved on a loaded
+# machine.
+LOG_LINE = """log() { { flock 9; printf '%s\\n' "$1" >> "$FAKE_LOG"; } 9>> "$FAKE_LOG.lock"; }"""
+
+
 def fake_tools(tmp: Path, scripts: dict[str, str]) -> str:
     """A PATH whose first folder holds a bash script per name (stand-ins for the Slurm tools)."""
     bin_dir = tmp / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, body in scripts.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).write_text(f"#!/bin/bash\n{LOG_LINE}\n{body}\n")
         (bin_dir / name).chmod(0o755)
     return f"{bin_dir}:{os.environ['PATH']}"
 
@@ -200,7 +206,7 @@ FAKES = {
     "host": """echo "$1 has address 10.0.0.$((10#${1#node}))\"""",
     "jq": """if [ "$1" = -r ]; then cat >/dev/null; echo /w; fi""",  # reads its pipe: no SIGPIPE upstream
     "sleep": "true",
-    "srun": """echo "auth=$RAY_AUTH_MODE:$RAY_AUTH_TOKEN $(printf '%q ' "$@")" >> "$FAKE_LOG"  # a line a call
+    "srun": """log "auth=$RAY_AUTH_MODE:$RAY_AUTH_TOKEN $(printf '%q ' "$@")"  # a line a call
 case "$*" in
   *"ray status"*) echo " 0.0/$((8 * SLURM_JOB_NUM_NODES)).0 worker_units" ;;
   *"bash -x -c"*) exec /bin/sleep 30 ;;
@@ -285,7 +291,7 @@ VENV_FAKES = {
   "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=10.0.0.$((10#${3#node})) NodeHostName=$3" ;;
 esac""",
     "sleep": "true",
-    "srun": """echo "auth=$RAY_AUTH_MODE:$RAY_AUTH_TOKEN v=$VIRTUAL_ENV $(printf '%q ' "$@")" >> "$FAKE_LOG"
+    "srun": """log "auth=$RAY_AUTH_MODE:$RAY_AUTH_TOKEN v=$VIRTUAL_ENV $(printf '%q ' "$@")"
 case "$*" in
   *"ray start"*) exec /bin/sleep 30 ;;
   *"bash -c"*) printf '%s' "${@: -1}" > "$FAKE_DRIVER" ;;
