@@ -51,12 +51,14 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
     for m in [first, *rest]:
         assert m["pipeline/staleness_max"] <= 1
         assert m["train/update_ok"] == 1.0
-    # engines decoded while every update trained (a running count). Whether a sequence is still mid-decode
-    # when an update ends follows timing here (the tiny engines usually finish first; CI once saw none in
-    # 4 updates), so carrying segments over an update is asserted where it is certain, in
-    # test_pipeline_scheduler, and with real engines in the R3 test below (13, 4+5 carried in its runs)
+    # engines decoded while updates trained (a running count): during the first, and again later. Not
+    # during every update: the updates right after the kill can end before the restarted engine has
+    # decoded (seen with two test workers sharing the cores: [12, 12, 12, 16, 20]). Whether a sequence is
+    # still mid-decode when an update ends follows timing here too (the tiny engines usually finish first;
+    # CI once saw none in 4 updates), so carrying segments over an update is asserted where it is certain,
+    # in test_pipeline_scheduler, and with real engines in the R3 test below (13, 4+5 carried in its runs)
     during = [m["pipeline/segments_during_update"] for m in [first, *rest]]
-    assert during[0] > 0 and all(b > a for a, b in pairwise(during)), during
+    assert during[0] > 0 and all(b >= a for a, b in pairwise(during)) and during[-1] > during[0], during
     # every sample started is trained, waiting, or still running; none twice (the scheduler checks ids)
     assert census["spawned"] == census["trained"] + census["scored"] + census["unfinished"]
     assert census["trained"] == sum(m["samples"] for m in [first, *rest])
