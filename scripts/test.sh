@@ -23,6 +23,10 @@ if [ -z "${MARS_IN_NETNS:-}" ]; then
 fi
 export PATH="$PWD/${MARS_VENV:-.venv}/bin:$PATH"
 
-# vLLM sets process-wide state (threads, NUMA binding), so its tests get a pytest process of their own.
-phase --durations=15 -m "not vllm and not network" "$@"
+# Two pytest-xdist workers, each module on one worker (its module fixtures built once): a serial run kept
+# 2 cores about 55 % busy, most tests being one process waiting on another (docs/tests.md). MARS_TEST_WORKERS
+# sets another count (0: no workers, one process). vLLM sets process-wide state (threads, NUMA binding), so
+# its tests get a pytest process of their own.
+workers=${MARS_TEST_WORKERS:-2}
+phase --durations=15 -n "$workers" --dist loadfile --no-loadscope-reorder -m "not vllm and not network" "$@"
 phase -m "vllm and not network" "$@"

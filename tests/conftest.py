@@ -2,20 +2,48 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from mars_megatron.config import ParallelConfig
 from mars_megatron.models.presets import init_model
 from mars_megatron.tasks.sft import SFTConfig, sft_job
 from mars_megatron.training import parallel
 
+# Modules whose tests take minutes, longest first (seconds on 2 cores, from `--durations=0`). They
+# are collected first, so that scripts/test.sh's pytest-xdist workers (`--dist loadfile`, modules handed out
+# in collection order as workers free up) start the long modules early and finish together, instead of
+# one worker meeting a 6-minute module at the end. Refresh with the figures of a new measurement.
+LONGEST_FIRST = {
+    "test_repeat": 386,
+    "test_rl_loop": 373,
+    "test_pipeline_loop": 369,
+    "test_weight_sync": 327,
+    "test_slurm_real": 300,
+    "test_pipeline_placement": 277,
+    "test_cli": 196,
+    "test_eval": 188,
+    "test_device_check": 161,
+    "test_mismatch": 150,
+    "test_conversion": 143,
+}
+
+
+def _module_rank(item: pytest.Item) -> int:
+    name = item.path.stem
+    return -LONGEST_FIRST.get(name, 0)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu`` tests need CUDA: skipped, with the reason, where there is none."""
+    """The longest modules first (:data:`LONGEST_FIRST`, a stable sort: each module's own order stays);
+    ``gpu`` tests need CUDA: skipped, with the reason, where there is none."""
     import torch
 
+    items.sort(key=_module_rank)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU node)")
@@ -27,8 +55,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A briefly supervised tiny MoE (a mars checkpoint): rewards are neither all 0 nor all 1, so RL
-    updates are real. Built once per test session, by every RL end-to-end module that asks for it."""
-    root = tmp_path_factory.mktemp("sft")
+    updates are real. Built once per test session, by every RL end-to-end module that asks for it; under
+    pytest-xdist (scripts/test.sh), once for all workers: the first to ask builds it under a lock in the
+    run's shared temporary folder, the others wait and read it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return _build_sft_model(tmp_path_factory.mktemp("sft"))
+    shared = tmp_path_factory.getbasetemp().parent / "sft-shared"  # this run's, beside each worker's own
+    with FileLock(str(shared) + ".lock"):
+        if not (shared / "built").exists():
+            shutil.rmtree(shared, ignore_errors=True)
+            shared.mkdir()
+            _build_sft_model(shared)
+            (shared / "built").write_text(worker)
+    return shared / "sft"
+
+
+def _build_sft_model(root: Path) -> Path:
     hf = init_model("tiny-moe", root / "hf")
     out = root / "sft"
     sft = SFTConfig(out_dir=str(out), steps=40, skill_steps=30)
