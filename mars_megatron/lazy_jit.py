@@ -94,14 +94,11 @@ class _Finder:
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != TARGET:
             return None
+        import importlib.util  # only now: megatron-core is being imported
+
         sys.meta_path.remove(self)
-        for finder in sys.meta_path:
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        spec = importlib.util.find_spec(fullname)  # what the import system finds without this hook
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         spec.loader = _Loader(spec.loader)  # type: ignore[assignment]
         return spec
