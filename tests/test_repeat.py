@@ -38,9 +38,11 @@ assert _SPEC is not None and _SPEC.loader is not None
 compare_runs = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(compare_runs)
 
-# Enough warm start that rewards are neither all 0 nor all 1 and every role gets inputs (the RL updates are
-# real); 2 RL steps with a held-out evaluation before and after (1 sample each of the 25 held-out sums).
-SFT = ["steps=40", "skill_steps=32", "demos_per_step=32"]
+# `mars sft` from a fresh model, long enough to print two loss lines and move every weight; the RL run starts
+# from the session's shared warm start instead (`sft_model`: rewards neither all 0 nor all 1, every role
+# gets inputs, so the updates are real). 2 RL steps with a held-out evaluation before and after (1 sample
+# each of the 25 held-out sums).
+SFT = ["steps=8", "skill_steps=6", "demos_per_step=32"]
 TRAIN = [
     "train.steps=2",
     "logging.tensorboard=false",
@@ -86,13 +88,14 @@ def _busy_cores(n: int, nice: int = 0) -> Iterator[None]:
 
 @dataclass
 class Run:
-    sft: Path  # the warm start's checkpoint
+    sft: Path  # `mars sft`'s checkpoint
     train: Path  # the RL run's directory: metrics.jsonl, eval.jsonl
     losses: list[str]  # the SFT loss lines `mars sft` printed
 
 
-def _run(root: Path, hf: Path, cores: int, load: int = 0) -> Run:
-    """`mars sft` then `mars train` from its output; ``load``: busy loops beside them (see :func:`runs`)."""
+def _run(root: Path, hf: Path, warm: Path, cores: int, load: int = 0) -> Run:
+    """`mars sft` from ``hf``, and `mars train` from the warm start ``warm``; ``load``: busy loops beside
+    them (see :func:`runs`)."""
     root.mkdir()
     with _busy_cores(load):
         sft_out = _mars(
@@ -100,7 +103,7 @@ def _run(root: Path, hf: Path, cores: int, load: int = 0) -> Run:
             cores,
             root / "sft.log",
         )
-    train = ["train", "examples/tiny_cpu.yaml", f"model.mcore_dir={root / 'sft'}"]
+    train = ["train", "examples/tiny_cpu.yaml", f"model.mcore_dir={warm}"]
     with _busy_cores(load, nice=19):
         _mars([*train, f"logging.run_dir={root / 'train'}", *TRAIN], cores, root / "train.log")
     losses = re.findall(r"^sft step +\d+ +loss \S+", sft_out, flags=re.M)
@@ -108,7 +111,7 @@ def _run(root: Path, hf: Path, cores: int, load: int = 0) -> Run:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+def runs(tmp_path_factory: pytest.TempPathFactory, sft_model: Path) -> dict[str, Run]:
     """The same short run twice: idle on this host's cores, then loaded and 'on' a host with twice as many.
 
     The load is one busy loop per core. Beside `mars sft` (one process) they run at the run's priority;
@@ -118,8 +121,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("repeat")
     hf = init_model("tiny-moe", root / "hf")
     cores = os.cpu_count() or 1
-    idle = _run(root / "idle", hf, cores)
-    loaded = _run(root / "loaded", hf, 2 * cores, load=cores)
+    idle = _run(root / "idle", hf, sft_model, cores)
+    loaded = _run(root / "loaded", hf, sft_model, 2 * cores, load=cores)
     return {"idle": idle, "loaded": loaded}
 
 
@@ -127,7 +130,7 @@ def test_sft_repeats_loaded_and_on_more_cores(runs: dict[str, Run]) -> None:
     idle, loaded = runs["idle"], runs["loaded"]
     diffs, files = compare_runs.compare_weights(idle.sft, loaded.sft)
     assert files > 0 and diffs == [], diffs
-    assert idle.losses and idle.losses == loaded.losses
+    assert len(idle.losses) == 2 and idle.losses == loaded.losses  # steps 1 and 8
 
 
 def test_train_repeats_every_metric(runs: dict[str, Run]) -> None:
