@@ -19,7 +19,8 @@ echo "[setup-launch] creating $VENV with NeMo-Run for mars launch (about 30 s on
 "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v -i "warning" >&2 || true
 # shellcheck disable=SC2086  # PINS is a list of requirement words
 "$VENV/bin/python" -m pip install -q $PINS 2>&1 | grep -v -i "warning" >&2 || true
-"$VENV/bin/python" -m pip install -q --no-deps -e . 2>&1 | grep -v -i "warning" >&2 || true
+# under a lock: scripts/setup.sh builds the same tree's egg-info meanwhile
+flock setup.cfg "$VENV/bin/python" -m pip install -q --no-deps -e . 2>&1 | grep -v -i "warning" >&2 || true
 "$VENV/bin/python" -c "import nemo_run, nemo_run.run.ray.slurm, mars_megatron.launch.nemo" \
   || { echo "[setup-launch] environment check failed" >&2; exit 1; }
 echo "$want" > "$stamp"
