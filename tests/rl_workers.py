@@ -18,6 +18,13 @@ def train_samples(hf: str, overrides: list[str], samples: list[Sample], steps: i
     return [worker.train(worker.local_shares({"shared": samples})) for _ in range(steps)]
 
 
+def train_once_counting_each(hf: str, runs: list[tuple[list[str], list[Sample]]]) -> list[dict[str, Any]]:
+    """:func:`train_once_counting` for each (overrides, samples) in turn, in these processes: each run
+    builds its own PolicyWorker (model, optimizer, model-parallel groups) from ``hf``; one launch spares
+    the spawn and the imports of a launch per setting."""
+    return [train_once_counting(hf, overrides, samples) for overrides, samples in runs]
+
+
 def train_once_counting(hf: str, overrides: list[str], samples: list[Sample]) -> dict[str, Any]:
     """One PolicyWorker.train on every rank; its metrics and ``scoring_forwards``: how many times the
     policy scored the batch (``forward_logprobs``) before updating on it."""

@@ -34,7 +34,7 @@ from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 from mars_megatron.training.context_parallel import rank_indices
 from mars_megatron.training.packing import build_pack
-from tests.rl_workers import train_once_counting, train_samples
+from tests.rl_workers import train_once_counting_each, train_samples
 from tests.routing_workers import hf_routed_forward
 
 BASE = ["train.pack_length=64", "rollout.max_response_tokens=32", "optimizer.lr=1e-3", "train.seed=0"]
@@ -205,9 +205,10 @@ LAYOUTS = {"cp2": "parallel.cp=2", "pp2": "parallel.pp=2", "tp2": "parallel.tp=2
 
 @pytest.fixture(scope="module")
 def runs(models: dict[str, Path]) -> dict:
-    """One update per setting, one launch each. Under POIS with one update per batch the update's own
-    forward measures the mismatch; ``importance=none`` needs the old log-probs, so its scoring forward
-    measures it instead (MIS too: it needs the outliers before the loss)."""
+    """One update per setting, each with a PolicyWorker of its own, the settings of one world size in one
+    launch. Under POIS with one update per batch the update's own forward measures the mismatch;
+    ``importance=none`` needs the old log-probs, so its scoring forward measures it instead (MIS too: it
+    needs the outliers before the loss)."""
     trainer = str(models["trainer"])
     agree, stale = _samples(models["trainer"]), _samples(models["stale"])
     settings = {
@@ -222,9 +223,11 @@ def runs(models: dict[str, Path]) -> dict:
         **{f"stale-{name}": (stale, [layout], 2) for name, layout in LAYOUTS.items()},
     }
     out: dict = {"response_tokens": sum(s.response_len for s in agree)}
-    for name, (samples, extra, world) in settings.items():
-        ranks = parallel.launch(train_once_counting, world, trainer, [*BASE, *extra], samples, timeout_s=300)
-        out[name] = ranks[0]
+    for world in (1, 2):
+        names = [name for name, (_, _, w) in settings.items() if w == world]
+        runs = [([*BASE, *settings[name][1]], settings[name][0]) for name in names]
+        ranks = parallel.launch(train_once_counting_each, world, trainer, runs, timeout_s=600)
+        out.update(zip(names, ranks[0], strict=True))
     return out
 
 
