@@ -18,6 +18,14 @@ def train_samples(hf: str, overrides: list[str], samples: list[Sample], steps: i
     return [worker.train(worker.local_shares({"shared": samples})) for _ in range(steps)]
 
 
+def train_samples_each(
+    hf: str, runs: list[tuple[list[str], int]], samples: list[Sample]
+) -> list[list[dict[str, Any]]]:
+    """:func:`train_samples` for each (overrides, steps) in turn, in these processes, each with a
+    PolicyWorker of its own built from ``hf``: one launch for the settings of one world size."""
+    return [train_samples(hf, overrides, samples, steps) for overrides, steps in runs]
+
+
 def train_once_counting_each(hf: str, runs: list[tuple[list[str], list[Sample]]]) -> list[dict[str, Any]]:
     """:func:`train_once_counting` for each (overrides, samples) in turn, in these processes: each run
     builds its own PolicyWorker (model, optimizer, model-parallel groups) from ``hf``; one launch spares

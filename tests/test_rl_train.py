@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from mars_megatron.agents.sample import Sample
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
-from tests.rl_workers import train_samples
+from tests.rl_workers import train_samples_each
 
 POSITIONS = list(("solver", "verifier_1", "corrector_1", "verifier_2", "corrector_2"))
 
@@ -77,10 +77,44 @@ def _reference(hf: Path) -> dict[str, float]:
     return {"loss": loss.detach().item(), "grad_norm": norm.item(), "tokens": float(count)}
 
 
+# Every setting trains with a PolicyWorker of its own, built from the same model; the settings of one world
+# size run in one launch (rl_workers.train_samples_each), sparing a launch's spawn and imports per setting.
+LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2", "parallel.etp=1"],
+           "dp2": []}  # fmt: skip
+"""Two ranks each; no layout flag: two data-parallel replicas."""
+RECOMPUTE = ("full", "selective")
+# lr 1e-3: at 1e-2 Adam turns the 1e-7 float noise of near-zero gradients into lr-sized steps and the second
+# update differs by 2e-4 between any two layouts (measured for DP2 and CP2 alike).
+CP_OBJECTIVE = [*BASE, "optimizer.lr=1e-3", "algorithm.importance=none", "algorithm.kl_coef=0.05",
+                "train.updates_per_batch=2"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def one_process(moe: Path) -> list[dict]:
-    (steps,) = parallel.launch(train_samples, 1, str(moe), BASE, SAMPLES, 2, timeout_s=300)
-    return steps
+def one_rank(moe: Path) -> dict[str, list[dict]]:
+    """Setting name -> the steps' metrics of one process."""
+    runs = {
+        "base": (BASE, 2),
+        **{f"recompute-{r}": ([*BASE, f"train.recompute={r}"], 1) for r in RECOMPUTE},
+        "cp-objective": (CP_OBJECTIVE, 2),
+    }
+    (out,) = parallel.launch(train_samples_each, 1, str(moe), list(runs.values()), SAMPLES, timeout_s=600)
+    return dict(zip(runs, out, strict=True))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(moe: Path) -> dict[str, list[list[dict]]]:
+    """Setting name -> per rank, the steps' metrics."""
+    runs = {
+        **{name: (BASE + layout, 1) for name, layout in LAYOUTS.items()},
+        "cp2": ([*CP_OBJECTIVE, "parallel.cp=2"], 2),
+    }
+    ranks = parallel.launch(train_samples_each, 2, str(moe), list(runs.values()), SAMPLES, timeout_s=600)
+    return {name: [rank[i] for rank in ranks] for i, name in enumerate(runs)}
+
+
+@pytest.fixture(scope="module")
+def one_process(one_rank: dict[str, list[dict]]) -> list[dict]:
+    return one_rank["base"]
 
 
 def test_first_step_equals_transformers_autograd(moe: Path, one_process: list[dict]) -> None:
@@ -101,18 +135,9 @@ def test_second_step_moves_the_policy(one_process: list[dict]) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["parallel.tp=2"],
-        ["parallel.pp=2"],
-        ["parallel.ep=2", "parallel.etp=1"],
-        [],  # two ranks: data parallel
-    ],
-    ids=["tp2", "pp2", "ep2", "dp2"],
-)
-def test_layouts_take_the_same_step(moe: Path, one_process: list[dict], layout: list[str]) -> None:
-    ranks = parallel.launch(train_samples, 2, str(moe), BASE + layout, SAMPLES, 1, timeout_s=300)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_take_the_same_step(two_ranks: dict, one_process: list[dict], layout: str) -> None:
+    ranks = two_ranks[layout]
     writer = [r[0] for r in ranks if "train/pg_loss" in r[0]]
     assert writer, "the last pipeline stage reports the loss statistics"
     for r in ranks:
@@ -122,34 +147,21 @@ def test_layouts_take_the_same_step(moe: Path, one_process: list[dict], layout: 
         assert got["train/grad_norm"] == pytest.approx(one_process[0]["train/grad_norm"], rel=1e-4)
 
 
-@pytest.mark.parametrize("recompute", ["full", "selective"])
-def test_recompute_takes_the_same_step(moe: Path, one_process: list[dict], recompute: str) -> None:
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+def test_recompute_takes_the_same_step(one_rank: dict, one_process: list[dict], recompute: str) -> None:
     """``train.recompute`` trades compute for memory; the step is unchanged."""
-    (steps,) = parallel.launch(
-        train_samples, 1, str(moe), [*BASE, f"train.recompute={recompute}"], SAMPLES, 1, timeout_s=300
-    )
+    steps = one_rank[f"recompute-{recompute}"]
     assert steps[0]["train/loss"] == pytest.approx(one_process[0]["train/loss"], abs=1e-6)
     assert steps[0]["train/grad_norm"] == pytest.approx(one_process[0]["train/grad_norm"], rel=1e-5)
 
 
 @pytest.mark.multiproc
-def test_context_parallel_takes_the_same_steps(moe: Path) -> None:
+def test_context_parallel_takes_the_same_steps(one_rank: dict, two_ranks: dict) -> None:
     """CP2 against one process on an objective that reads every per-token input a CP rank must take its
     share of: old log-probs (two updates per batch, so the second one's ratios are not 1) and the
-    reference's log-probs for the KL term, both scored under CP and gathered back into pack order.
-    lr 1e-3: at 1e-2 Adam turns the 1e-7 float noise of near-zero gradients into lr-sized steps and the
-    second update differs by 2e-4 between any two layouts (measured for DP2 and CP2 alike)."""
-    overrides = [
-        *BASE,
-        "optimizer.lr=1e-3",
-        "algorithm.importance=none",
-        "algorithm.kl_coef=0.05",
-        "train.updates_per_batch=2",
-    ]
-    (one,) = parallel.launch(train_samples, 1, str(moe), overrides, SAMPLES, 2, timeout_s=300)
-    ranks = parallel.launch(
-        train_samples, 2, str(moe), [*overrides, "parallel.cp=2"], SAMPLES, 2, timeout_s=300
-    )
+    reference's log-probs for the KL term, both scored under CP and gathered back into pack order
+    (:data:`CP_OBJECTIVE`)."""
+    one, ranks = one_rank["cp-objective"], two_ranks["cp2"]
     assert one[1]["train/ratio_mean"] != pytest.approx(1.0, abs=1e-6)
     assert one[0]["train/kl"] > 0
     for r in ranks:
