@@ -32,3 +32,9 @@ def steps_with_a_nan_step(hf: str, layout: dict[str, int], poison: bool) -> dict
     unchanged = all(torch.equal(a, b) for a, b in zip(snapshot, engine.model.parameters(), strict=True))
     third = engine.train_step(TRAIN, pack_length=40)
     return {"steps": [first, second, third], "unchanged": unchanged}
+
+
+def poisoned_and_clean(hf: str, layout: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`steps_with_a_nan_step` poisoned, then clean, each with a model and optimizer of its own, in one
+    launch (one spawn and one set of imports for both)."""
+    return steps_with_a_nan_step(hf, layout, True), steps_with_a_nan_step(hf, layout, False)

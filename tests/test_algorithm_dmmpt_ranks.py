@@ -21,7 +21,7 @@ from mars_megatron.agents.sample import Sample
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
 from mars_megatron.training.packing import plan_packs
-from tests.rl_workers import train_samples
+from tests.rl_workers import train_samples, train_samples_each
 
 PACK = 64
 BASE = [f"train.pack_length={PACK}", "rollout.max_response_tokens=32", "optimizer.lr=1e-2", "train.seed=0"]
@@ -122,12 +122,13 @@ def test_ranks_with_different_pack_entropies_make_one_decision(
         f"algorithm.dmmpt_prob_threshold={threshold!r}",
         f"algorithm.dmmpt_entropy_target={target!r}",
     ]
+    two = [(overrides, 1), ([*overrides, "parallel.cp=2"], 1)]  # DP2 and CP2 in one launch
+    ranks = parallel.launch(train_samples_each, 2, str(moe), two, SAMPLES, timeout_s=300)
+    dp2, cp2 = zip(*ranks, strict=True)
     runs = {
         "one": parallel.launch(train_samples, 1, str(moe), overrides, SAMPLES, 1, timeout_s=300),
-        "dp2": parallel.launch(train_samples, 2, str(moe), overrides, SAMPLES, 1, timeout_s=300),
-        "cp2": parallel.launch(
-            train_samples, 2, str(moe), [*overrides, "parallel.cp=2"], SAMPLES, 1, timeout_s=300
-        ),
+        "dp2": list(dp2),
+        "cp2": list(cp2),
     }
     for name, results in runs.items():
         for rank, (got,) in enumerate(results):

@@ -9,15 +9,15 @@ import pytest
 
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel
-from tests.nan_workers import steps_with_a_nan_step
+from tests.nan_workers import poisoned_and_clean
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("layout", "world"), [({}, 1), ({"pp": 2}, 2)])
 def test_nan_step_is_skipped_counted_and_harmless(tmp_path: Path, layout: dict, world: int) -> None:
     hf = str(init_model("tiny-dense", tmp_path / "dense"))
-    poisoned = parallel.launch(steps_with_a_nan_step, world, hf, layout, True, timeout_s=300)
-    clean = parallel.launch(steps_with_a_nan_step, world, hf, layout, False, timeout_s=300)
+    ranks = parallel.launch(poisoned_and_clean, world, hf, layout, timeout_s=300)
+    poisoned, clean = [r[0] for r in ranks], [r[1] for r in ranks]
     for rank in range(world):
         first, second, third = poisoned[rank]["steps"]
         assert (first["skipped"], second["skipped"], third["skipped"]) == (0.0, 1.0, 0.0)
