@@ -14,32 +14,33 @@ from mars_megatron.models.presets import init_model
 from mars_megatron.tasks.sft import SFTConfig, sft_job
 from mars_megatron.training import parallel
 
-# Modules whose tests take minutes, longest first (seconds on 2 cores, from `--durations=0`). They
-# are collected first, so that scripts/test.sh's pytest-xdist workers (`--dist loadfile`, modules handed out
-# in collection order as workers free up) start the long modules early and finish together, instead of
-# one worker meeting a 6-minute module at the end. Refresh with the figures of a new measurement.
-LONGEST_FIRST = {
-    "test_repeat": 386,
-    "test_rl_loop": 373,
-    "test_pipeline_loop": 369,
-    "test_weight_sync": 327,
-    "test_slurm_real": 300,
-    "test_pipeline_placement": 277,
-    "test_cli": 196,
-    "test_eval": 188,
-    "test_device_check": 161,
-    "test_mismatch": 150,
-    "test_conversion": 143,
-}
+# Modules whose tests take minutes, handed out first (seconds on 2 cores from `--durations=0`, serial), so
+# that scripts/test.sh's pytest-xdist workers (`--dist loadfile`, modules handed out in collection order as
+# workers free up) start the long modules early and finish together, instead of one worker meeting a
+# 6-minute module at the end. Roughly longest first, but the first two start together and only one of them
+# may need `sft_model`: two that both did would leave one worker waiting about a minute for the other's
+# build. Refresh with the figures of a new measurement.
+FIRST = (
+    "test_repeat",  # 190 s, and sft_model's build
+    "test_weight_sync",  # 327 s
+    "test_rl_loop",  # 373 s
+    "test_pipeline_loop",  # 369 s
+    "test_slurm_real",  # 300 s
+    "test_pipeline_placement",  # 277 s
+    "test_cli",  # 196 s
+    "test_eval",  # 188 s
+    "test_device_check",  # 161 s
+    "test_conversion",  # 143 s
+)
 
 
 def _module_rank(item: pytest.Item) -> int:
     name = item.path.stem
-    return -LONGEST_FIRST.get(name, 0)
+    return FIRST.index(name) if name in FIRST else len(FIRST)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest modules first (:data:`LONGEST_FIRST`, a stable sort: each module's own order stays);
+    """The long modules first (:data:`FIRST`, a stable sort: each module's own order stays);
     ``gpu`` tests need CUDA: skipped, with the reason, where there is none."""
     import torch
 
