@@ -464,6 +464,13 @@ def mars(*args, timeout=300):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def mars_here(*args):
+    """`mars eval` refused before anything starts, run in this process (tests/test_cli.py: mars_here)."""
+    from tests.test_cli import mars_here as here
+
+    return here("eval", *args, cwd=REPO)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from mars_megatron.models.presets import init_model
@@ -587,28 +594,30 @@ def test_killed_run_resumes_to_the_same_summary(whole_run, model_dir, tmp_path):
 
 
 def test_cli_refuses_bad_setups(model_dir, whole_run, tmp_path):
-    proc = mars(*eval_args(model_dir, whole_run))
+    proc = mars_here(*eval_args(model_dir, whole_run))
     assert proc.returncode == 2 and f"--out {whole_run} exists and is not empty" in proc.stderr
-    proc = mars(*eval_args(model_dir, whole_run, "--resume", "--temperature", "1.0"))
+    proc = mars_here(*eval_args(model_dir, whole_run, "--resume", "--temperature", "1.0"))
     assert proc.returncode == 2 and "other settings" in proc.stderr and "temperature" in proc.stderr
-    proc = mars(*eval_args(model_dir, tmp_path / "o1")[:5], "nope", "--samples", 1, "--out", tmp_path / "o2")
+    proc = mars_here(
+        *eval_args(model_dir, tmp_path / "o1")[:5], "nope", "--samples", 1, "--out", tmp_path / "o2"
+    )
     assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr
     args = [a if a != "transformers" else "openai" for a in eval_args(model_dir, tmp_path / "o3")]
-    proc = mars(*args)
+    proc = mars_here(*args)
     assert proc.returncode == 2 and "--engine openai needs --endpoint" in proc.stderr
     # what answers each role: a missing checkpoint, a folder that is no model, an unknown role
     base = ("--data", AIME, "--engine", "transformers", "--samples", 1, "--out", tmp_path / "o4")
-    proc = mars(*base, "--checkpoint", tmp_path / "none")
+    proc = mars_here(*base, "--checkpoint", tmp_path / "none")
     assert proc.returncode == 2 and f"--checkpoint {tmp_path / 'none'}: no such directory" in proc.stderr
-    proc = mars(*base, "--checkpoint", tmp_path)
+    proc = mars_here(*base, "--checkpoint", tmp_path)
     assert proc.returncode == 2 and "neither a checkpoint (no trainer_state.json) nor" in proc.stderr
-    proc = mars(*base, "--model", tmp_path)
+    proc = mars_here(*base, "--model", tmp_path)
     assert proc.returncode == 2 and "neither an HF model (config.json and *.safetensors) nor" in proc.stderr
-    proc = mars(*base, "--model", model_dir, "--policy", f"judge={model_dir}")
+    proc = mars_here(*base, "--model", model_dir, "--policy", f"judge={model_dir}")
     assert proc.returncode == 2 and "--policy judge=...: unknown role" in proc.stderr
-    proc = mars(*base, "--model", model_dir, "--checkpoint", tmp_path)
+    proc = mars_here(*base, "--model", model_dir, "--checkpoint", tmp_path)
     assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
-    proc = mars(*base, "--model", model_dir, "--config", tmp_path / "run.yaml")
+    proc = mars_here(*base, "--model", model_dir, "--config", tmp_path / "run.yaml")
     assert proc.returncode == 2 and "--config" in proc.stderr and "no such file" in proc.stderr
     assert not (tmp_path / "o4").exists()  # refused before anything was written
     # bad sampling flags are refused before OUT is written (a rerun is then still possible)
@@ -618,7 +627,7 @@ def test_cli_refuses_bad_setups(model_dir, whole_run, tmp_path):
         (("--temperature", "nan"), "--temperature: expected a finite float, got nan"),
         (("--max-concurrent", 0), "--max-concurrent must be in [1, 65536], got 0"),
     ):
-        proc = mars(*base, "--model", model_dir, *flags)
+        proc = mars_here(*base, "--model", model_dir, *flags)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert not (tmp_path / "o4").exists()
 
@@ -638,12 +647,12 @@ def test_resume_refuses_changed_data_and_a_missing_config(model_dir, whole_run, 
     config = json.loads((out / "config.json").read_text())
     assert len(config["data_sha256"]) == 64
     data.write_text(AIME.read_text().replace('"ans_box"', '"answer"', 1))  # same path, other contents
-    proc = mars(*args, "--limit", 1, "--samples", 1, "--resume")
+    proc = mars_here(*args, "--limit", 1, "--samples", 1, "--resume")
     assert proc.returncode == 2 and "other settings" in proc.stderr and "data_sha256" in proc.stderr
     copy = tmp_path / "copy"
     shutil.copytree(whole_run, copy)
     (copy / "config.json").unlink()
-    proc = mars(*eval_args(model_dir, copy, "--resume"))
+    proc = mars_here(*eval_args(model_dir, copy, "--resume"))
     assert proc.returncode == 2 and "has no config.json beside it" in proc.stderr
 
 
