@@ -6,24 +6,39 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # pytest exits 5 when a phase selects no test (e.g. a single file was asked for): not a failure here.
 phase() { python -m pytest -q -ra "$@" || { rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }; }
+# The time of day beside what starts, so that a CI log says where its minutes went (pytest prints each phase's).
+say() { echo "[test.sh $(date -u +%H:%M:%S)] $*"; }
+# A phase run in the background: wait for it, print its report (from LOG) under a heading, return its status.
+report() {
+  local name=$1 pid=$2 log=$3 rc=0
+  wait "$pid" || rc=$?
+  echo "----- $name, ended by $(date -u +%H:%M:%S) -----"
+  cat "$log"
+  rm -f "$log"
+  return "$rc"
+}
 
 # Two pytest-xdist workers, each module on one worker (its module fixtures built once): a serial run kept
 # 2 cores about 55 % busy, most tests being one process waiting on another (docs/tests.md). MARS_TEST_WORKERS
 # sets another count (0: no workers, one process). vLLM sets process-wide state (threads, NUMA binding), so
-# its tests get a pytest process of their own, run beside the workers: alone it kept the cores about 56 %
-# busy, and beside them it fills the time one worker waits for the other at the end. Its report follows.
+# its tests get a pytest process of their own. It starts when the first worker has finished (the file
+# MARS_FIRST_WORKER_DONE names appears, tests/conftest.py), on the core that worker leaves: alone it keeps
+# the cores about 56 % busy, and run beside both workers from the start it slowed their multi-process tests
+# more than it saved. Its report follows the main phase's.
+when_a_core_frees() {  # PID: the main phase's, or the script's while it waits for the namespace's
+  while [ ! -e "${MARS_FIRST_WORKER_DONE:-}" ] && kill -0 "$1" 2>/dev/null; do sleep 2; done
+}
 offline_phases() {
   export PATH="$PWD/${MARS_VENV:-.venv}/bin:$PATH"
-  local workers=${MARS_TEST_WORKERS:-2} vllm_log vllm rc=0 vllm_rc=0
+  local workers=${MARS_TEST_WORKERS:-2} vllm_log vllm main rc=0 vllm_rc=0
+  phase --durations=15 -n "$workers" --dist loadfile --no-loadscope-reorder -m "not vllm and not network" "$@" &
+  main=$!
   vllm_log=$(mktemp)
-  phase -m "vllm and not network" "$@" >"$vllm_log" 2>&1 &
+  (when_a_core_frees "$main" && say "vLLM phase" && phase -m "vllm and not network" "$@") >"$vllm_log" 2>&1 &
   vllm=$!
-  phase --durations=15 -n "$workers" --dist loadfile --no-loadscope-reorder -m "not vllm and not network" "$@" ||
-    rc=$?
-  wait "$vllm" || vllm_rc=$?
-  echo "----- vLLM phase (pytest -m vllm) -----"
-  cat "$vllm_log"
-  rm -f "$vllm_log"
+  wait "$main" || rc=$?
+  say "main phase ended"
+  report "vLLM phase (pytest -m vllm)" "$vllm" "$vllm_log" || vllm_rc=$?
   [ "$rc" -ne 0 ] && return "$rc"
   return "$vllm_rc"
 }
@@ -34,17 +49,22 @@ fi
 
 # Set-up waits on the network and the disk more than on the cores: the Slurm packages (apt-get) install
 # while pip fills the virtual environments.
+say "set-up: .venv, .venv-launch, Slurm's packages"
 scripts/setup_slurm.sh &  # Slurm, MUNGE, MariaDB for tests/test_slurm_real.py (root: apt-get)
 slurm=$!
 scripts/setup.sh
 wait "$slurm"
 export PATH="$PWD/${MARS_VENV:-.venv}/bin:$PATH"
+say "lint"
 ruff check .
 ruff format --check .
-# Tests that need the package registry (PyPI) run outside the namespace that cuts the network off, beside
-# the offline phases (they mostly wait on downloads); their report follows the offline phases' own.
+# Tests that need the package registry (PyPI) run outside the namespace that cuts the network off, when
+# the main phase's first worker is done (they mostly wait on downloads); their report comes last.
+say "tests: main phase on ${MARS_TEST_WORKERS:-2} workers; the vLLM and network phases once a core frees"
+MARS_FIRST_WORKER_DONE=$(mktemp -u)  # created by the main phase's controller, seen in and out of the namespace
+export MARS_FIRST_WORKER_DONE
 netlog=$(mktemp)
-phase -m network "$@" >"$netlog" 2>&1 &
+(when_a_core_frees "$$" && say "network phase" && phase -m network "$@") >"$netlog" 2>&1 &
 network=$!
 rc=0
 if [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
@@ -55,10 +75,9 @@ if [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
 else
   offline_phases "$@" || rc=$?
 fi
+touch "$MARS_FIRST_WORKER_DONE"  # the offline phases are over (no worker may have said so: -n 0, a failure)
 network_rc=0
-wait "$network" || network_rc=$?
-echo "----- network phase (pytest -m network) -----"
-cat "$netlog"
-rm -f "$netlog"
+report "network phase (pytest -m network)" "$network" "$netlog" || network_rc=$?
+rm -f "$MARS_FIRST_WORKER_DONE"
 [ "$rc" -ne 0 ] && exit "$rc"
 exit "$network_rc"

@@ -39,6 +39,17 @@ def _module_rank(item: pytest.Item) -> int:
     return FIRST.index(name) if name in FIRST else len(FIRST)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist's controller: a worker has finished. scripts/test.sh starts the phases that wait for
+    the main one (vLLM, network) when its first worker is done, on the core that worker leaves: beside both
+    workers they slowed the main phase's multi-process tests more than they saved (each collective hop
+    waits for a time slice when three test processes share 2 cores)."""
+    flag = os.environ.get("MARS_FIRST_WORKER_DONE")
+    if flag:
+        Path(flag).touch()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The long modules first (:data:`FIRST`, a stable sort: each module's own order stays);
     ``gpu`` tests need CUDA: skipped, with the reason, where there is none."""
