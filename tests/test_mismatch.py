@@ -225,8 +225,8 @@ def runs(models: dict[str, Path]) -> dict:
     out: dict = {"response_tokens": sum(s.response_len for s in agree)}
     for world in (1, 2):
         names = [name for name, (_, _, w) in settings.items() if w == world]
-        runs = [([*BASE, *settings[name][1]], settings[name][0]) for name in names]
-        ranks = parallel.launch(train_once_counting_each, world, trainer, runs, timeout_s=600)
+        jobs = [([*BASE, *settings[name][1]], settings[name][0]) for name in names]
+        ranks = parallel.launch(train_once_counting_each, world, trainer, jobs, timeout_s=600)
         out.update(zip(names, ranks[0], strict=True))
     return out
 
