@@ -25,19 +25,22 @@ report() {
 # MARS_FIRST_WORKER_DONE names appears, tests/conftest.py), on the core that worker leaves: alone it keeps
 # the cores about 56 % busy, and run beside both workers from the start it slowed their multi-process tests
 # more than it saved. Its report follows the main phase's.
-when_a_core_frees() {  # PID: the main phase's, or the script's while it waits for the namespace's
-  while [ ! -e "${MARS_FIRST_WORKER_DONE:-}" ] && kill -0 "$1" 2>/dev/null; do sleep 2; done
+when_a_core_frees() {  # or the shell that started the phases has gone (killed)
+  while [ ! -e "$MARS_FIRST_WORKER_DONE" ] && kill -0 "$$" 2>/dev/null; do sleep 2; done
 }
 offline_phases() {
   export PATH="$PWD/${MARS_VENV:-.venv}/bin:$PATH"
-  local workers=${MARS_TEST_WORKERS:-2} vllm_log vllm main rc=0 vllm_rc=0
-  phase --durations=15 -n "$workers" --dist loadfile --no-loadscope-reorder -m "not vllm and not network" "$@" &
-  main=$!
+  : "${MARS_FIRST_WORKER_DONE:=$(mktemp -u)}"
+  export MARS_FIRST_WORKER_DONE
+  local workers=${MARS_TEST_WORKERS:-2} vllm_log vllm rc=0 vllm_rc=0
   vllm_log=$(mktemp)
-  (when_a_core_frees "$main" && say "vLLM phase" && phase -m "vllm and not network" "$@") >"$vllm_log" 2>&1 &
+  (when_a_core_frees && say "vLLM phase" && phase -m "vllm and not network" "$@") >"$vllm_log" 2>&1 &
   vllm=$!
-  wait "$main" || rc=$?
+  # in the foreground (a debugger's prompt works with MARS_TEST_WORKERS=0)
+  phase --durations=15 -n "$workers" --dist loadfile --no-loadscope-reorder -m "not vllm and not network" "$@" ||
+    rc=$?
   say "main phase ended"
+  touch "$MARS_FIRST_WORKER_DONE"  # no worker may have said so (-n 0, a failure before the workers ran)
   report "vLLM phase (pytest -m vllm)" "$vllm" "$vllm_log" || vllm_rc=$?
   [ "$rc" -ne 0 ] && return "$rc"
   return "$vllm_rc"
@@ -64,7 +67,7 @@ say "tests: main phase on ${MARS_TEST_WORKERS:-2} workers; the vLLM and network 
 MARS_FIRST_WORKER_DONE=$(mktemp -u)  # created by the main phase's controller, seen in and out of the namespace
 export MARS_FIRST_WORKER_DONE
 netlog=$(mktemp)
-(when_a_core_frees "$$" && say "network phase" && phase -m network "$@") >"$netlog" 2>&1 &
+(when_a_core_frees && say "network phase" && phase -m network "$@") >"$netlog" 2>&1 &
 network=$!
 rc=0
 if [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
