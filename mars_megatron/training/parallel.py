@@ -11,7 +11,6 @@ to the loopback interface, so nothing listens on a network address.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 from mars_megatron import runtime_env
 from mars_megatron.config import ParallelConfig
-from mars_megatron.training import cpu_compat
+from mars_megatron.training import cpu_compat, rank_start
 
 
 def min_world_size(parallel: ParallelConfig) -> int:
@@ -169,11 +168,13 @@ def _worker(
     world_size: int,
     store_path: str,
     threads: int,
+    inherited: rank_start.Inherited,
     fn: Callable[..., Any],
     args: tuple,
     results: Any,
 ) -> None:
     try:
+        inherited.apply()
         torch.set_num_threads(threads)
         # this machine's processes, numbered by rank: what torchrun would give them (an inherited
         # LOCAL_RANK belongs to the parent's launcher)
@@ -196,24 +197,58 @@ def _worker(
             pass
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 900.0) -> list[Any]:
+_EXIT_GRACE_S = 0.5
+"""How long a failure report waits for the exit status of a rank that died without one: its gloo peer
+reports the broken connection as the rank's process ends, a moment before its exit status shows here."""
+
+
+def _died_silently(procs: list[Any], reported: set[int], grace_s: float = 0.0) -> dict[int, int]:
+    """Exit codes of the ranks that ended with a failure and sent no report, waiting up to ``grace_s``
+    for one to show."""
+    end = time.monotonic() + grace_s
+    while True:
+        codes = {
+            i: p.exitcode for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in reported
+        }
+        if codes or time.monotonic() >= end:
+            return codes
+        time.sleep(0.02)
+
+
+def _died_message(codes: dict[int, int]) -> str:
+    return f"ranks {sorted(codes)} died without a report (exit codes {codes})"
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 900.0,
+    start_method: str | None = None,
+) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh processes joined in one torch.distributed world.
 
     Returns each rank's return value (which must be picklable). If any rank fails, the others are
     terminated and a RuntimeError carries that rank's traceback. ``fn`` must be importable (module level),
-    because processes are spawned, not forked: forking a process that already ran torch ops can hang in
-    OpenMP. Each rank runs ``runtime_env.cpu_threads()`` threads, a constant rather than a share of this
-    host's cores, so its reductions split alike on any machine; the ranks inherit this process's
-    environment (the ``mars`` command's numerics pins, :mod:`mars_megatron.runtime_env`).
+    because this process is not forked: forking a process that already ran torch ops can hang in OpenMP.
+    The ranks fork from a server that has imported torch and Megatron-Core, or are spawned
+    (:mod:`~mars_megatron.training.rank_start` says when each, and why; ``start_method`` forces one).
+    Either way each rank has this process's environment (the ``mars`` command's numerics pins,
+    :mod:`mars_megatron.runtime_env`), ``sys.path``, working directory and standard output and error, and
+    runs ``runtime_env.cpu_threads()`` threads, a constant rather than a share of this host's cores, so
+    its reductions split alike on any machine.
     """
-    ctx = mp.get_context("spawn")
+    ctx = rank_start.context(rank_start.choose(start_method))
     results = ctx.Queue()
     threads = runtime_env.cpu_threads()
+    inherited = rank_start.Inherited()
     with tempfile.TemporaryDirectory(prefix="mars-dist-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, store_path, threads, fn, args, results), daemon=False
+                target=_worker,
+                args=(r, world_size, store_path, threads, inherited, fn, args, results),
+                daemon=False,
             )
             for r in range(world_size)
         ]
@@ -226,19 +261,21 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                 try:
                     rank, ok, payload = results.get(timeout=1.0)
                 except queue.Empty:
-                    crashed = [
-                        i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outputs
-                    ]
-                    if crashed:
-                        codes = {i: procs[i].exitcode for i in crashed}
-                        raise RuntimeError(
-                            f"ranks {crashed} died without a report (exit codes {codes})"
-                        ) from None
+                    codes = _died_silently(procs, set(outputs))
+                    if codes:
+                        raise RuntimeError(_died_message(codes)) from None
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"distributed run timed out after {timeout_s}s") from None
                     continue
                 if not ok:
-                    raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
+                    failed = f"rank {rank} of {world_size} failed:\n{payload}"
+                    # a rank's peers see its death as a broken connection, often before this process
+                    # sees its exit status: name the rank that died, not only the peer that reported
+                    grace_s = _EXIT_GRACE_S if world_size > 1 else 0.0
+                    codes = _died_silently(procs, {*outputs, rank}, grace_s)
+                    if codes:
+                        failed = f"{_died_message(codes)}; then {failed}"
+                    raise RuntimeError(failed)
                 outputs[rank] = pickle.loads(payload)  # bytes a rank of this launch pickled
         finally:
             for p in procs:
