@@ -4,6 +4,8 @@ torch and Megatron-Core, yet seeing what a spawned rank sees, with the same nume
 from __future__ import annotations
 
 import os
+import pickle
+import subprocess
 import sys
 
 import pytest
@@ -78,6 +80,19 @@ def test_a_rank_that_dies_without_a_word_is_named_with_its_exit_code(start_metho
     died = r"ranks \[1\] died without a report \(exit codes \{1: 3\}\)(; then rank 0 of 2 failed)?"
     with pytest.raises(RuntimeError, match=died):
         parallel.launch(_dies, 2, timeout_s=120, start_method=start_method)
+
+
+def test_a_rank_result_loads_after_the_rank_is_gone() -> None:
+    """With ``torch.multiprocessing`` imported (a forked rank has it from the server), multiprocessing's
+    pickler sends a tensor as a file descriptor for the caller to fetch from the rank: gone, once the rank
+    has exited (CI's first run with the fork server failed so). A result is plain bytes."""
+    code = (
+        "import sys, torch, torch.multiprocessing\n"
+        "from mars_megatron.training import parallel\n"
+        "sys.stdout.buffer.write(parallel.result_bytes(print, {'t': torch.arange(6.0)}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, timeout=300)
+    assert torch.equal(pickle.loads(done.stdout)["t"], torch.arange(6.0))
 
 
 def test_an_unknown_start_method_is_named() -> None:

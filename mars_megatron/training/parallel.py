@@ -18,7 +18,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -163,6 +162,18 @@ def destroy() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- launching
+def result_bytes(fn: Callable[..., Any], result: Any) -> bytes:
+    """A rank's return value as self-contained bytes, pickled here rather than by the queue: the queue
+    pickles in a feeder thread, where a failure is only printed and the caller would wait for this rank
+    until its timeout. Plain pickle, not multiprocessing's: once ``torch.multiprocessing`` is imported (a
+    forked rank has it from the server), that one sends a tensor as a file descriptor to share, which the
+    caller can no longer fetch once the rank has exited."""
+    try:
+        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        raise TypeError(f"{fn.__qualname__} returned a value that cannot be sent back: {err}") from err
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -180,14 +191,7 @@ def _worker(
         # LOCAL_RANK belongs to the parent's launcher)
         os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
         init_distributed(rank, world_size, store_path)
-        # pickled here, not by the queue: the queue pickles in a feeder thread, where a failure is only
-        # printed and the parent would wait for this rank until its timeout
-        result = fn(*args)
-        try:
-            out = bytes(ForkingPickler.dumps(result))
-        except (pickle.PicklingError, TypeError, AttributeError) as err:
-            raise TypeError(f"{fn.__qualname__} returned a value that cannot be sent back: {err}") from err
-        results.put((rank, True, out))
+        results.put((rank, True, result_bytes(fn, fn(*args))))
     except BaseException:  # report every failure to the parent, including SystemExit
         results.put((rank, False, traceback.format_exc()))
     finally:
