@@ -17,6 +17,7 @@ from mars_megatron.training import parallel, rank_start
 pytestmark = pytest.mark.multiproc
 
 MARK = "MARS_RANK_START_MARK"
+FORKS = pytest.mark.skipif(torch.cuda.is_available(), reason="where CUDA is visible, ranks are spawned")
 
 
 def _whoami() -> tuple[int, str, str | None, list[str]]:
@@ -35,6 +36,7 @@ def _numerics() -> bytes:
     return x.numpy().tobytes()
 
 
+@FORKS
 def test_a_forked_rank_has_the_callers_environment_directory_path_and_output(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path
 ) -> None:
@@ -61,6 +63,7 @@ def test_a_forked_rank_has_the_callers_environment_directory_path_and_output(
     assert spawned == [(os.getpid(), str(tmp_path), "1", [str(tmp_path)])]
 
 
+@FORKS
 def test_forked_and_spawned_ranks_compute_the_same_bits() -> None:
     forked = parallel.launch(_numerics, 2, timeout_s=300, start_method="forkserver")
     spawned = parallel.launch(_numerics, 2, timeout_s=300, start_method="spawn")
@@ -73,7 +76,7 @@ def _dies() -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("start_method", rank_start.START_METHODS)
+@pytest.mark.parametrize("start_method", [pytest.param("forkserver", marks=FORKS), "spawn"])
 def test_a_rank_that_dies_without_a_word_is_named_with_its_exit_code(start_method: str) -> None:
     """A forked rank's exit status reaches the caller through the server, as a spawned rank's does; the
     peer that saw the broken connection is reported after the rank that died."""
