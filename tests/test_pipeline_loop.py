@@ -159,8 +159,11 @@ def test_agentic_shared_reward_trains_whole_trajectories(sft_model: Path, tmp_pa
 
 def test_agentic_r3_replays_each_sequences_engine_routing(sft_model: Path, tmp_path: Path) -> None:
     """``moe.routing_replay=R3`` in agentic mode with a bf16 engine beside the fp32 trainer: the engines'
-    routing travels with every segment, also across policy updates, into the trainer, and the per-role
-    mismatch is measured, small but not zero (bf16 rounding is the only difference left)."""
+    routing travels with every segment into the trainer, and the per-role mismatch is measured, small but
+    not zero (bf16 rounding is the only difference left). Whether a sequence is carried over an update here
+    follows timing (a fresh clone under load saw none in 3 steps), so routing across updates is asserted
+    where it is deterministic: a later segment's routing replaces the sequence's
+    (test_pipeline_scheduler)."""
     from mars_megatron.pipeline.trainer import train
 
     metrics = train(
@@ -168,7 +171,6 @@ def test_agentic_r3_replays_each_sequences_engine_routing(sft_model: Path, tmp_p
                 "rollout.dtype=bfloat16")
     )  # fmt: skip
     assert all(m["train/update_ok"] == 1.0 for m in metrics)
-    assert any(m["pipeline/multi_version_samples"] > 0 for m in metrics)
     for role in ("solver", "verifier", "corrector"):
         seen = [
             m[f"train/mismatch/{role}/abs_mean"] for m in metrics if f"train/mismatch/{role}/abs_mean" in m
