@@ -3,9 +3,12 @@ with before it is renamed into place."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from mars_megatron.checkpoint.atomic import fsync_tree
+import pytest
+
+from mars_megatron.checkpoint.atomic import SyncBehind, fsync_tree
 
 
 def test_fsync_tree_syncs_a_nested_tree_and_follows_no_link(tmp_path: Path) -> None:
@@ -19,3 +22,29 @@ def test_fsync_tree_syncs_a_nested_tree_and_follows_no_link(tmp_path: Path) -> N
     fsync_tree(tmp_path)
     assert {n: (tmp_path / n).read_bytes() for n in files} == files
     assert (tmp_path / "model" / "gone").is_symlink()
+
+
+def test_sync_behind_syncs_each_file_and_waits(tmp_path: Path) -> None:
+    paths = [tmp_path / f"shard{i}" for i in range(3)]
+    fds = [os.open(p, os.O_CREAT | os.O_WRONLY, 0o644) for p in paths]
+    try:
+        with SyncBehind("test-sync") as sync:
+            for i, fd in enumerate(fds):
+                os.write(fd, bytes([i]) * 5000)
+                sync.fsync(fd)
+            sync.wait()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert [p.read_bytes() for p in paths] == [bytes([i]) * 5000 for i in range(3)]
+
+
+def test_sync_behind_raises_a_failed_fsync_at_wait(tmp_path: Path) -> None:
+    """A file is durable only once ``wait`` returns: a sync that failed on the thread is raised there."""
+    fd = os.open(tmp_path, os.O_RDONLY)
+    os.close(fd)  # now a descriptor that names nothing
+    with SyncBehind("test-sync") as sync:
+        sync.fsync(fd)
+        with pytest.raises(OSError):
+            sync.wait()
+        sync.wait()  # reported once

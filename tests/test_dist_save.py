@@ -3,8 +3,8 @@
 
 One model (a tiny MoE, whose SwiGLU ``linear_fc1`` halves are views) is saved both ways on one rank and
 on two (tensor-parallel: dense and expert weights split); the data shards must be byte for byte
-megatron's, ``.metadata`` must describe the same tensors at the same places, and each checkpoint must
-load back bit-exactly.
+megatron's (its records written without CRC-32 as ours are), ``.metadata`` must describe the same tensors
+at the same places, and each checkpoint must load back bit-exactly (ours through megatron's loader too).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import io
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,20 @@ def test_metadata_places_every_item_where_megatrons_does(saved: dict[str, Any]) 
 
 def test_each_checkpoint_loads_back_bit_exactly(saved: dict[str, Any]) -> None:
     for rank in saved["ranks"]:
-        assert rank["loads"] == {"mars": True, "megatron": True}
+        assert rank["loads"] == {"mars": True, "megatron": True, "mars, by megatron's loader": True}
+
+
+def test_records_carry_no_crc(saved: dict[str, Any]) -> None:
+    """Every member of every record holds 0 where its CRC-32 would be (``records_without_crc``): the
+    manifest's digest covers the bytes instead."""
+    root = saved["root"] / "mars"
+    places = read_metadata(root).storage_data.values()
+    assert places
+    for place in places:
+        with open(root / place.relative_path, "rb") as f:
+            f.seek(place.offset)
+            record = zipfile.ZipFile(io.BytesIO(f.read(place.length)))
+        assert [m.CRC for m in record.infolist()] == [0] * len(record.infolist()), place
 
 
 def test_swiglu_halves_load_into_the_parameter_itself(saved: dict[str, Any]) -> None:

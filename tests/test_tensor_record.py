@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,3 +93,20 @@ def test_a_damaged_record_is_refused(tmp_path: Path) -> None:
         assert not read_into(fd, offset, length - 30, target)  # its zip directory cut off
         assert not read_into(fd, offset + 1, length - 1, target)  # misplaced
     assert torch.equal(target, torch.zeros(16))
+
+
+def test_a_record_without_crc_is_read_directly(tmp_path: Path) -> None:
+    """What ``dist_save.records_without_crc`` writes: every member's CRC-32 is 0, and the record is still
+    read straight into its destination (``zipfile`` would refuse to read its members)."""
+    from mars_megatron.checkpoint.dist_save import records_without_crc
+
+    tensor = torch.randn(5, 6)
+    with records_without_crc():
+        with _records(tmp_path, tensor) as (fd, places):
+            offset, length = places[0]
+            members = zipfile.ZipFile(io.BytesIO(os.pread(fd, length, offset))).infolist()
+            assert [m.CRC for m in members] == [0] * len(members)
+            target = torch.zeros(5, 6)
+            assert read_into(fd, offset, length, target)
+    assert torch.equal(target, tensor)
+    assert torch.serialization.get_crc32_options()  # restored

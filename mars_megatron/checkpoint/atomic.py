@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def fsync_dir(path: Path) -> None:
@@ -59,3 +60,41 @@ def write_text_atomic(path: Path, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+class SyncBehind:
+    """Files synced to disk on a thread of its own while the caller writes the next ones.
+
+    A writer that wrote everything and then called ``fsync`` would wait for the disk as long again as it
+    took to write (325 MB on this project's 2-core machines: 0.19 s to copy, 0.22 s more to sync). Here
+    each finished file is synced on the thread, in order, while the caller goes on (:meth:`fsync`);
+    :meth:`wait` returns once every sync asked for is done and raises the first error: a file is durable
+    only then. Use as a context manager; leaving it waits for the thread.
+
+    Starting the write-back of each range as soon as it is written (``sync_file_range``) was measured as
+    well and gained nothing on this disk: the kernel already writes a large file back as it grows."""
+
+    def __init__(self, name: str) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._pending: list[Any] = []
+
+    def __enter__(self) -> SyncBehind:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def fsync(self, fd: int) -> None:
+        """``fd`` is complete: sync it (the caller keeps it open until :meth:`wait` returns)."""
+        self._pending.append(self._pool.submit(os.fsync, fd))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        for done in pending:
+            done.result()
+
+    def close(self) -> None:
+        """Stop the thread once it has done what it was asked (errors are raised by :meth:`wait`)."""
+        self._pool.shutdown(wait=True)

@@ -12,6 +12,11 @@ and nothing else; ``data/0`` must be stored uncompressed with the destination's 
 (another dtype, a slice of the record, a record of another form) returns False, and the caller reads it
 the general way (``torch.load(weights_only=True)``), so nothing a file says is run either way.
 
+Neither member's CRC-32 is checked. The records mars writes carry none (``torch.save`` with its CRC turned
+off, :func:`~mars_megatron.checkpoint.dist_save.records_without_crc`), because the manifest's BLAKE3
+digest of every data shard, checked before a load, already covers each byte, and the CRC was a third of a
+conversion's time on a CPU without CRC instructions. ``torch.load`` does not check it either.
+
 The form of ``data.pkl`` is checked against ``torch.save`` itself: for each dtype and number of
 dimensions, the record of a one-element tensor must match the form expected here, or the direct path is
 not used for them (a torch that pickles tensors differently reads everything the general way).
@@ -37,6 +42,7 @@ _INTS = frozenset({"BININT", "BININT1", "BININT2", "INT", "LONG", "LONG1", "LONG
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 _LOCAL_SIGNATURE = 0x04034B50
 _STORED = 0
+_MAX_PICKLE = 1 << 16  # a plain tensor's data.pkl is a few hundred bytes
 
 Op = tuple[str, Any]
 
@@ -65,21 +71,34 @@ def data_offset(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tu
         if len(pickled) != 1:
             return None
         prefix = pickled[0].removesuffix("data.pkl")
-        if _ops(archive.read(pickled[0])) != _expected(dtype, shape):
-            return None
+        info = archive.getinfo(pickled[0])
         data = archive.getinfo(prefix + "data/0")
+        at = _member_start(view, info)
+        if at is None or info.file_size > _MAX_PICKLE:
+            return None
+        if not _is_plain(view.pread(at, info.file_size), dtype, shape):
+            return None
+        start = _member_start(view, data)
     except (zipfile.BadZipFile, KeyError, ValueError, EOFError, struct.error, NotImplementedError):
         return None
-    nbytes = dtype.itemsize * math.prod(shape)
-    if data.compress_type != _STORED or data.file_size != nbytes:
-        return None
-    header = _LOCAL_HEADER.unpack(view.pread(data.header_offset, _LOCAL_HEADER.size))
-    if header[0] != _LOCAL_SIGNATURE:
-        return None
-    start = data.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
-    if start + data.file_size > length:
+    if start is None or data.file_size != dtype.itemsize * math.prod(shape):
         return None
     return offset + start
+
+
+def _member_start(view: _RecordView, info: zipfile.ZipInfo) -> int | None:
+    """Where the bytes of the stored (uncompressed) member ``info`` start in the record, if they lie
+    inside it. Read through its local header, not ``ZipFile.read``: the member's CRC-32 is not checked
+    (records written without one hold 0 there, module docstring)."""
+    if info.compress_type != _STORED or info.compress_size != info.file_size:
+        return None
+    header = _LOCAL_HEADER.unpack(view.pread(info.header_offset, _LOCAL_HEADER.size))
+    if header[0] != _LOCAL_SIGNATURE:
+        return None
+    start = info.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
+    if start + info.file_size > view.length:
+        return None
+    return start
 
 
 def _read_fully(fd: int, into: Any, at: int) -> None:
@@ -89,6 +108,13 @@ def _read_fully(fd: int, into: Any, at: int) -> None:
         if got == 0:
             raise EOFError(f"data ends {view.nbytes - done} bytes early")
         done += got
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_plain(pickled: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether ``pickled`` is the ``data.pkl`` of a plain ``dtype`` tensor of ``shape``. Cached by its
+    bytes: the records of one model repeat a few dozen forms (every expert's weight pickles alike)."""
+    return _ops(pickled) == _expected(dtype, shape)
 
 
 def _ops(pickled: bytes) -> list[Op]:
@@ -197,6 +223,10 @@ class _RecordView(io.RawIOBase):
         got = os.preadv(self._fd, [view[:size]], self._offset + self._pos) if size else 0
         self._pos += got
         return got
+
+    @property
+    def length(self) -> int:
+        return self._length
 
     def pread(self, at: int, size: int) -> bytes:
         if at < 0 or at + size > self._length:

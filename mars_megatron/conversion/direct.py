@@ -32,12 +32,11 @@ from __future__ import annotations
 import io
 import json
 import math
-import mmap
-import os
 import pickle
 import shutil
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +44,9 @@ from typing import Any
 
 import torch
 
-from mars_megatron.checkpoint.atomic import fsync_dir, fsync_tree
+from mars_megatron.checkpoint.atomic import SyncBehind, fsync_dir, fsync_tree
 from mars_megatron.checkpoint.errors import CheckpointError
+from mars_megatron.checkpoint.file_bytes import MappedFile, Origin, origin_in
 from mars_megatron.checkpoint.model_meta import copy_assets, write_meta
 from mars_megatron.checkpoint.tensor_record import data_offset
 from mars_megatron.config import ParallelConfig
@@ -196,32 +196,36 @@ def checkpoint_layout(
 
 # ---------------------------------------------------------------------------------------------- source
 class _Source:
-    """The HF shards memory-mapped, each tensor a view of its bytes (no copy until it is written)."""
+    """The HF shards memory-mapped, each tensor a view of its bytes (no copy until it is written, and then
+    by the kernel, from the file: :mod:`~mars_megatron.checkpoint.file_bytes`)."""
 
     def __init__(self, reader: HFReader, dtype: torch.dtype) -> None:
         self._dtype = dtype
-        self._spans: dict[str, tuple[Any, int, int]] = {}
+        self._spans: dict[str, tuple[MappedFile, int, int]] = {}
+        self.files: list[MappedFile] = []
         for file in sorted(set(reader.weight_map.values())):
             path = reader.dir / file
             with path.open("rb") as f:
                 n = int.from_bytes(f.read(8), "little")
                 header = json.loads(f.read(n))
-                # private (copy-on-write) mapping: torch wants a writable buffer; nothing writes to it.
-                # Unmapped when the last view of it is gone (the writer holds the last tensor a while).
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            size = len(mapped)
+            # unmapped when the last view of it is gone (the writer holds the last tensor a while)
+            mapped = MappedFile(path)
+            self.files.append(mapped)
             for name, entry in header.items():
                 if name == "__metadata__":
                     continue
                 start, end = (8 + n + o for o in entry["data_offsets"])
-                if not 8 + n <= start <= end <= size:
+                if not 8 + n <= start <= end <= mapped.size:
                     raise CheckpointError(f"{path}: tensor '{name}' lies outside the file")
                 self._spans[name] = (mapped, start, end)
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         mapped, start, end = self._spans[name]
-        count = (end - start) // self._dtype.itemsize
-        return torch.frombuffer(mapped, dtype=self._dtype, count=count, offset=start).view(shape)
+        return mapped.view(self._dtype, start, (end - start) // self._dtype.itemsize).view(shape)
+
+    def close(self) -> None:
+        for file in self.files:
+            file.close()
 
 
 def _record_tensor(chunk: Chunk, source: _Source, shapes: dict[str, tuple[int, ...]], arch: Qwen3Arch) -> Any:
@@ -275,7 +279,7 @@ def write_dist_checkpoint(directory: Path, arch: Qwen3Arch, reader: HFReader, pa
         TensorStorageMetadata,
     )
 
-    from mars_megatron.checkpoint.dist_save import DigestThread, ShardFile
+    from mars_megatron.checkpoint.dist_save import DigestThread, ShardFile, records_without_crc
     from mars_megatron.checkpoint.manifest import record_written
     from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors
 
@@ -284,15 +288,15 @@ def write_dist_checkpoint(directory: Path, arch: Qwen3Arch, reader: HFReader, pa
     shapes, chunks, objects = checkpoint_layout(arch, padded_vocab)
     nbytes = [dtype.itemsize * int(torch.Size(c.shape).numel()) for c in chunks]
     storage: dict[Any, Any] = {}
-    none = _none_record()
     hasher = DigestThread()
     written: list[ShardFile] = []
     source = _Source(reader, dtype)
     try:
-        with _fsync_behind() as syncing:
+        with SyncBehind("direct-sync") as sync, records_without_crc():
+            none = _none_record()
             for f, indices in enumerate(_split_files(chunks, nbytes, FILES)):
                 name = f"__0_{f}.distcp"
-                shard = ShardFile(directory / name, hasher)
+                shard = ShardFile(directory / name, hasher, sync)
                 written.append(shard)
                 for key in objects if f == 0 else ():  # small: all in the first file
                     at = shard.tell()
@@ -301,18 +305,17 @@ def write_dist_checkpoint(directory: Path, arch: Qwen3Arch, reader: HFReader, pa
                 for i in indices:
                     chunk = chunks[i]
                     tensor = _record_tensor(chunk, source, hf_shapes, arch)
-                    shard.holding(tensor)
+                    shard.holding(tensor, origin_in(source.files, tensor))
                     at = shard.tell()
                     torch.save(tensor, shard)
                     index = MetadataIndex(chunk.key, torch.Size(chunk.offsets))
                     storage[index] = _StorageInfo(name, at, shard.tell() - at)
-                shard.flush()
-                hasher.end_file(shard.path)
-                syncing(shard)  # on disk while the next file is written
-            syncing(None)  # wait for every sync
+                shard.complete()  # synced while the next file is written
+            sync.wait()
         digests = hasher.join()
     finally:
         hasher.stop()
+        source.close()
         for shard in written:
             shard.close()
     for shard in written:
@@ -335,29 +338,6 @@ def write_dist_checkpoint(directory: Path, arch: Qwen3Arch, reader: HFReader, pa
         pickle.dump(metadata, f)
     torch.save({}, directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))  # synced by the caller
-
-
-@contextmanager
-def _fsync_behind() -> Iterator[Any]:
-    """A function that fsyncs a written file on a thread while the caller writes the next one;
-    ``None`` waits for all of them. The thread's errors are raised there."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    pool = ThreadPoolExecutor(1, thread_name_prefix="direct-fsync")
-    pending: list[Any] = []
-
-    def sync(shard: Any) -> None:
-        if shard is None:
-            for done in pending:
-                done.result()
-            pending.clear()
-        else:
-            pending.append(pool.submit(shard.fsync))
-
-    try:
-        yield sync
-    finally:
-        pool.shutdown(wait=True)
 
 
 # ------------------------------------------------------------------------------------------- HF → mcore
@@ -416,14 +396,16 @@ class _Records:
 
     def __init__(self, folder: Path, metadata: Any, dtype: torch.dtype) -> None:
         self.folder, self.metadata, self.dtype = folder, metadata, dtype
-        self._mapped: dict[str, tuple[int, Any]] = {}
+        self._mapped: dict[str, MappedFile] = {}
 
-    def _file(self, name: str) -> tuple[int, Any]:
+    def _file(self, name: str) -> MappedFile:
         if name not in self._mapped:
-            path = self.folder / name
-            fd = os.open(path, os.O_RDONLY)
-            self._mapped[name] = (fd, mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+            self._mapped[name] = MappedFile(self.folder / name)
         return self._mapped[name]
+
+    def origin(self, tensor: torch.Tensor) -> Origin | None:
+        """Where in a data shard the bytes of ``tensor`` are, if it is a contiguous view of one."""
+        return origin_in(self._mapped.values(), tensor)
 
     def record(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -431,19 +413,18 @@ class _Records:
         info = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
         if info is None:
             raise CheckpointError(f"{self.folder / '.metadata'}: no record of '{key}' at {list(offsets)}")
-        fd, mapped = self._file(info.relative_path)
-        if info.offset + info.length > len(mapped):
+        file = self._file(info.relative_path)
+        if info.offset + info.length > file.size:
             raise CheckpointError(f"{self.folder / info.relative_path}: cut short (record of '{key}')")
-        start = data_offset(fd, info.offset, info.length, self.dtype, shape)
+        start = data_offset(file.fd, info.offset, info.length, self.dtype, shape)
         if start is not None:
-            count = math.prod(shape)
-            return torch.frombuffer(mapped, dtype=self.dtype, count=count, offset=start).view(shape)
+            return file.view(self.dtype, start, math.prod(shape)).view(shape)
         return self._load(key, info, shape)
 
     def _load(self, key: str, info: Any, shape: tuple[int, ...]) -> torch.Tensor:
         """A record of another form (a slice, another writer), loaded the general, restricted way."""
         path = self.folder / info.relative_path
-        _, mapped = self._file(info.relative_path)
+        mapped = self._file(info.relative_path).mapped
         try:
             tensor = torch.load(
                 io.BytesIO(mapped[info.offset : info.offset + info.length]), weights_only=True
@@ -488,8 +469,8 @@ class _Records:
         return piece
 
     def close(self) -> None:
-        for fd, _ in self._mapped.values():
-            os.close(fd)  # each mapping goes with the last view of it
+        for file in self._mapped.values():
+            file.close()  # each mapping goes with the last view of it
         self._mapped.clear()
 
 
@@ -524,8 +505,9 @@ def mcore_to_hf_direct(
 ) -> None:
     """Export a mars Megatron checkpoint as HF safetensors in one process, with no model: each HF tensor
     is written from a view of the record that holds it (a copy only for ``linear_qkv``'s split and the
-    vocabulary's padding). The data shards are checked against the manifest first (their digests unless
-    ``MARS_CHECKPOINT_VERIFY=sizes``), as :func:`mars_megatron.convert.load_mcore` does."""
+    vocabulary's padding). The data shards are checked against the manifest (their digests unless
+    ``MARS_CHECKPOINT_VERIFY=sizes``), as :func:`mars_megatron.convert.load_mcore` does, while they are
+    read: nothing is renamed into place unless the check passes."""
     from mars_megatron.checkpoint.dist_load import read_metadata
     from mars_megatron.checkpoint.manifest import shard_digests_wanted, verify_manifest
     from mars_megatron.checkpoint.model_meta import read_meta
@@ -540,8 +522,12 @@ def mcore_to_hf_direct(
     problem = _layout_problem(arch, meta, metadata)
     if problem is not None:
         raise CheckpointError(f"{mcore_dir}: cannot be exported directly: {problem}")
-    if shard_digests_wanted():  # read_meta checked everything else
-        verify_manifest(mcore_dir, shards=True)
+    # The shards' digests (read_meta checked everything else) are checked on other cores while the export
+    # reads them: records are parsed without running anything, and nothing is renamed into place before
+    # the check has passed. A failed check is the error reported, whatever the export met meanwhile.
+    checking = ThreadPoolExecutor(1, thread_name_prefix="export-verify")
+    verified = checking.submit(verify_manifest, mcore_dir, shards=True) if shard_digests_wanted() else None
+    checking.shutdown(wait=False)
     dtype = torch_dtype(meta["dtype"])
     _, chunks, _ = checkpoint_layout(arch, arch.padded_vocab_size(meta["vocab_pad_multiple"]))
     hf_shapes = expected_hf_tensors(arch)
@@ -554,14 +540,22 @@ def mcore_to_hf_direct(
                 natural = piece.reshape(chunk.shape[1:]) if chunk.stacked else piece
                 if chunk.half is not None:
                     name = chunk.plan.hf_names[chunk.half]
-                    writer.add(name, natural.reshape(hf_shapes[name]))
+                    tensor = natural.reshape(hf_shapes[name])
+                    writer.add(name, tensor, records.origin(tensor))
                     continue
                 for name, tensor in zip(
                     chunk.plan.hf_names, unshard(chunk.plan, [natural], arch), strict=True
                 ):
-                    writer.add(name, tensor.reshape(hf_shapes[name]))
+                    tensor = tensor.reshape(hf_shapes[name])
+                    writer.add(name, tensor, records.origin(tensor))
             writer.close()
             copy_assets(assets, tmp)
             check_loadable(tmp)
+            if verified is not None:
+                verified.result()
+    except BaseException:
+        if verified is not None:
+            verified.result()  # raises the manifest's complaint first
+        raise
     finally:
         records.close()

@@ -10,14 +10,15 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from mars_megatron.checkpoint.atomic import SyncBehind
 from mars_megatron.checkpoint.errors import CheckpointError
+from mars_megatron.checkpoint.file_bytes import Origin, write_at
 from mars_megatron.dtypes import SAFETENSORS_TAGS
 from mars_megatron.json_file import read_json
 
@@ -127,10 +128,11 @@ class HFWriter:
 
     Every name, shape and dtype is known before export starts (they follow from config.json), so each
     shard's header is written first and tensors are then written in any order as they arrive, through
-    ``os.pwrite``. Nothing is buffered: memory stays at one tensor however large the shards are. A shard
-    whose last tensor arrived is synced to disk on a thread while the next ones are written. Shards get
-    their final names and the index is written by :meth:`close`, once every tensor arrived and every shard
-    is on disk.
+    ``os.pwrite`` (or copied by the kernel from the file a tensor is a view of). Nothing is buffered:
+    memory stays at one tensor however large the shards are. A shard whose last tensor arrived is synced
+    on a thread while the next ones are written (:class:`~mars_megatron.checkpoint.atomic.SyncBehind`).
+    Shards get their final names and the index is written by :meth:`close`, once every tensor arrived and
+    every shard is on disk.
     """
 
     def __init__(
@@ -156,8 +158,7 @@ class HFWriter:
         self._where: dict[str, tuple[int, int, int]] = {}  # name -> (shard, absolute offset, nbytes)
         self._fds: list[int] = []
         self._pending: list[set[str]] = []
-        self._syncing = ThreadPoolExecutor(1, thread_name_prefix="hf-writer-fsync")
-        self._synced: list[Future[None]] = []
+        self._sync = SyncBehind("hf-writer-sync")
         self._total = 0
         for index, names in enumerate(shards):
             header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -186,7 +187,9 @@ class HFWriter:
             self._pending.append(set(names))
             self._total += offset
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor, origin: Origin | None = None) -> None:
+        """Write ``tensor`` as ``name``; copied by the kernel from ``origin`` (a file holding its bytes,
+        :mod:`~mars_megatron.checkpoint.file_bytes`) where given."""
         if name not in self._where:
             raise CheckpointError(f"tensor '{name}' is not in the planned layout")
         index, offset, nbytes = self._where[name]
@@ -200,22 +203,18 @@ class HFWriter:
             )
         data = tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
         assert data.nbytes == nbytes
-        written = 0
-        view = memoryview(data)
-        while written < nbytes:
-            written += os.pwrite(self._fds[index], view[written:], offset + written)
+        write_at(self._fds[index], offset, memoryview(data), origin)
         self._pending[index].discard(name)
-        if not self._pending[index]:  # the shard is complete: on disk while the next ones are written
-            self._synced.append(self._syncing.submit(os.fsync, self._fds[index]))
+        if not self._pending[index]:  # the shard is complete
+            self._sync.fsync(self._fds[index])
 
     def close(self) -> None:
         """Check every planned tensor arrived, give the shards their final names, write the index."""
         missing = [n for pending in self._pending for n in pending]
         try:
-            for synced in self._synced:
-                synced.result()
+            self._sync.wait()
         finally:
-            self._syncing.shutdown()
+            self._sync.close()
             for fd in self._fds:
                 os.close(fd)
             self._fds = []

@@ -32,8 +32,8 @@ has to exist beforehand; ``--workdir``, when given, must be an existing director
 ``--floor`` adds what any direct HF -> ``torch_dist`` copy must at least do, with no model and no record
 format (:func:`direct_floor`), one check at a time, in the same run: every tensor's bytes read once from
 the page cache and written once, the fused tensors (q/k/v, gate/up) copied once as the interleave and the
-concatenation would, each record's CRC-32 (``torch.save``'s zip), the files' digest on a second thread
-(the manifest's BLAKE3), each file fsynced while the next is written. How close a converter could come to the
+concatenation would, the files' digest on a second thread (the manifest's BLAKE3), each file fsynced
+while the next is written (``SyncBehind``, as the converters do). How close a converter could come to the
 target before its format costs anything.
 
     python tools/bench/convert.py                      # tiny-moe, ~330 MB float32
@@ -57,14 +57,13 @@ import statistics
 import tempfile
 import threading
 import time
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from mars_megatron.checkpoint.atomic import SyncBehind
 from mars_megatron.checkpoint.manifest import new_digest
 from mars_megatron.config import ParallelConfig
 from mars_megatron.conversion.direct import hf_to_mcore_direct, mcore_to_hf_direct
@@ -210,9 +209,8 @@ FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 FLOOR_STEPS = (
     ("floor: write once", {}),
     ("floor: + fused copies", {"fused": True}),
-    ("floor: + CRC-32", {"fused": True, "crc": True}),
-    ("floor: + digest thread", {"fused": True, "crc": True, "digest": True}),
-    ("floor: + fsync (all)", {"fused": True, "crc": True, "digest": True, "fsync": True}),
+    ("floor: + digest thread", {"fused": True, "digest": True}),
+    ("floor: + fsync (all)", {"fused": True, "digest": True, "fsync": True}),
 )
 
 
@@ -231,7 +229,7 @@ def _tensor_spans(shard: Path) -> tuple[mmap.mmap, dict[str, tuple[int, int]]]:
 
 
 def direct_floor(
-    src: Path, dst: Path, *, fused: bool = False, crc: bool = False, digest: bool = False, fsync: bool = False
+    src: Path, dst: Path, *, fused: bool = False, digest: bool = False, fsync: bool = False
 ) -> float:
     """Seconds to copy every tensor of ``src`` into one new file per shard with the steps asked for (see
     the module docstring): the least a direct converter does, no format written."""
@@ -247,32 +245,29 @@ def direct_floor(
     hasher = threading.Thread(target=hash_chunks)
     if digest:
         hasher.start()
-    syncing = ThreadPoolExecutor(1)
-    pending = []
-    for i, shard in enumerate(shards(src)):
-        mapped, spans = _tensor_spans(shard)
-        view = memoryview(mapped)
-        fd = os.open(dst / f"__0_{i}.distcp", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-        for name in sorted(spans):
-            a, b = spans[name]
-            data = view[a:b]
-            if fused and any(part in name for part in FUSED):
-                data = memoryview(bytearray(data))
-            if crc:
-                zlib.crc32(data)
-            os.write(fd, data)
-            if digest:
-                chunks.put(data)
-        if fsync:  # written back while the next file is written
-            pending.append(syncing.submit(lambda fd=fd: (os.fsync(fd), os.close(fd))))
-        else:
-            os.close(fd)
-    for done in pending:
-        done.result()
+    fds = []
+    with SyncBehind("floor-sync") as sync:
+        for i, shard in enumerate(shards(src)):
+            mapped, spans = _tensor_spans(shard)
+            view = memoryview(mapped)
+            fd = os.open(dst / f"__0_{i}.distcp", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fds.append(fd)
+            for name in sorted(spans):
+                a, b = spans[name]
+                data = view[a:b]
+                if fused and any(part in name for part in FUSED):
+                    data = memoryview(bytearray(data))
+                os.write(fd, data)
+                if digest:
+                    chunks.put(data)
+            if fsync:  # synced while the next file is written
+                sync.fsync(fd)
+        sync.wait()
+    for fd in fds:
+        os.close(fd)
     if digest:
         chunks.put(None)
         hasher.join()
-    syncing.shutdown()
     elapsed = time.perf_counter() - start
     shutil.rmtree(dst)
     return elapsed
