@@ -11,7 +11,7 @@ group) and a padded vocabulary are built in memory, through the same mapping fun
 (:mod:`~mars_megatron.conversion.qwen3_mapping`).
 
 Building a model, filling it and running megatron's save planning cost more than the copy itself (on 2
-cores, 325 MB: 1.33 s through a model, 0.48 s here, against 0.41 s for the raw copy with the same fsyncs;
+cores, 325 MB: 0.85 s through a model, 0.46 s here, against 0.36 s for the raw copy with the same fsyncs;
 ``tools/bench/convert.py``). Here the data shards go through the same writer as
 :mod:`~mars_megatron.checkpoint.dist_save` (digest on a thread of its own, each file fsynced while the next
 is written), split into :data:`FILES` files so that little is left to sync after the last write.
