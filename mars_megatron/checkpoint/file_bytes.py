@@ -4,9 +4,9 @@ Why a module of its own: both converters (``conversion/direct.py``) write tensor
 memory-mapped file (the HF shards one way, the ``torch_dist`` records the other), and writing such a
 view through ``write`` makes the process fault in every page of the mapping and copy it out again.
 ``copy_file_range`` copies from the source file's page cache to the target's inside the kernel, with no
-mapping touched (325 MB on this project's 2-core machines: 0.11 s against 0.37 s read and written through
-memory). The digest of what is written is still taken from the mapped view, on another thread: the same
-file's bytes.
+mapping touched: conversions of 325 MB 3–10 % faster on this project's 2-core machines, on disk and on
+tmpfs (docs/benchmarks.md#conversion). The digest of what is written is still taken from the mapped view,
+on another thread: the same file's bytes.
 
 :class:`MappedFile` maps a file and remembers where, so that :meth:`MappedFile.origin` can say which bytes
 of the file a contiguous view holds; :func:`write_at` then copies them from there. Where the kernel or

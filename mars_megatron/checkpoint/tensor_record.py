@@ -14,8 +14,8 @@ the general way (``torch.load(weights_only=True)``), so nothing a file says is r
 
 Neither member's CRC-32 is checked. The records mars writes carry none (``torch.save`` with its CRC turned
 off, :func:`~mars_megatron.checkpoint.dist_save.records_without_crc`), because the manifest's BLAKE3
-digest of every data shard, checked before a load, already covers each byte, and the CRC was a third of a
-conversion's time on a CPU without CRC instructions. ``torch.load`` does not check it either.
+digest of every data shard, checked before a load, already covers each byte, and the CRC was over a quarter
+of a conversion's time on a CPU without CRC instructions. ``torch.load`` does not check it either.
 
 The form of ``data.pkl`` is checked against ``torch.save`` itself: for each dtype and number of
 dimensions, the record of a one-element tensor must match the form expected here, or the direct path is
