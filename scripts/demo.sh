@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job on CPU: a complete MarsRL run of the tiny Qwen3-MoE (about 8 minutes on 2 cores,
+# The main job on CPU: a complete MarsRL run of the tiny Qwen3-MoE (8 to 18 minutes on 2 cores,
 # after the first run's set-up).
 #   1. build the random tiny model;  2. `mars sft`: warm start on careful/careless role demonstrations;
 #   3. `mars train`: MarsRL (Solver -> Verifier -> Corrector, agent-specific rewards) with 2 Megatron
