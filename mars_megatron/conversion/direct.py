@@ -203,21 +203,26 @@ class _Source:
         self._dtype = dtype
         self._spans: dict[str, tuple[MappedFile, int, int]] = {}
         self.files: list[MappedFile] = []
-        for file in sorted(set(reader.weight_map.values())):
-            path = reader.dir / file
-            with path.open("rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n))
-            # unmapped when the last view of it is gone (the writer holds the last tensor a while)
-            mapped = MappedFile(path)
-            self.files.append(mapped)
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                start, end = (8 + n + o for o in entry["data_offsets"])
-                if not 8 + n <= start <= end <= mapped.size:
-                    raise CheckpointError(f"{path}: tensor '{name}' lies outside the file")
-                self._spans[name] = (mapped, start, end)
+        try:
+            for file in sorted(set(reader.weight_map.values())):
+                self._map(reader.dir / file)
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self, path: Path) -> None:
+        # unmapped when the last view of it is gone (the writer holds the last tensor a while)
+        mapped = MappedFile(path)
+        self.files.append(mapped)
+        n = int.from_bytes(mapped.mapped[:8], "little")
+        header = json.loads(mapped.mapped[8 : 8 + n])
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = (8 + n + o for o in entry["data_offsets"])
+            if not 8 + n <= start <= end <= mapped.size:
+                raise CheckpointError(f"{path}: tensor '{name}' lies outside the file")
+            self._spans[name] = (mapped, start, end)
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         mapped, start, end = self._spans[name]
