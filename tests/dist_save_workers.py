@@ -22,6 +22,7 @@ def save_both_ways(hf: str, root: str, layout: tuple[int, int, int]) -> dict[str
     from megatron.core import dist_checkpointing
 
     from mars_megatron.checkpoint import dist_load, dist_save, manifest
+    from mars_megatron.checkpoint.tensor_record import records_without_crc
     from mars_megatron.conversion.hf_io import HFReader
     from mars_megatron.conversion.model_io import load_weights
     from mars_megatron.models.hf_config import load_hf_config
@@ -38,7 +39,7 @@ def save_both_ways(hf: str, root: str, layout: tuple[int, int, int]) -> dict[str
         if dist.get_rank() == 0:
             directory.mkdir()
         dist.barrier()
-    with dist_save.records_without_crc():  # as ours writes them: the data shards must match byte for byte
+    with records_without_crc():  # as ours writes them: the data shards must match byte for byte
         dist_checkpointing.save(model.sharded_state_dict(), str(theirs))
     dist_save.save(model.sharded_state_dict(), ours)
 

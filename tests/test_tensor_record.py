@@ -1,6 +1,7 @@
-"""Reading a ``torch.save`` record straight into its destination (``checkpoint/tensor_record.py``): exact for
-the plain record of a tensor like the destination, and a refusal (False, destination untouched, nothing
-run) for every other record, which the loader then reads the general way."""
+"""``torch.save`` records of plain tensors (``checkpoint/tensor_record.py``). Written around the tensor's
+bytes: ``torch.save``'s record byte for byte. Read straight into the destination: exact for the plain record
+of a tensor like the destination, and a refusal (False, destination untouched, nothing run) for every other
+record, which the loader then reads the general way."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mars_megatron.checkpoint.tensor_record import read_into
+from mars_megatron.checkpoint.tensor_record import (
+    data_offset,
+    read_into,
+    record_form,
+    records_without_crc,
+    write_record,
+)
 
 
 class _Payload:
@@ -96,10 +103,8 @@ def test_a_damaged_record_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_record_without_crc_is_read_directly(tmp_path: Path) -> None:
-    """What ``dist_save.records_without_crc`` writes: every member's CRC-32 is 0, and the record is still
+    """What ``records_without_crc`` writes: every member's CRC-32 is 0, and the record is still
     read straight into its destination (``zipfile`` would refuse to read its members)."""
-    from mars_megatron.checkpoint.dist_save import records_without_crc
-
     tensor = torch.randn(5, 6)
     with records_without_crc():
         with _records(tmp_path, tensor) as (fd, places):
@@ -110,3 +115,80 @@ def test_a_record_without_crc_is_read_directly(tmp_path: Path) -> None:
             assert read_into(fd, offset, length, target)
     assert torch.equal(target, tensor)
     assert torch.serialization.get_crc32_options()  # restored
+
+
+class _Stream:
+    """A stream like a data shard's: ``torch.save`` and ``write_record`` write into it (and flush it)."""
+
+    def __init__(self) -> None:
+        self.buffer = io.BytesIO()
+        self.writes = 0
+
+    def write(self, data: object) -> int:
+        self.writes += 1
+        return self.buffer.write(data)  # type: ignore[arg-type]
+
+    def flush(self) -> None:
+        pass
+
+
+def _saved_without_crc(tensor: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    with records_without_crc():
+        torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
+@pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 2), (1, 4096)])
+def test_a_written_record_is_torch_saves_byte_for_byte(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    tensor = (torch.randn(shape) * 100).to(dtype)
+    stream = _Stream()
+    write_record(stream, tensor)
+    assert stream.buffer.getvalue() == _saved_without_crc(tensor)
+    assert stream.writes == 3  # the bytes before, the tensor's own, the bytes after
+    assert torch.equal(torch.load(io.BytesIO(stream.buffer.getvalue()), weights_only=True), tensor)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(4, 3).t(),  # strided
+        torch.randn(8, 3)[2:6],  # a view of a larger storage: torch.save stores all of it
+        torch.randn(3, 4).requires_grad_(),
+        torch.nn.Parameter(torch.randn(3)),
+        torch.zeros(0, 4),  # no bytes
+    ],
+    ids=["strided", "view", "requires-grad", "parameter", "empty"],
+)
+def test_any_other_tensor_is_written_by_torch_save(tensor: torch.Tensor) -> None:
+    stream = _Stream()
+    write_record(stream, tensor)
+    assert stream.buffer.getvalue() == _saved_without_crc(tensor)
+    assert stream.writes > 3
+
+
+def test_a_record_of_the_known_form_is_found_by_its_bytes(tmp_path: Path) -> None:
+    """Records mars writes are matched against :func:`record_form`; one of the same length whose bytes
+    around the tensor differ is not taken for it (here it is then parsed, and refused)."""
+    tensor = torch.randn(6, 4)
+    form = record_form(tensor.dtype, (6, 4))
+    assert form is not None and form.nbytes == tensor.nbytes
+    record = bytearray(_saved_without_crc(tensor))
+    assert len(record) == form.length and record.startswith(form.prefix) and record.endswith(form.suffix)
+    path = tmp_path / "shard.distcp"
+    at = record.index(b"FloatStorage")  # the pickle names another class: not a plain tensor's record
+    record[at : at + 5] = b"Evil_"
+    path.write_bytes(b"\0" * 5 + _saved_without_crc(tensor) + bytes(record))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert data_offset(fd, 5, form.length, tensor.dtype, (6, 4)) == 5 + len(form.prefix)
+        assert data_offset(fd, 5 + form.length, form.length, tensor.dtype, (6, 4)) is None
+    finally:
+        os.close(fd)
+
+
+def test_a_shape_no_machine_holds_has_no_form() -> None:
+    """The form of a shape named by a (hostile) ``.metadata`` is not allocated: no form, no record."""
+    assert record_form(torch.float32, (1 << 62,)) is None
+    assert record_form(torch.float32, (0, 3)) is None

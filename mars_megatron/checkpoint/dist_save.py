@@ -20,7 +20,8 @@ records). What changes is only who writes the data shards, and how:
   (:func:`~mars_megatron.checkpoint.manifest.record_written`), which then need not read the file back;
 * every file is fsynced (megatron leaves ``common.pt`` and ``metadata.json`` to the page cache), and the
   directory after them;
-* each record's zip members carry no CRC-32 (:func:`records_without_crc`): the manifest's digest of the
+* each record's zip members carry no CRC-32
+  (:func:`~mars_megatron.checkpoint.tensor_record.records_without_crc`): the manifest's digest of the
   whole shard covers the same bytes, is checked before every load, and is computed on another core.
 
 The loader cannot tell the difference: ``tests/test_dist_save.py`` checks that the data shards are byte
@@ -34,8 +35,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from mars_megatron.checkpoint.atomic import SyncBehind, fsync_dir, fsync_file
 from mars_megatron.checkpoint.file_bytes import Origin, write_at
 from mars_megatron.checkpoint.manifest import ALGORITHM, new_digest, record_written
+from mars_megatron.checkpoint.tensor_record import records_without_crc
 
-__all__ = ["FILES_PER_RANK", "DigestThread", "ShardFile", "records_without_crc", "save"]
+__all__ = ["FILES_PER_RANK", "DigestThread", "ShardFile", "save"]
 
 FILES_PER_RANK = 2
 """Data shards each rank writes (megatron's default ``thread_count``): the items are split between them
@@ -64,24 +65,6 @@ by size; each file is fsynced while the next one is written."""
 _SMALL = 1 << 20
 """Writes below this many bytes (zip headers, pickles, small tensors) are gathered into one buffer: they
 come from torch's transient buffers, so they are copied, and one system call writes many of them."""
-
-
-@contextmanager
-def records_without_crc() -> Iterator[None]:
-    """``torch.save`` writes its zip members with a CRC-32 of 0 while this is open, instead of computing
-    one over every byte on the saving thread (0.14 s of a 0.5 s conversion of a 325 MB model, 2 cores
-    without CRC instructions). The checkpoint loses no check: the manifest's BLAKE3 digest of every data
-    shard covers the same bytes and is verified before any load, and neither ``torch.load`` nor our
-    record reader checks a member's CRC. The switch is torch's process-wide one; a ``torch.save`` on
-    another thread meanwhile writes no CRC either, which every reader accepts."""
-    from torch.serialization import get_crc32_options, set_crc32_options
-
-    before = get_crc32_options()
-    set_crc32_options(False)
-    try:
-        yield
-    finally:
-        set_crc32_options(before)
 
 
 def save(sharded_state_dict: Any, directory: str | Path, *, content_metadata: dict | None = None) -> None:

@@ -127,6 +127,19 @@ def algorithm_of(entry: Entry) -> str:
 
 
 def _entry(path: Path, algorithm: str = ALGORITHM) -> Entry:
+    """Size and digest of one file. BLAKE3 hashes the file through a mapping, on this thread: no copy of
+    every byte into a buffer first (a third less CPU and memory traffic than reading it, which matters
+    when an export hashes its source while copying it). A file truncated while it is hashed would end
+    the process with SIGBUS; checkpoints are written into a staging folder and renamed, never truncated
+    in place."""
+    if algorithm == "blake3":
+        import blake3
+
+        size = os.stat(path).st_size
+        digest = blake3.blake3(max_threads=1).update_mmap(path).hexdigest()
+        if os.stat(path).st_size != size:  # changed while hashed: report what is there now
+            return _entry(path, algorithm)
+        return {"size": size, algorithm: digest}
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, lambda: new_digest(algorithm)).hexdigest()
         size = os.fstat(f.fileno()).st_size
@@ -167,12 +180,14 @@ def _known_entries(root: Path, names: Iterable[str]) -> dict[str, Entry]:
     return {n: e for n in names if (e := _take_written(root / n)) is not None}
 
 
-def digest_files(directory: str | Path, names: Iterable[str], algorithm: str = ALGORITHM) -> dict[str, Entry]:
-    """Size and digest of each named file; threads, since hashing releases the GIL and storage is
-    usually faster with several reads in flight."""
+def digest_files(
+    directory: str | Path, names: Iterable[str], algorithm: str = ALGORITHM, *, threads: int = _THREADS
+) -> dict[str, Entry]:
+    """Size and digest of each named file; ``threads`` files at a time, since hashing releases the GIL
+    and storage is usually faster with several reads in flight."""
     root = Path(directory)
     names = list(names)
-    with ThreadPoolExecutor(_THREADS) as pool:
+    with ThreadPoolExecutor(threads) as pool:
         return dict(zip(names, pool.map(lambda n: _entry(root / n, algorithm), names), strict=True))
 
 
@@ -299,11 +314,13 @@ def shard_digests_wanted() -> bool:
     return value == "full"
 
 
-def _check_digests(root: Path, flat: dict[str, Entry], names: list[str]) -> list[str]:
+def _check_digests(
+    root: Path, flat: dict[str, Entry], names: list[str], threads: int = _THREADS
+) -> list[str]:
     problems = []
     for algorithm in sorted({algorithm_of(flat[n]) for n in names}):
         mine = [n for n in names if algorithm_of(flat[n]) == algorithm]
-        got = digest_files(root, mine, algorithm)
+        got = digest_files(root, mine, algorithm, threads=threads)
         problems += [
             f"{root / n}: {_NAMES[algorithm]} differs from the manifest (changed after it was written)"
             for n in mine
@@ -312,16 +329,17 @@ def _check_digests(root: Path, flat: dict[str, Entry], names: list[str]) -> list
     return sorted(problems)
 
 
-def verify_manifest(directory: str | Path, *, shards: bool = False) -> None:
+def verify_manifest(directory: str | Path, *, shards: bool = False, threads: int = _THREADS) -> None:
     """Check ``directory`` (and nested manifests) against its manifest: every listed file present with
     its size, nothing unlisted, and the digest of every file but the data shards (``shards=True``: of
-    those too). Cheap enough to run before any start-up; :class:`CheckpointError` naming each bad file."""
+    those too), ``threads`` files at a time (1 beside other work that needs the other cores). Cheap
+    enough to run before any start-up; :class:`CheckpointError` naming each bad file."""
     root = Path(directory)
     problems: list[str] = []
     flat = _collect(root, "", problems)
     _raise(root, problems)
     names = [n for n in flat if shards or not n.endswith(SHARD_SUFFIX)]
-    _raise(root, _check_digests(root, flat, names))
+    _raise(root, _check_digests(root, flat, names, threads))
 
 
 _verified: dict[str, tuple[Any, ...]] = {}

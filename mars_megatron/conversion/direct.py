@@ -48,7 +48,7 @@ from mars_megatron.checkpoint.atomic import SyncBehind, fsync_dir, fsync_tree
 from mars_megatron.checkpoint.errors import CheckpointError
 from mars_megatron.checkpoint.file_bytes import MappedFile, Origin, origin_in
 from mars_megatron.checkpoint.model_meta import copy_assets, write_meta
-from mars_megatron.checkpoint.tensor_record import data_offset
+from mars_megatron.checkpoint.tensor_record import data_offset, records_without_crc, write_record
 from mars_megatron.config import ParallelConfig
 from mars_megatron.conversion.hf_io import HFReader
 from mars_megatron.conversion.model_io import validate_hf_checkpoint
@@ -284,7 +284,7 @@ def write_dist_checkpoint(directory: Path, arch: Qwen3Arch, reader: HFReader, pa
         TensorStorageMetadata,
     )
 
-    from mars_megatron.checkpoint.dist_save import DigestThread, ShardFile, records_without_crc
+    from mars_megatron.checkpoint.dist_save import DigestThread, ShardFile
     from mars_megatron.checkpoint.manifest import record_written
     from mars_megatron.conversion.qwen3_mapping import expected_hf_tensors
 
@@ -312,7 +312,7 @@ def write_dist_checkpoint(directory: Path, arch: Qwen3Arch, reader: HFReader, pa
                     tensor = _record_tensor(chunk, source, hf_shapes, arch)
                     shard.holding(tensor, origin_in(source.files, tensor))
                     at = shard.tell()
-                    torch.save(tensor, shard)
+                    write_record(shard, tensor)
                     index = MetadataIndex(chunk.key, torch.Size(chunk.offsets))
                     storage[index] = _StorageInfo(name, at, shard.tell() - at)
                 shard.complete()  # synced while the next file is written
@@ -527,11 +527,16 @@ def mcore_to_hf_direct(
     problem = _layout_problem(arch, meta, metadata)
     if problem is not None:
         raise CheckpointError(f"{mcore_dir}: cannot be exported directly: {problem}")
-    # The shards' digests (read_meta checked everything else) are checked on other cores while the export
-    # reads them: records are parsed without running anything, and nothing is renamed into place before
-    # the check has passed. A failed check is the error reported, whatever the export met meanwhile.
+    # The shards' digests (read_meta checked everything else) are checked on another core while the export
+    # reads them (one file at a time: the copy needs the other): records are parsed without running
+    # anything, and nothing is renamed into place before the check has passed. A failed check is the
+    # error reported, whatever the export met meanwhile.
     checking = ThreadPoolExecutor(1, thread_name_prefix="export-verify")
-    verified = checking.submit(verify_manifest, mcore_dir, shards=True) if shard_digests_wanted() else None
+    verified = (
+        checking.submit(verify_manifest, mcore_dir, shards=True, threads=1)
+        if shard_digests_wanted()
+        else None
+    )
     checking.shutdown(wait=False)
     dtype = torch_dtype(meta["dtype"])
     _, chunks, _ = checkpoint_layout(arch, arch.padded_vocab_size(meta["vocab_pad_multiple"]))
@@ -553,9 +558,9 @@ def mcore_to_hf_direct(
                 ):
                     tensor = tensor.reshape(hf_shapes[name])
                     writer.add(name, tensor, records.origin(tensor))
-            writer.close()
             copy_assets(assets, tmp)
-            check_loadable(tmp)
+            check_loadable(tmp)  # while the last shards are synced
+            writer.close()
             if verified is not None:
                 verified.result()
     except BaseException:

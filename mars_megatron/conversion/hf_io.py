@@ -147,7 +147,7 @@ class HFWriter:
         shards: list[list[str]] = [[]]
         size = 0
         for name, (shape, dtype) in layout.items():
-            nbytes = math.prod(shape) * _element_size(dtype)
+            nbytes = math.prod(shape) * dtype.itemsize
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -165,7 +165,7 @@ class HFWriter:
             offset = 0
             for name in names:
                 shape, dtype = layout[name]
-                nbytes = math.prod(shape) * _element_size(dtype)
+                nbytes = math.prod(shape) * dtype.itemsize
                 header[name] = {
                     "dtype": SAFETENSORS_TAGS[dtype],
                     "shape": list(shape),
@@ -227,10 +227,6 @@ class HFWriter:
             weight_map[name] = self._final[index]
         index_json = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
         (self.dir / INDEX).write_text(json.dumps(index_json, indent=2) + "\n")
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def iter_tensors(reader: HFReader) -> Iterator[tuple[str, torch.Tensor]]:
