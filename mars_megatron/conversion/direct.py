@@ -11,10 +11,11 @@ group) and a padded vocabulary are built in memory, through the same mapping fun
 (:mod:`~mars_megatron.conversion.qwen3_mapping`).
 
 Building a model, filling it and running megatron's save planning cost more than the copy itself (on 2
-cores, 325 MB: 0.85 s through a model, 0.46 s here, against 0.36 s for the raw copy with the same fsyncs;
-``tools/bench/convert.py``). Here the data shards go through the same writer as
+cores, 325 MB: 1.15 s through a model, 0.37 s here, against 0.35–0.38 s for the raw copy with the same
+fsyncs; ``tools/bench/convert.py``). Here the data shards go through the same stream as
 :mod:`~mars_megatron.checkpoint.dist_save` (digest on a thread of its own, each file fsynced while the next
-is written), split into :data:`FILES` files so that little is left to sync after the last write.
+is written), split into :data:`FILES` files so that little is left to sync after the last write, and each
+record is written around the tensor's bytes (:func:`~mars_megatron.checkpoint.tensor_record.write_record`).
 
 The export (:func:`mcore_to_hf_direct`) walks the same layout backwards: each HF tensor is written from a
 view of the mapped record that holds it, after the data shards are checked against the manifest. A
