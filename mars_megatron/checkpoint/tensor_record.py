@@ -108,15 +108,15 @@ class _FormSink:
         self._range = (start, start + nbytes)
         self.before: list[bytes] = []
         self.after: list[bytes] = []
-        self.data_writes = 0
+        self.data_writes = 0  # writes of the tensor's bytes
+        self.split = False  # one of them held only part: the bytes have no single place in the record
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         at = np.frombuffer(view, dtype=np.uint8).ctypes.data if view.nbytes else -1
         if self._range[0] <= at and at + view.nbytes <= self._range[1]:
-            if view.nbytes != self._range[1] - self._range[0]:
-                self.data_writes = 2  # torch split the tensor's bytes: no single place for them
             self.data_writes += 1
+            self.split |= view.nbytes != self._range[1] - self._range[0]
         else:
             (self.after if self.data_writes else self.before).append(bytes(view))
         return view.nbytes
@@ -139,7 +139,7 @@ def record_form(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordForm | None
     sink = _FormSink(tensor.data_ptr(), tensor.nbytes)
     with records_without_crc():
         torch.save(tensor, sink)
-    if sink.data_writes != 1:
+    if sink.data_writes != 1 or sink.split:
         return None
     return RecordForm(b"".join(sink.before), b"".join(sink.after), tensor.nbytes)
 
