@@ -111,7 +111,7 @@ def save_mcore(model: torch.nn.Module, directory: Path) -> None:
 def preflight(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:
     """:func:`read_meta`, plus what else can be checked of a mars checkpoint in the launching process
     before any rank starts: its dist-checkpoint metadata, read the restricted way."""
-    from mars_megatron.checkpoint.dist_load import read_metadata
+    from mars_megatron.checkpoint.dist_metadata import read_metadata
 
     arch, meta = read_meta(mcore_dir)
     read_metadata(Path(mcore_dir) / meta.get("weights", "model"))

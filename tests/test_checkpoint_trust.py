@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from mars_megatron.checkpoint import CheckpointStore, python_rng_state
-from mars_megatron.checkpoint.dist_load import MetadataUnpickler, read_metadata
+from mars_megatron.checkpoint.dist_metadata import MetadataUnpickler, read_metadata
 from mars_megatron.checkpoint.errors import CheckpointError
 from mars_megatron.checkpoint.manifest import (
     LEGACY_MANIFEST,

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mars_megatron.checkpoint.dist_load import read_metadata
+from mars_megatron.checkpoint.dist_metadata import read_metadata
 from mars_megatron.checkpoint.manifest import MANIFEST, seal, verify_manifest
 from mars_megatron.config import ParallelConfig
 from mars_megatron.conversion.direct import hf_to_mcore_direct, mcore_to_hf_direct

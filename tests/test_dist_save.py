@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from mars_megatron.checkpoint import manifest
-from mars_megatron.checkpoint.dist_load import read_metadata
+from mars_megatron.checkpoint.dist_metadata import read_metadata
 from mars_megatron.checkpoint.dist_save import owning_storage
 from mars_megatron.models.presets import init_model
 from mars_megatron.training import parallel

@@ -484,7 +484,7 @@ def export_problem(mcore_dir: str | Path) -> str | None:
     """Why :func:`mcore_to_hf_direct` cannot export this mars checkpoint (then the model path does), or
     None: every tensor of the layout must be in the checkpoint with its global shape and dtype, chunked
     in any way (a training checkpoint in any TP/PP/EP layout qualifies)."""
-    from mars_megatron.checkpoint.dist_load import read_metadata
+    from mars_megatron.checkpoint.dist_metadata import read_metadata
     from mars_megatron.checkpoint.model_meta import read_meta
 
     arch, meta = read_meta(mcore_dir)
@@ -514,7 +514,7 @@ def mcore_to_hf_direct(
     vocabulary's padding). The data shards are checked against the manifest (their digests unless
     ``MARS_CHECKPOINT_VERIFY=sizes``), as :func:`mars_megatron.convert.load_mcore` does, while they are
     read: nothing is renamed into place unless the check passes."""
-    from mars_megatron.checkpoint.dist_load import read_metadata
+    from mars_megatron.checkpoint.dist_metadata import read_metadata
     from mars_megatron.checkpoint.manifest import shard_digests_wanted, verify_manifest
     from mars_megatron.checkpoint.model_meta import read_meta
     from mars_megatron.conversion.hf_io import HFWriter

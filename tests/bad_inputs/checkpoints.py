@@ -79,7 +79,7 @@ def _evil(ws: Workspace) -> bytes:
 
 
 def _metadata(ws: Workspace, data: Any) -> Any:
-    from mars_megatron.checkpoint.dist_load import read_metadata
+    from mars_megatron.checkpoint.dist_metadata import read_metadata
 
     d = ws.path("dist")
     d.mkdir()
