@@ -58,6 +58,16 @@ slurm=$!
 scripts/setup.sh
 wait "$slurm"
 export PATH="$PWD/${MARS_VENV:-.venv}/bin:$PATH"
+# The 2-core machines CI runs on change speed from hour to hour (one test took 35 s in one run and 52 s in
+# another, the code unchanged): the log keeps a fixed workload's time beside the tests' so that two runs'
+# minutes can be compared (docs/tests.md#ci-time). The workload: a fresh `import torch`, best of 3.
+probe='import subprocess, sys, time
+def once():
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - t
+print(f"{min(once() for _ in range(3)):.2f}")'
+say "speed probe: a fresh import torch takes $(python -c "$probe") s (best of 3; docs/tests.md#ci-time)"
 say "lint"
 ruff check .
 ruff format --check .
