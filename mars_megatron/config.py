@@ -526,6 +526,27 @@ class PipelineConfig(Section):
         min=1,
         max=604800,
     )
+    rollout_timeout_s: float = _field(
+        3600.0,
+        "Seconds a rollout worker may take for one call (a batch of segments) before it counts as hung: it "
+        "is killed and replaced like a dead one, and its segments decoded again. At most a week (604800).",
+        min=1,
+        max=604800,
+    )
+    reward_timeout_s: float = _field(
+        600.0,
+        "Seconds a reward worker may take for one batch of checks before it counts as hung: it is killed "
+        "and replaced, and its requests sent again. At most a week (604800).",
+        min=1,
+        max=604800,
+    )
+    train_timeout_s: float = _field(
+        7200.0,
+        "Seconds an update may take on the trainer ranks before the run stops with an error naming the "
+        "ranks that did not answer (a hung collective: no rank can go on alone). At most a week (604800).",
+        min=1,
+        max=604800,
+    )
 
     def validate(self) -> None:
         # Role names are the agent graph's: agents/graph_file.py:graph_for checks them against it.

@@ -25,6 +25,7 @@ LAYERS: tuple[str, ...] = (
     "lazy_jit",  # the import hook that defers megatron-core's torch.compile decorations: installed by...
     "",  # ...the package's own __init__, which runs before any of its modules, so it sits just above
     # leaves: no package imports, used everywhere
+    "deadline",  # waits that say what they waited for (DeadlineError)
     "json_file",
     "metrics",
     "runtime_env",  # the numerics and thread pins every process takes before torch runs

@@ -1,10 +1,14 @@
 """The agentic pipeline end to end on Ray: real trainer ranks (EP2), real transformers engines, real reward
 workers. Outputs reach training before their trajectories finish; the staleness bound holds; a rollout
-worker and a reward worker killed mid-run are replaced, their work requeued, and every sample is
-accounted for exactly once."""
+worker and a reward worker killed mid-run, then another pair hung (``SIGSTOP``), are replaced, their work
+requeued, and every sample is accounted for exactly once."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
 from itertools import pairwise
 from pathlib import Path
 
@@ -25,14 +29,24 @@ def _config(model: Path, run: Path, *extra: str):
     )  # fmt: skip
 
 
-def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
+HUNG_S = 15  # the rollout and reward deadlines of the test below: a call takes ~1 s here
+
+
+def _pid(actor) -> int:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+def test_agentic_run_streams_keeps_the_bound_and_survives_dead_and_hung_workers(
     sft_model: Path, tmp_path: Path
 ) -> None:
     import ray
 
     from mars_megatron.pipeline.trainer import MarsRLTrainer, prepare
 
-    cfg = _config(sft_model, tmp_path / "run", "train.steps=5")
+    deadlines = [f"pipeline.rollout_timeout_s={HUNG_S}", f"pipeline.reward_timeout_s={HUNG_S}"]
+    cfg = _config(sft_model, tmp_path / "run", "train.steps=7", "pipeline.transfer_timeout_s=10", *deadlines)
     with MarsRLTrainer(cfg, prepare(cfg, nproc=None, resume=None), log=print) as trainer:
         trainer.start()
         first = trainer.train_step()
@@ -45,8 +59,27 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
         ray.kill(driver.fleet.engines[0][1].actor)  # both die with work in flight or queued for them
         ray.kill(driver.rewards.actors[0])
         rest = [trainer.train_step() for _ in range(4)]
+        restarts = dict(driver.counters)
+        assert restarts["rollout_restarts"] >= 1 and restarts["reward_restarts"] >= 1
+        # hung, not dead: the processes stopped, with work in flight or queued for them. Found by the
+        # deadlines (a generate or score call past them, or the engine's idle check before a push), killed
+        # and replaced like dead ones.
+        stopped = [_pid(driver.fleet.engines[0][1].actor), _pid(driver.rewards.actors[0])]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            rest += [trainer.train_step() for _ in range(2)]
+        finally:
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        print(f"2 updates with an engine and a reward worker hung: {time.monotonic() - t0:.1f} s")
         census = driver.scheduler.census()
-    assert driver.counters["rollout_restarts"] >= 1 and driver.counters["reward_restarts"] >= 1
+    assert driver.counters["rollout_restarts"] > restarts["rollout_restarts"]
+    assert driver.counters["reward_restarts"] > restarts["reward_restarts"]
+    assert driver.counters["reward_timeouts"] >= 1  # the stopped worker is given a batch, and never answers
+    assert rest[-1]["pipeline/rollout_timeouts"] == driver.counters["rollout_timeouts"]
     assert rest[-1]["pipeline/requeued"] >= 1
     for m in [first, *rest]:
         assert m["pipeline/staleness_max"] <= 1
@@ -62,7 +95,7 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_workers(
     # every sample started is trained, waiting, or still running; none twice (the scheduler checks ids)
     assert census["spawned"] == census["trained"] + census["scored"] + census["unfinished"]
     assert census["trained"] == sum(m["samples"] for m in [first, *rest])
-    assert [m["policy_version"] for m in [first, *rest]] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [m["policy_version"] for m in [first, *rest]] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
 
 
 def test_agentic_run_resumes_its_in_flight_state(sft_model: Path, tmp_path: Path) -> None:

@@ -306,3 +306,22 @@ def test_group_arguments_are_validated() -> None:
         make_worker_group("slurm", TrainerRank, 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="world_size"):
         LocalWorkerGroup(TrainerRank, 2)
+
+
+class _Sleeper:
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_a_wait_past_its_deadline_names_what_it_waited_for(cluster: None) -> None:
+    from mars_megatron import deadline
+
+    sleeper = ray.remote(_Sleeper).options(num_cpus=0).remote()
+    assert deadline.get(sleeper.nap.remote(0.0), "a quick nap", 60) == 0.0
+    started = time.monotonic()
+    with pytest.raises(deadline.DeadlineError) as err:
+        deadline.get(sleeper.nap.remote(30.0), "the sleeper's nap", 0.5, "pipeline.rollout_timeout_s")
+    assert time.monotonic() - started < 10
+    assert str(err.value) == "the sleeper's nap: no answer within 0.5 s (pipeline.rollout_timeout_s)"
+    ray.kill(sleeper)

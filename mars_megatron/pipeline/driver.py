@@ -19,7 +19,10 @@ then wake their KV cache (:class:`~mars_megatron.rollout.engine.Sleepable`).
 Failures: a rollout or reward worker that dies is replaced by a new actor (a rollout worker gets the
 current weights from the fleet at once, or at the next push if the trainer is busy; it takes no work
 before) and the work it held is requeued from its last recorded state; the scheduler's counts
-are checked after every update.
+are checked after every update. Every call in flight has a deadline (:class:`Deadlines`): a rollout or
+reward worker past it counts as hung (a stopped process, a wedged library) and is killed, then handled
+as a dead one; an update past it stops the run with a :class:`DeadlineError` naming the ranks that did
+not answer (a trainer rank cannot be replaced alone: the others wait for it in a collective).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from mars_megatron.algorithm.advantages import assign_advantages, balance_roles
+from mars_megatron.deadline import DeadlineError
 from mars_megatron.pipeline.agents import (
     batch_metrics,
     record_outputs,
@@ -47,11 +51,28 @@ from mars_megatron.rollout.chat import ChatCodec
 from mars_megatron.rollout.engine import SamplingParams
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds a call of each kind may take (``pipeline.rollout_timeout_s``, ``reward_timeout_s``,
+    ``train_timeout_s``)."""
+
+    rollout_s: float = 3600.0
+    reward_s: float = 600.0
+    train_s: float = 7200.0
+
+    def of(self, kind: str) -> float:
+        return {"rollout": self.rollout_s, "reward": self.reward_s}.get(kind, self.train_s)
+
+
+_SETTING = {"rollout": "rollout_timeout_s", "reward": "reward_timeout_s"}
+
+
 @dataclass
 class _InFlight:
-    kind: str  # "rollout" | "reward" | "train" | "train-rank"
-    worker: int = -1
+    kind: str  # "rollout" | "reward" | "train" (one trainer rank's share of an update)
+    worker: int = -1  # the rollout or reward worker; the trainer rank of a "train" call
     payload: Any = None
+    due: float = float("inf")  # time.monotonic() by which it must have answered
 
 
 class PipelineDriver:
@@ -77,9 +98,11 @@ class PipelineDriver:
         shared_reward: bool = False,
         filter_zero_variance: bool = False,
         rollouts_dir: Path | None = None,
+        deadlines: Deadlines | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
         self.scheduler = scheduler
+        self.deadlines = deadlines or Deadlines()
         self.log = log
         self.fleet = fleet
         self.trainers = trainers
@@ -106,7 +129,14 @@ class PipelineDriver:
         self.busy_rollout: set[int] = set()
         self.busy_reward: set[int] = set()
         self.train_handles: list[Any] | None = None
-        self.counters = {"rollout_restarts": 0, "reward_restarts": 0, "segments_during_update": 0}
+        self._train_results: dict[int, Any] = {}  # the update's rank results received so far
+        self.counters = {
+            "rollout_restarts": 0,
+            "reward_restarts": 0,
+            "rollout_timeouts": 0,
+            "reward_timeouts": 0,
+            "segments_during_update": 0,
+        }
         self._train_started = 0.0
 
     # ------------------------------------------------------------------------------------------ dispatch
@@ -120,7 +150,7 @@ class PipelineDriver:
             if not jobs:
                 continue
             ref = engine.actor.generate_versioned.remote(self.contexts.request_batch(jobs, self.sampling))
-            self.flight[ref] = _InFlight("rollout", w, jobs)
+            self.flight[ref] = self._in_flight("rollout", w, jobs)
             self.busy_rollout.add(w)
         while self.to_score:
             free = [i for i in range(len(self.rewards)) if i not in self.busy_reward]
@@ -129,9 +159,12 @@ class PipelineDriver:
             w = free[0]
             requests = [score_request(self.scheduler, sid) for sid in self.to_score]
             ref = self.rewards.score(w, requests)
-            self.flight[ref] = _InFlight("reward", w, list(self.to_score))
+            self.flight[ref] = self._in_flight("reward", w, list(self.to_score))
             self.busy_reward.add(w)
             self.to_score = []
+
+    def _in_flight(self, kind: str, worker: int, payload: Any) -> _InFlight:
+        return _InFlight(kind, worker, payload, time.monotonic() + self.deadlines.of(kind))
 
     # ----------------------------------------------------------------------------------------- results
     def _on_rollout(self, item: _InFlight, result: tuple[OutputBatch, int], ref: Any) -> None:
@@ -149,8 +182,31 @@ class PipelineDriver:
         for sid, reward, verdict in results:
             self.scheduler.on_scored(sid, reward, verdict)
 
+    def _overdue(self, step: int) -> None:
+        """Handle every call past its deadline: a hung rollout or reward worker is killed and replaced
+        (:meth:`_lost`); an update raises :class:`DeadlineError`."""
+        now = time.monotonic()
+        late = [(ref, item) for ref, item in self.flight.items() if item.due <= now]
+        if any(item.kind == "train" for _, item in late):
+            ranks = sorted(item.worker for item in self.flight.values() if item.kind == "train")
+            raise DeadlineError(
+                f"update {step}: trainer rank(s) {ranks} did not answer within pipeline.train_timeout_s = "
+                f"{self.deadlines.train_s:g} s (a hung collective or a stopped rank; the run stops here, its "
+                "last checkpoint resumes it)"
+            )
+        for ref, item in late:
+            del self.flight[ref]
+            what = "rollout" if item.kind == "rollout" else "reward"
+            limit = self.deadlines.of(item.kind)
+            self.counters[f"{what}_timeouts"] += 1
+            self.log(
+                f"{what} worker {item.worker}: no answer within pipeline.{_SETTING[item.kind]} = {limit:g} s "
+                "(hung): killed"
+            )
+            self._lost(item)
+
     def _lost(self, item: _InFlight) -> None:
-        """The worker of ``item`` died: replace it and put its work back."""
+        """The worker of ``item`` died (or hung and was killed): replace it and put its work back."""
         if item.kind == "rollout":
             self.counters["rollout_restarts"] += 1
             # the trainer must be idle to send the weights now; otherwise the next push brings them
@@ -204,9 +260,8 @@ class PipelineDriver:
             set_shared_rewards(self.scheduler, batch)
         samples, stats = self._training_data(batch, step)
         self.train_handles = self.trainers.submit(samples)
-        self.flight[self.train_handles[0]] = _InFlight("train", payload=(batch, stats))
-        for h in self.train_handles[1:]:
-            self.flight[h] = _InFlight("train-rank", payload=(batch, stats))
+        for rank, h in enumerate(self.train_handles):
+            self.flight[h] = self._in_flight("train", rank, (batch, stats))
         self._train_started = time.perf_counter()
 
     def _training_data(self, batch: Batch, step: int) -> tuple[dict[str, list[Any]], dict[str, float]]:
@@ -226,16 +281,11 @@ class PipelineDriver:
         }
         return batches, stats
 
-    def _finish_update(self, ref: Any, item: _InFlight) -> tuple[dict[str, float], float]:
+    def _finish_update(self, item: _InFlight) -> tuple[dict[str, float], float]:
         """Every rank's result is in: push the new weights (colocated engines wake their weights before
         the push and their KV cache after it, so the device never holds the cache before the weights)
         and let the scheduler move on. Returns the update's metrics and the training time."""
-        import ray
-
-        rest = [h for h in self.train_handles or [] if h is not ref]
-        for h in rest:
-            self.flight.pop(h, None)
-        results = [ray.get(ref), *ray.get(rest)]
+        results = [self._train_results.pop(rank) for rank in range(len(self.train_handles or []))]
         train_s = time.perf_counter() - self._train_started
         if self.colocated:
             self.fleet.wake_weights()
@@ -260,6 +310,8 @@ class PipelineDriver:
             "pipeline/queue_groups": float(self.scheduler.stats()["queue"]),
             "pipeline/rollout_restarts": float(self.counters["rollout_restarts"]),
             "pipeline/reward_restarts": float(self.counters["reward_restarts"]),
+            "pipeline/rollout_timeouts": float(self.counters["rollout_timeouts"]),
+            "pipeline/reward_timeouts": float(self.counters["reward_timeouts"]),
             "pipeline/segments_during_update": float(self.counters["segments_during_update"]),
             "pipeline/requeued": float(self.scheduler.counters["requeued"]),
             "pipeline/trained_total": float(self.scheduler.census()["trained"]),
@@ -293,19 +345,25 @@ class PipelineDriver:
 
         t0 = time.perf_counter()
         while True:
-            due = self.train_handles is None and self.scheduler.update_ready()
-            self._dispatch(rollouts=not (self.colocated and (due or self.train_handles is not None)))
-            if due and not (self.colocated and self.busy_rollout):
+            update_due = self.train_handles is None and self.scheduler.update_ready()
+            self._dispatch(rollouts=not (self.colocated and (update_due or self.train_handles is not None)))
+            if update_due and not (self.colocated and self.busy_rollout):
                 self._start_update(step)
             if not self.flight:  # the problem stream never ends, so nothing to wait on is a bug
                 raise RuntimeError(f"pipeline stalled with nothing in flight: {self.scheduler.stats()}")
-            ready, _ = ray.wait(list(self.flight), num_returns=1)
+            first_due = min(item.due for item in self.flight.values())
+            left = max(0.0, first_due - time.monotonic())
+            ready, _ = ray.wait(list(self.flight), num_returns=1, timeout=left)
+            if not ready:
+                self._overdue(step)
+                continue
             ref = ready[0]
             item = self.flight.pop(ref)
-            if item.kind == "train-rank":
-                continue
-            if item.kind == "train":
-                metrics, train_s = self._finish_update(ref, item)
+            if item.kind == "train":  # an update ends when its last rank has answered
+                self._train_results[item.worker] = ray.get(ref)  # a rank's error is raised at once
+                if any(other.kind == "train" for other in self.flight.values()):
+                    continue
+                metrics, train_s = self._finish_update(item)
                 metrics.update(self._pipeline_metrics(time.perf_counter() - t0, train_s))
                 return metrics
             self._on_result(ref, item)

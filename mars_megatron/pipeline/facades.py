@@ -151,7 +151,13 @@ class RewardPool:
         return self.actors[worker].score.remote(list(requests))
 
     def restart(self, worker: int) -> None:
-        """``worker`` died: a new actor takes its place."""
+        """``worker`` died or hung: it is killed (if it still runs) and a new actor takes its place."""
+        import contextlib
+
+        import ray
+
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(self.actors[worker])
         self.actors[worker] = self._start()
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mars_megatron import deadline
 from mars_megatron.transfer.group import BACKSTOP, GroupSpec, host_store
 from mars_megatron.transfer.plan import TransferPlan
 
@@ -57,6 +58,10 @@ class PushReport:
     recovered: int  # engines replaced or pushed to again after a failure in this push
 
 
+_CALLS = "pipeline.rollout_timeout_s"
+"""The setting that bounds an engine call other than a transfer (:attr:`EngineFleet.call_timeout_s`)."""
+
+
 class EngineFleet:
     """Rollout engines of a run (``engines``: ``(policy, RemoteEngine)``), the trainer ranks that send
     them weights (``trainer``: a worker group whose workers have ``transfer_plans``/``join_transfer``/
@@ -71,6 +76,7 @@ class EngineFleet:
         host: str,
         backend: str,
         timeout_s: float = 300.0,
+        call_timeout_s: float = 3600.0,
         log: Callable[[str], None] = print,
         colocation: Sequence[Sequence[int]] | None = None,
         channels: int | None = None,
@@ -81,7 +87,10 @@ class EngineFleet:
         hosting each of its workers; the push then hands buffers over by handle
         (:mod:`mars_megatron.transfer.ipc`). ``channels``: the most NCCL channels of each group, which
         bounds the memory every engine worker holds per sender (None: NCCL's choice;
-        :func:`~mars_megatron.transfer.group.communicator_bytes`)."""
+        :func:`~mars_megatron.transfer.group.communicator_bytes`). ``call_timeout_s``: the deadline of
+        every other call on an engine (``pipeline.rollout_timeout_s``: a call may queue behind a
+        generation): one past it is hung, and is replaced where the fleet can (before a push) or named
+        in a :class:`~mars_megatron.deadline.DeadlineError`."""
         import ray
 
         if not engines:
@@ -90,9 +99,15 @@ class EngineFleet:
         self.engines: list[tuple[str, Any]] = list(engines)
         self.start_engine = start_engine
         self.host, self.backend, self.timeout_s, self.log = host, backend, timeout_s, log
+        self.call_timeout_s = call_timeout_s
         self.channels = channels
         self._store = host_store(host, timeout_s)
-        self._ranks = ray.get([e.actor.transfer_ranks.remote() for _, e in self.engines])
+        self._ranks = deadline.get(
+            [e.actor.transfer_ranks.remote() for _, e in self.engines],
+            "the rollout engines' transfer_ranks at start",
+            call_timeout_s,
+            _CALLS,
+        )
         self.colocation = [list(c) for c in colocation] if colocation is not None else None
         if self.colocation is not None and any(
             len(c) < n for c, n in zip(self.colocation, self._ranks, strict=True)
@@ -222,9 +237,9 @@ class EngineFleet:
         pending = {ref: i for i, ref in calls.items()}
         watched = [h for h in watch if isinstance(h, ray.ObjectRef)]
         out: dict[int, Any] = {}
-        deadline: float | None = None
+        give_up_at: float | None = None
         while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = None if give_up_at is None else max(0.0, give_up_at - time.monotonic())
             ready, _ = ray.wait([*pending, *watched], num_returns=1, timeout=left)
             if not ready:
                 break
@@ -236,8 +251,8 @@ class EngineFleet:
                     result = ray.get(ref)
                 except Exception as e:
                     result = e
-                    if deadline is None:
-                        deadline = time.monotonic() + BACKSTOP * self.timeout_s
+                    if give_up_at is None:
+                        give_up_at = time.monotonic() + BACKSTOP * self.timeout_s
                 if i is not None:
                     out[i] = result
         for i in pending.values():
@@ -253,9 +268,12 @@ class EngineFleet:
 
         for i in members:
             try:
-                ray.get(self.engines[i][1].actor.version.remote())
+                deadline.get(self.engines[i][1].actor.version.remote(), f"engine {i}", self.call_timeout_s)
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
                 self.log(f"engine {i} was dead before the weight push: replaced")
+                self._restart(i)
+            except deadline.DeadlineError as e:
+                self.log(f"{e} ({_CALLS}) before the weight push: hung, replaced")
                 self._restart(i)
 
     def _sender_results(self, handles: list[Any], failed: set[int]) -> list[dict[str, float]]:
@@ -367,7 +385,6 @@ class EngineFleet:
         loaded (engines keep their weights and version): the baseline a push is measured against. Every
         end returns once its last broadcast completed on the device (:meth:`~mars_megatron.transfer.
         group.TransferGroup.wait`), so on NCCL too this is the wire's time, not the host's queueing."""
-        import ray
 
         members = self.indices(policy)
         if self._join(policy, members) is not None:
@@ -375,7 +392,7 @@ class EngineFleet:
         start = time.perf_counter()
         recv = [self.engines[i][1].actor.receive_discard.remote(self._plan_refs[policy]) for i in members]
         send = self.trainer.call_async("send_weights", policy, raw=True)
-        ray.get(recv)
+        deadline.get(recv, f"measure_wire: the engines of policy {policy!r}", BACKSTOP * self.timeout_s)
         self.trainer.wait(send)
         return time.perf_counter() - start
 
@@ -402,7 +419,9 @@ class EngineFleet:
         engine = self.start_engine(index)
         self.engines[index] = (policy, engine)
         self._members.pop(policy, None)  # the policy's groups had the old engine in them
-        self._ranks[index] = ray.get(engine.actor.transfer_ranks.remote())
+        self._ranks[index] = deadline.get(
+            engine.actor.transfer_ranks.remote(), f"engine {index}'s replacement", self.call_timeout_s, _CALLS
+        )
         self.stale.add(index)
 
     def _make_room(self, index: int) -> None:
@@ -428,9 +447,8 @@ class EngineFleet:
 
     def _each(self, method: str) -> None:
         """Call ``method`` (``sleep``, ``wake_weights``, ``wake``) on every engine and wait."""
-        import ray
-
-        ray.get([getattr(engine.actor, method).remote() for _, engine in self.engines])
+        refs = [getattr(engine.actor, method).remote() for _, engine in self.engines]
+        deadline.get(refs, f"the rollout engines' {method}", self.call_timeout_s, _CALLS)
 
     def sleep(self) -> None:
         self._each("sleep")

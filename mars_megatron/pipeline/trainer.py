@@ -213,6 +213,7 @@ class MarsRLTrainer:
             setup.model_dir,
             self.names,
             threads_per_rank=runtime_env.cpu_threads(),  # a constant: reductions split alike on any host
+            call_timeout_s=p.train_timeout_s,
             **self._trainer_placement(),
         )
         ranks = TrainerRanks.ask(self.group)
@@ -223,6 +224,7 @@ class MarsRLTrainer:
             host=rendezvous_host(),  # loopback on one node: the store listens nowhere else
             backend="nccl" if "nccl" in ranks.backend else "gloo",  # the devices the ranks really have
             timeout_s=p.transfer_timeout_s,
+            call_timeout_s=p.rollout_timeout_s,
             log=log,
             colocation=self._colocation(),
         )
@@ -262,6 +264,7 @@ class MarsRLTrainer:
             threads=self._threads,
             env=launch.env,
             scheduling_strategy=strategy,
+            timeout_s=self.cfg.pipeline.rollout_timeout_s,
         )
 
     @staticmethod
@@ -294,7 +297,7 @@ class MarsRLTrainer:
         update trains exactly the outputs of the problems admitted since the last one, decoded by the
         current weights, and no rollout runs while it trains."""
         from mars_megatron.pipeline.agents import prompt_builder
-        from mars_megatron.pipeline.driver import PipelineDriver
+        from mars_megatron.pipeline.driver import Deadlines, PipelineDriver
         from mars_megatron.pipeline.facades import ProblemFeed, RewardPool
         from mars_megatron.pipeline.scheduler import Limits, Scheduler
         from mars_megatron.rollout.engine import SamplingParams
@@ -323,6 +326,7 @@ class MarsRLTrainer:
             shared_reward=cfg.algorithm.reward == "shared",
             filter_zero_variance=cfg.algorithm.filter_zero_variance,
             rollouts_dir=Path(cfg.logging.run_dir) / "rollouts" if cfg.logging.rollouts else None,
+            deadlines=Deadlines(p.rollout_timeout_s, p.reward_timeout_s, p.train_timeout_s),
             log=self.log,
         )
 

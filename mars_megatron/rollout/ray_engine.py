@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from mars_megatron import deadline
 from mars_megatron.rollout.batch import OutputBatch, RequestBatch, answer
 from mars_megatron.rollout.engine import (
     GenerationOutput,
@@ -182,31 +183,29 @@ class RolloutActor:
 
 
 class RemoteEngine:
-    """Local proxy of a :class:`RolloutActor`: a ``RolloutEngine``."""
+    """Local proxy of a :class:`RolloutActor`: a ``RolloutEngine``. Every call waits at most
+    ``timeout_s`` (``pipeline.rollout_timeout_s`` in a run), then raises
+    :class:`~mars_megatron.deadline.DeadlineError`: a hung engine is named instead of waited on forever."""
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: Any, timeout_s: float = 3600.0) -> None:
         self.actor = actor
+        self.timeout_s = timeout_s
+
+    def _get(self, ref: Any, what: str) -> Any:
+        return deadline.get(ref, f"rollout engine {what}", self.timeout_s, "pipeline.rollout_timeout_s")
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        import ray
-
-        return ray.get(self.actor.generate.remote(list(requests)))
+        return self._get(self.actor.generate.remote(list(requests)), f"generate ({len(requests)} requests)")
 
     def version(self) -> int:
         """The policy version the engine holds (number of commits, or the last version given)."""
-        import ray
-
-        return ray.get(self.actor.version.remote())
+        return self._get(self.actor.version.remote(), "version")
 
     def last_update(self) -> UpdateStats | None:
-        import ray
-
-        return ray.get(self.actor.last_update.remote())
+        return self._get(self.actor.last_update.remote(), "last_update")
 
     def set_threads(self, n: int) -> None:
-        import ray
-
-        ray.get(self.actor.set_threads.remote(n))
+        self._get(self.actor.set_threads.remote(n), "set_threads")
 
     def kill(self, grace_s: float = 60.0) -> None:
         """End the actor (and its engine) now, instead of when the last handle goes away: the engine
@@ -228,9 +227,13 @@ def start_rollout_actor(
     threads: int | None = None,
     env: dict[str, str] | None = None,
     scheduling_strategy: Any = None,
+    timeout_s: float = 3600.0,
+    start_timeout_s: float = 3600.0,
 ) -> RemoteEngine:
     """Start a :class:`RolloutActor` running ``factory()`` and wait until the engine is built (so a bad
-    model directory fails here, not at the first rollout). ``threads`` defaults to ``num_cpus``."""
+    model directory fails here, not at the first rollout). ``threads`` defaults to ``num_cpus``;
+    ``start_timeout_s`` bounds the start (a process, its imports and the model's load: minutes for a large
+    model), ``timeout_s`` every call of the returned proxy."""
     import ray
 
     if num_cpus <= 0:
@@ -248,7 +251,7 @@ def start_rollout_actor(
         .remote(factory, threads if threads is not None else max(1, int(num_cpus)))
     )
     try:
-        ray.get(actor.version.remote())
+        deadline.get(actor.version.remote(), "a rollout engine's start", start_timeout_s)
     except ray.exceptions.RayActorError as e:
         raise RuntimeError(f"the rollout actor failed to start its engine: {e}") from None
-    return RemoteEngine(actor)
+    return RemoteEngine(actor, timeout_s)

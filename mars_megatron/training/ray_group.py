@@ -23,6 +23,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from mars_megatron import deadline
 from mars_megatron.comm.tcp_store import LOOPBACK, listening_store
 
 if TYPE_CHECKING:
@@ -225,6 +227,7 @@ class RayWorkerGroup:
         threads_per_rank: int | None = None,
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 300.0,
+        call_timeout_s: float = 7200.0,
         placement: tuple[Any, list[int]] | None = None,
         **init_kwargs: Any,
     ) -> None:
@@ -244,6 +247,9 @@ class RayWorkerGroup:
         if not ray.is_initialized():
             ray.init()
         self.world_size = world_size
+        self.call_timeout_s = call_timeout_s
+        """Deadline of every wait on the ranks (``pipeline.train_timeout_s`` in a run): a rank that has not
+        answered by then is hung (the others wait for it in a collective), and :meth:`wait` says which."""
         self._actors: list[Any] = []
         self._remove_pg = remove_placement_group
         bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
@@ -296,9 +302,9 @@ class RayWorkerGroup:
 
     def resources(self) -> list[dict[str, Any]]:
         """The Ray resources each rank holds, its (logical) GPU ids and placement group."""
-        import ray
-
-        return ray.get([a.resources.remote() for a in self._actors])
+        return deadline.get(
+            [a.resources.remote() for a in self._actors], "the trainer ranks' resources", self.call_timeout_s
+        )
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self._gather(self.call_async(method, *args, **kwargs), method)
@@ -375,8 +381,17 @@ class RayWorkerGroup:
         index = {ref: i for i, ref in enumerate(refs)}
         out: list[Any] = [None] * len(refs)
         pending = list(refs)
+        give_up_at = time.monotonic() + self.call_timeout_s
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, give_up_at - time.monotonic()))
+            if not ready:
+                late = sorted(ranks[index[ref]] for ref in pending)
+                _drain(pending)
+                raise deadline.DeadlineError(
+                    f"{what}: trainer rank(s) {late} of {self.world_size} did not answer within "
+                    f"{self.call_timeout_s:g} s (pipeline.train_timeout_s): a hung collective or a stopped "
+                    "rank"
+                )
             for ref in ready:
                 i = index[ref]
                 try:
@@ -449,6 +464,7 @@ class LocalWorkerGroup:
         threads_per_rank: int | None = None,
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 300.0,
+        call_timeout_s: float = 7200.0,
         placement: tuple[Any, list[int]] | None = None,
         **init_kwargs: Any,
     ) -> None:
