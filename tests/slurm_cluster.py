@@ -1,4 +1,5 @@
-"""A real single-node Slurm cluster on this machine, for the launcher's tests.
+"""A real Slurm cluster on this machine, for the launcher's tests: one node, or several (each a network
+and UTS namespace of its own on a bridge, :mod:`tests.node_net`).
 
 Debian's Slurm 22.05 (``slurm-wlm``, ``slurmdbd``), MUNGE and MariaDB: ``slurmctld``, one ``slurmd`` and
 ``slurmdbd`` with its database, so ``sbatch``/``srun``/``squeue``/``scancel`` and ``sacct`` answer as they
@@ -21,6 +22,12 @@ What it needs, and why:
 
 The node declares 8 CPUs (``SlurmdParameters=config_overrides``) whatever the machine has: Ray counts one
 CPU per actor, and the tiny run starts more actors than this machine has cores.
+
+With ``nodes=NodeNet(...)`` the cluster has one ``slurmd`` per node, each started inside its node's
+namespaces (so a job step on node 2 has node 2's hostname and address, and reaches the others over the
+bridge), named ``mars-node1``... with ``NodeAddr`` the node's address. ``slurmctld`` listens on the
+bridge's address in the test's namespace (the cluster's controller host), where the client tools run;
+``slurmdbd``, MariaDB and MUNGE stay where they are (MUNGE's socket is a file: every node reaches it).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+
+from tests.node_net import NodeNet
 
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
 DAEMONS = (
@@ -100,8 +109,10 @@ def _tool(name: str) -> str:
 class LocalSlurm:
     """Start with :meth:`start`, use :attr:`env` for the client tools, end with :meth:`stop`."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, nodes: NodeNet | None = None) -> None:
         self.root = root.resolve()
+        self.net = nodes
+        self.node_names = [n.hostname for n in nodes.nodes] if nodes else [NODE]
         self.conf = self.root / "etc" / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._pid_files: list[Path] = []
@@ -122,8 +133,10 @@ class LocalSlurm:
             for what in (["cluster", CLUSTER], ["account", ACCOUNT], ["user", "root", f"Account={ACCOUNT}"]):
                 self._run(["sacctmgr", "-i", "add", *what])
             self._run([_tool("slurmctld"), "-f", str(self.conf)])
-            self._run([_tool("slurmd"), "-f", str(self.conf), "-N", NODE])
-            self._wait("the node", self._node_idle, timeout_s)
+            for i, name in enumerate(self.node_names, start=1):
+                slurmd = [_tool("slurmd"), "-f", str(self.conf), "-N", name]
+                self._run(self.net.on(i, slurmd) if self.net else slurmd)
+            self._wait("the nodes" if self.net else "the node", self._nodes_idle, timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -197,9 +210,22 @@ class LocalSlurm:
 
     def _write_configs(self, ctld: int, slurmd: int, dbd: int, sql: int) -> None:
         r = self.root
+        if self.net:  # one slurmd per node namespace: pid, spool and log files per node name (%n)
+            ctld_host = f"localhost({self.net.controller})"  # Slurm takes "localhost" as this host
+            slurmd_files = f"SlurmdSpoolDir={r}/spool/%n\nSlurmdPidFile={r}/run/slurmd-%n.pid\n"
+            slurmd_files += f"SlurmdLogFile={r}/log/slurmd-%n.log"
+            node_lines = "\n".join(
+                f"NodeName={n.hostname} NodeAddr={n.address} CPUs={NODE_CPUS} RealMemory=16000 State=UNKNOWN"
+                for n in self.net.nodes
+            )
+        else:
+            ctld_host = "localhost(127.0.0.1)"
+            slurmd_files = f"SlurmdSpoolDir={r}/spool\nSlurmdPidFile={r}/run/slurmd.pid\n"
+            slurmd_files += f"SlurmdLogFile={r}/log/slurmd.log"
+            node_lines = f"NodeName={NODE} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory=16000 State=UNKNOWN"
         self.conf.write_text(
             f"""ClusterName={CLUSTER}
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost={ctld_host}
 SlurmctldPort={ctld}
 SlurmdPort={slurmd}
 SlurmUser=root
@@ -207,11 +233,9 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
 SlurmctldPidFile={r}/run/slurmctld.pid
-SlurmdPidFile={r}/run/slurmd.pid
 SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
+{slurmd_files}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -227,7 +251,7 @@ AccountingStorageHost=127.0.0.1
 AccountingStoragePort={dbd}
 AccountingStorageEnforce=associations,limits
 PlugStackConfig={r}/etc/plugstack.conf
-NodeName={NODE} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory=16000 State=UNKNOWN
+{node_lines}
 PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
         )
@@ -249,7 +273,8 @@ StorageLoc=slurm_acct_db
 """
         )
         dbd_conf.chmod(0o600)  # slurmdbd refuses a config others can read
-        self._pid_files += [r / "run" / f"{name}.pid" for name in ("slurmdbd", "slurmctld", "slurmd")]
+        slurmds = [f"slurmd-{n}" for n in self.node_names] if self.net else ["slurmd"]
+        self._pid_files += [r / "run" / f"{name}.pid" for name in ("slurmdbd", "slurmctld", *slurmds)]
 
     def _start_munge(self) -> None:
         r = self.root
@@ -284,11 +309,10 @@ StorageLoc=slurm_acct_db
     def _ok(self, argv: list[str]) -> bool:
         return subprocess.run(argv, env=self.env, capture_output=True, timeout=30).returncode == 0
 
-    def _node_idle(self) -> bool:
-        r = subprocess.run(
-            ["sinfo", "-h", "-n", NODE, "-o", "%t"], env=self.env, capture_output=True, text=True
-        )
-        return r.returncode == 0 and r.stdout.strip() == "idle"
+    def _nodes_idle(self) -> bool:
+        r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True)
+        states = dict(line.split() for line in r.stdout.splitlines() if len(line.split()) == 2)
+        return r.returncode == 0 and all(states.get(name) == "idle" for name in self.node_names)
 
     def _wait(self, what: str, ready: object, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -1,5 +1,7 @@
-"""``mars launch --executor slurm`` on a real Slurm cluster: slurmctld, slurmd, slurmdbd and MUNGE started
-on this machine (:mod:`tests.slurm_cluster`), the job container-less (``--venv``: this test's environment).
+"""``mars launch --executor slurm`` on a real Slurm cluster of three nodes: slurmctld, one slurmd per node,
+slurmdbd and MUNGE started on this machine (:mod:`tests.slurm_cluster`), each node a network and UTS
+namespace with its own hostname and address on a bridge (:mod:`tests.node_net`), the job container-less
+(``--venv``: this test's environment). One cluster for the module: MUNGE serves one socket per machine.
 
 Real submission (no dry run): the sbatch script starts a Ray head on the node, the tiny MarsRL job joins it
 as the driver and runs to its end, ``sacct`` records COMPLETED and ``mars launch --wait`` returns the
@@ -25,6 +27,8 @@ import pytest
 
 from mars_megatron.launch import nemo
 from mars_megatron.metrics import read_metrics
+from tests import node_net
+from tests.node_net import NodeNet
 from tests.slurm_cluster import ACCOUNT, PARTITION, LocalSlurm, missing_prerequisites
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +38,8 @@ VENV = Path(sys.executable).parent.parent  # this test's environment: Ray and `m
 STEPS = 4
 COMPARED = ["reward/solver", "reward/verifier", "reward/corrector", "train/loss", "train/grad_norm", "tokens"]
 
-_missing = missing_prerequisites()
+NODES = 3
+_missing = missing_prerequisites() + node_net.missing()
 if not nemo.LAUNCH_PYTHON.exists():
     _missing.append(".venv-launch (scripts/setup_launch.sh)")
 pytestmark = pytest.mark.skipif(
@@ -47,9 +52,86 @@ pytestmark = pytest.mark.skipif(
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
     if _missing:  # under CI (see pytestmark): a missing piece is a failure, not a skip
         pytest.fail(f"the real-Slurm tests cannot run: missing {'; '.join(_missing)}", pytrace=False)
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
-    with cluster:
+    with NodeNet(NODES) as net, LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=net) as cluster:
         yield cluster
+
+
+def srun(slurm: LocalSlurm, *args: str, timeout: float = 60) -> str:
+    """A job step on the cluster, submitted from node 1 (a login node of the cluster); its output."""
+    assert slurm.net is not None
+    argv = ["srun", f"--account={ACCOUNT}", f"--partition={PARTITION}", *args]
+    r = subprocess.run(slurm.net.on(1, argv), env=slurm.env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(argv)}: exit {r.returncode}\n{r.stderr}\n{slurm.logs()}"
+    return r.stdout
+
+
+def test_each_node_has_its_own_hostname_and_address_and_no_route_beyond_the_bridge(slurm: LocalSlurm) -> None:
+    assert slurm.net is not None
+    out = srun(
+        slurm, f"-N{NODES}", "-l", "sh", "-c", "echo $(hostname) $SLURMD_NODENAME $(ip -4 -o addr show eth0)"
+    )
+    seen = {}
+    for line in out.splitlines():
+        _, host, slurm_name, *addr = line.split()
+        assert host == slurm_name
+        seen[host] = next(w.split("/")[0] for w in addr if w.count(".") == 3)
+    assert seen == {n.hostname: n.address for n in slurm.net.nodes}
+    routes = srun(slurm, "-w", "mars-node2", "ip", "-4", "route").splitlines()
+    assert [r.split() for r in routes] == [
+        [
+            f"{slurm.net.prefix}.0/24",
+            "dev",
+            "eth0",
+            "proto",
+            "kernel",
+            "scope",
+            "link",
+            "src",
+            slurm.net.node(2).address,
+        ]
+    ]
+
+
+PING = """
+import os, socket, sys, time
+if os.environ["SLURM_PROCID"] == "0":
+    server = socket.create_server((sys.argv[1], 29555))
+    conn, peer = server.accept()
+    print("from", peer[0], conn.recv(64).decode(), flush=True)
+else:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            conn = socket.create_connection((sys.argv[1], 29555), timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    conn.sendall(socket.gethostname().encode())
+"""
+
+
+def test_a_step_on_one_node_reaches_another_over_the_bridge_and_a_link_down_cuts_it(
+    slurm: LocalSlurm,
+) -> None:
+    net = slurm.net
+    assert net is not None
+    out = srun(slurm, "-N2", "-w", "mars-node1,mars-node3", sys.executable, "-c", PING, net.node(1).address)
+    assert out.split() == ["from", net.node(3).address, "mars-node3"]
+    probe = [
+        sys.executable,
+        "-c",
+        f"import socket; socket.create_connection(('{net.node(2).address}', 22), 2)",
+    ]
+    net.link(2, up=False)
+    try:
+        cut = subprocess.run(net.on(3, probe), capture_output=True, text=True, timeout=30)
+    finally:
+        net.link(2, up=True)
+    assert "timed out" in cut.stderr or "No route" in cut.stderr, cut.stderr
+    back = subprocess.run(net.on(3, probe), capture_output=True, text=True, timeout=30)
+    assert "Connection refused" in back.stderr, back.stderr  # node 2 answers again (nothing on port 22)
 
 
 def mars_launch(
@@ -117,6 +199,31 @@ def test_the_tiny_job_runs_to_its_end_on_slurm(
     assert [rec["step"] for rec in records] == list(range(1, STEPS + 1))
     assert [rec["policy_version"] for rec in records] == list(range(1, STEPS + 1))
     assert 0 < sum(rec["reward/solver"] for rec in records) < STEPS  # real updates from a real warm start
+
+
+def test_the_tiny_job_spans_three_nodes_and_takes_the_one_node_steps(
+    slurm: LocalSlurm,
+    sft_model: Path,
+    completed: tuple[Path, Path, str, subprocess.CompletedProcess[str]],
+    tmp_path: Path,
+) -> None:
+    """``--nodes 3``: the Ray head on the first node, workers joining from the other two over the bridge,
+    the trainer as the driver; every step equal to the one-node job's."""
+    run, jobs = tmp_path / "run", tmp_path / "jobs"
+    r = mars_launch(
+        slurm, tmp_path, *tiny_job(sft_model, run, jobs, "three"), "--nodes", str(NODES), "--wait"
+    )
+    assert r.returncode == 0, explain(r, jobs, slurm)
+    job_id = submitted_id(r.stdout)
+    assert slurm.state(job_id) == ("COMPLETED", "0:0")
+    allocated = slurm.run("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "NodeList").stdout.strip()
+    assert allocated == f"mars-node[1-{NODES}]"
+    batch = next((jobs / "three" / "logs").glob(f"sbatch_mars-three_{job_id}.out")).read_text()
+    assert f"[mars] all {NODES} Ray node(s) joined" in batch, batch[-3000:]
+    got, want = read_metrics(run / "metrics.jsonl"), read_metrics(completed[0] / "metrics.jsonl")
+    assert [rec["step"] for rec in got] == list(range(1, STEPS + 1))
+    for a, b in zip(got, want, strict=True):
+        assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}, a["step"]
 
 
 def test_a_failing_job_comes_back_as_a_failure(slurm: LocalSlurm, tmp_path: Path) -> None:

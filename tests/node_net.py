@@ -1,0 +1,173 @@
+"""Several "nodes" on one machine, for tests of what spans nodes: each node a network and UTS namespace of
+its own, with its own hostname and its own address on a bridge this module creates.
+
+Layout (``NodeNet(3)``)::
+
+    the test's namespace (scripts/test.sh's, loopback only, or any other the caller is in)
+      bridge marsbr<k>  10.213.<k>.254/24   <- the controller's address (slurmctld, the test itself)
+        veth -> node 1: eth0 10.213.<k>.1/24, hostname mars-node1
+        veth -> node 2: eth0 10.213.<k>.2/24, hostname mars-node2
+        veth -> node 3: eth0 10.213.<k>.3/24, hostname mars-node3
+
+The addresses belong to this project's own test hosts, inside namespaces it made: no node has a route
+beyond its bridge, and the bridge is in a namespace with no other link, so nothing reaches another machine.
+Each node namespace is held by a ``sleep`` process; a program runs "on" a node through ``nsenter`` into
+that process's network and UTS namespaces (:meth:`NodeNet.on`). Mounts and process ids are shared with the
+test, so the nodes see one filesystem (the "shared filesystem" of a cluster) and the test can signal any
+process on any node. :meth:`NodeNet.link` takes a node's link down and up again (a cut cable or a
+switch port that fails).
+
+Needs root, ``ip`` (iproute2), ``unshare`` and ``nsenter`` (util-linux), and a network namespace of the
+test's own: :func:`missing` names what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+
+HOSTNAME = "mars-node{}"
+CONTROLLER_HOST = 254  # the bridge's own address, last of the /24
+
+
+def missing() -> list[str]:
+    """What this machine lacks to build nodes (empty: it can)."""
+    out = [
+        f"{tool} (iproute2, util-linux)"
+        for tool in ("ip", "unshare", "nsenter")
+        if shutil.which(tool) is None
+    ]
+    if os.geteuid() != 0:
+        out.append("root (network namespaces and links)")
+    if not os.environ.get("MARS_IN_NETNS"):
+        out.append("a network namespace of the tests' own (scripts/test.sh makes one)")
+    return out
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int  # 1-based
+    hostname: str
+    address: str
+    holder: int  # pid of the process that holds the node's namespaces
+
+    def nsenter(self) -> list[str]:
+        """The argv prefix that runs a program on this node."""
+        return ["nsenter", f"--net=/proc/{self.holder}/ns/net", f"--uts=/proc/{self.holder}/ns/uts", "--"]
+
+
+class NodeNet:
+    """``count`` nodes on a bridge: create with :meth:`start`, end with :meth:`stop` (or ``with``)."""
+
+    def __init__(self, count: int, subnet: int = 213) -> None:
+        if not 1 <= count <= 200:
+            raise ValueError(f"count: 1..200 nodes, got {count}")
+        self.count = count
+        self.subnet = subnet
+        self.bridge = f"marsbr{subnet}"
+        self.prefix = f"10.{subnet}.0"
+        self.controller = f"{self.prefix}.{CONTROLLER_HOST}"
+        self.nodes: list[Node] = []
+        self._holders: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> NodeNet:
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.controller}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            _ip("link", "set", "lo", "up")
+            for i in range(1, self.count + 1):
+                self.nodes.append(self._add_node(i))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _add_node(self, i: int) -> Node:
+        hostname = HOSTNAME.format(i)
+        # the holder sets the hostname in its new UTS namespace, then says so and sleeps
+        holder = subprocess.Popen(
+            [
+                "unshare",
+                "--net",
+                "--uts",
+                "sh",
+                "-c",
+                f"hostname {hostname} && echo up && exec sleep infinity",
+            ],
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self._holders.append(holder)
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != b"up":
+            raise RuntimeError(f"node {i}: its namespace holder exited ({holder.wait()})")
+        node = Node(i, hostname, f"{self.prefix}.{i}", holder.pid)
+        veth = f"{self.bridge}n{i}"
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", str(holder.pid))
+        _ip("link", "set", veth, "master", self.bridge, "up")
+        on = node.nsenter()
+        _run([*on, "ip", "link", "set", "lo", "up"])
+        _run([*on, "ip", "addr", "add", f"{node.address}/24", "dev", "eth0"])
+        _run([*on, "ip", "link", "set", "eth0", "up"])
+        return node
+
+    def stop(self) -> None:
+        """Kill every node's holder (its namespaces go with the last process in them) and the bridge."""
+        for holder in self._holders:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait()
+        self._holders.clear()
+        self.nodes.clear()
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def __enter__(self) -> NodeNet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ use
+
+    def node(self, i: int) -> Node:
+        return self.nodes[i - 1]
+
+    def on(self, i: int, argv: list[str]) -> list[str]:
+        """``argv`` run on node ``i`` (1-based)."""
+        return [*self.node(i).nsenter(), *argv]
+
+    def link(self, i: int, up: bool) -> None:
+        """Node ``i``'s link to the bridge down (nothing in or out; its processes live on) or up again."""
+        _ip("link", "set", f"{self.bridge}n{i}", "up" if up else "down")
+
+    def wait_reachable(self, i: int, port: int, timeout_s: float = 10.0) -> None:
+        """Wait until something on node ``i`` accepts TCP on ``port`` (from the test's namespace)."""
+        import socket
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                socket.create_connection((self.node(i).address, port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    what = f"{self.node(i).hostname}:{port}"
+                    raise TimeoutError(f"nothing accepts on {what} after {timeout_s:.0f} s") from None
+                time.sleep(0.2)
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _run(argv: list[str]) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: exit {r.returncode}: {r.stderr.strip()}")
+
+
+__all__ = ["CONTROLLER_HOST", "HOSTNAME", "Node", "NodeNet", "missing"]
