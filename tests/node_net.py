@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass
 
 HOSTNAME = "mars-node{}"
@@ -143,21 +142,6 @@ class NodeNet:
     def link(self, i: int, up: bool) -> None:
         """Node ``i``'s link to the bridge down (nothing in or out; its processes live on) or up again."""
         _ip("link", "set", f"{self.bridge}n{i}", "up" if up else "down")
-
-    def wait_reachable(self, i: int, port: int, timeout_s: float = 10.0) -> None:
-        """Wait until something on node ``i`` accepts TCP on ``port`` (from the test's namespace)."""
-        import socket
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                socket.create_connection((self.node(i).address, port), timeout=1).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    what = f"{self.node(i).hostname}:{port}"
-                    raise TimeoutError(f"nothing accepts on {what} after {timeout_s:.0f} s") from None
-                time.sleep(0.2)
 
 
 def _ip(*args: str) -> None:

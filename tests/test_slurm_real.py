@@ -56,13 +56,9 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
         yield cluster
 
 
-def srun(slurm: LocalSlurm, *args: str, timeout: float = 60) -> str:
-    """A job step on the cluster, submitted from node 1 (a login node of the cluster); its output."""
-    assert slurm.net is not None
-    argv = ["srun", f"--account={ACCOUNT}", f"--partition={PARTITION}", *args]
-    r = subprocess.run(slurm.net.on(1, argv), env=slurm.env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"{' '.join(argv)}: exit {r.returncode}\n{r.stderr}\n{slurm.logs()}"
-    return r.stdout
+def srun(slurm: LocalSlurm, *args: str) -> str:
+    """A job step on the cluster under the test account; its output."""
+    return slurm.run("srun", f"--account={ACCOUNT}", f"--partition={PARTITION}", *args).stdout
 
 
 def test_each_node_has_its_own_hostname_and_address_and_no_route_beyond_the_bridge(slurm: LocalSlurm) -> None:

@@ -268,12 +268,14 @@ class EngineFleet:
 
         for i in members:
             try:
-                deadline.get(self.engines[i][1].actor.version.remote(), f"engine {i}", self.call_timeout_s)
+                deadline.get(
+                    self.engines[i][1].actor.version.remote(), f"engine {i}", self.call_timeout_s, _CALLS
+                )
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
                 self.log(f"engine {i} was dead before the weight push: replaced")
                 self._restart(i)
             except deadline.DeadlineError as e:
-                self.log(f"{e} ({_CALLS}) before the weight push: hung, replaced")
+                self.log(f"{e} before the weight push: hung, replaced")
                 self._restart(i)
 
     def _sender_results(self, handles: list[Any], failed: set[int]) -> list[dict[str, float]]:
