@@ -512,6 +512,15 @@ class PipelineConfig(Section):
         "sleep through updates), 'disaggregated' gives each its own; 'none' lets Ray place them.",
     )
     reward_workers: int = _field(1, "Reward workers (Ray actors with math-verify).", min=1)
+    cpus_per_rank: float = _field(
+        1.0,
+        "CPUs each trainer rank's Ray actor holds with placement 'none' (the placed modes size their "
+        "bundles themselves). Ray packs a trainer onto one node when one has the CPUs (and GPUs) for every "
+        "rank, and spreads it over nodes otherwise (gloo or NCCL across them). Its torch threads stay "
+        "runtime_env's constant, so results do not depend on it.",
+        min=0.01,
+        max=1024,
+    )
     bucket_mb: int = _field(
         512,
         "Weight push bucket size in MiB: the trainer's senders broadcast the policy to every engine in "
@@ -542,10 +551,20 @@ class PipelineConfig(Section):
     )
     train_timeout_s: float = _field(
         7200.0,
-        "Seconds an update may take on the trainer ranks before the run stops with an error naming the "
-        "ranks that did not answer (a hung collective: no rank can go on alone). At most a week (604800).",
+        "Seconds an update may take on the trainer ranks before they count as hung (a collective no rank "
+        "can leave alone): the trainer group is rebuilt (trainer_restarts) or the run stops with an error "
+        "naming the ranks that did not answer. At most a week (604800).",
         min=1,
         max=604800,
+    )
+    trainer_restarts: int = _field(
+        2,
+        "How many times a run rebuilds its trainer group inside the job when a trainer rank dies or hangs "
+        "in an update: new ranks load the last checkpoint (weights, optimizer, schedule) and the run goes "
+        "on from it, engines and reward workers kept. Needs checkpoint.save_dir and a checkpoint already "
+        "saved; 0: the run stops, and --resume continues it.",
+        min=0,
+        max=100,
     )
 
     def validate(self) -> None:

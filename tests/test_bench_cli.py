@@ -29,6 +29,7 @@ RUNS_BY_DEFAULT = {
     "weight_sync.py": ["--layers", "--engines", "--bucket-mb", "--repeats"],
     "tiny_run.py": ["--out", "--steps"],
     "control_plane.py": ["--scales", "--ranks", "--steps", "--problems"],
+    "chaos.py": ["--out", "--model", "--steps", "--faults", "--seed", "--kinds"],
     "paper_table.py": ["--task", "--out", "--resume", "--sft", "--seeds", "--warm-start-per-seed", "--jobs"],
 }
 # Benchmarks whose modes are a choice: no arguments prints the usage and exits 2.
@@ -132,3 +133,12 @@ def test_pipeline_sim_alone_needs_the_trainer_cost() -> None:
 
 def test_pipeline_refuses_an_existing_out(tmp_path: Path) -> None:
     refused(run("pipeline.py", "--real", "--out", tmp_path), "--out")
+
+
+def test_chaos_checks_its_arguments_before_any_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    refused(run("chaos.py", "--faults", "8", "--steps", "8", "--out", out), "--faults")
+    refused(run("chaos.py", "--model", tmp_path / "missing", "--out", out), "--model")
+    out.mkdir()
+    refused(run("chaos.py", "--out", out), "--out")
+    assert list(out.iterdir()) == []

@@ -436,10 +436,11 @@ def test_the_trainer_joins_the_cluster_that_ray_address_names() -> None:
     try:
         probe = (
             "import time\nfrom mars_megatron.pipeline.trainer import _start_ray\nimport ray\n"
-            "for attempt in range(60):\n    try:\n        own = _start_ray(2, 3); break\n"
+            "for attempt in range(60):\n    try:\n        own = _start_ray(2, 3, 3.0); break\n"
             "    except ConnectionError:\n        time.sleep(1)\n"
             "print('own', own, ray.cluster_resources()['CPU'])\n"
-            "try:\n    ray.shutdown(); _start_ray(2, 5)\nexcept RuntimeError as e:\n    print('refused', e)\n"
+            "try:\n    ray.shutdown(); _start_ray(2, 5, 5.0)\n"
+            "except RuntimeError as e:\n    print('refused', e)\n"
         )
         out = subprocess.run([sys.executable, "-c", probe], env={**env, "RAY_ADDRESS": "127.0.0.1:6391"},
                              capture_output=True, text=True, timeout=180)  # fmt: skip

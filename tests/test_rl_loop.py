@@ -1,8 +1,9 @@
 """``mars train`` end to end as a subprocess: Ray trainer ranks (EP2), a Ray rollout engine, real rewards.
 
 Starts from a briefly supervised tiny MoE (so rewards are neither all 0 nor all 1 and the updates are real)
-and checks the run's outputs, then kills a run after its checkpoint of step 2 and resumes it: steps 3 and 4
-must give exactly the rewards, losses and gradient norms of the uninterrupted run.
+and checks the run's outputs, then kills a trainer rank in step 3's update (the run rebuilds its trainer
+group from the step-2 checkpoint) and the whole run after step 3's checkpoint (--resume finishes it):
+steps 3 and 4 must give exactly the rewards, losses and gradient norms of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ def _train(model: Path, run: Path, *extra: str, resume: bool = False) -> subproc
     if resume:
         args.append("--resume")
     return subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},  # a killed run's lines are in its output
     )
 
 
@@ -92,22 +98,65 @@ def test_the_gpu_checks_summary_reads_a_real_run(uninterrupted: tuple[Path, str]
     )  # fp32 engine and trainer
 
 
-def test_killed_run_resumes_exactly(sft_model: Path, uninterrupted: tuple[Path, str], tmp_path: Path) -> None:
+def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+def _busy_rank(proc: subprocess.Popen, timeout_s: float = 300) -> int:
+    """A trainer rank of ``proc``'s run (its session: Ray gives each worker a process group of its own)
+    while it runs a call (Ray titles an actor's process ``ray::<class>.<method>`` while the method runs):
+    after a checkpoint, the next is an update."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                title = (entry / "cmdline").read_bytes()
+                if title.startswith(b"ray::_RankActor.run") and os.getsid(int(entry.name)) == proc.pid:
+                    return int(entry.name)
+            except (OSError, ProcessLookupError):
+                continue
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.01)
+    raise AssertionError("no trainer rank ran an update")
+
+
+def test_a_killed_rank_and_a_killed_run_both_continue_exactly(
+    sft_model: Path, uninterrupted: tuple[Path, str], tmp_path: Path
+) -> None:
+    """Two faults in one run. A trainer rank is killed (SIGKILL) in step 3's update: the run rebuilds its
+    trainer group from the step-2 checkpoint inside the job and trains step 3 again. Then the whole run
+    is killed after step 3's checkpoint, and --resume finishes it. Steps 3 and 4 give exactly the
+    rewards, losses and gradient norms of the uninterrupted run (optimizer state, schedule and data
+    stream restored both times)."""
     run = tmp_path / "run"
     proc = _train(sft_model, run)
-    deadline = time.monotonic() + 600
-    while not (run / "ckpt" / "step_000002" / "trainer_state.json").exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    _wait_for(run / "ckpt" / "step_000002" / "trainer_state.json", proc)
+    rank = _busy_rank(proc)
+    killed_at = time.monotonic()
+    os.kill(rank, signal.SIGKILL)
+    _wait_for(run / "ckpt" / "step_000003" / "trainer_state.json", proc)
+    step3_s = time.monotonic() - killed_at
     os.killpg(proc.pid, signal.SIGKILL)  # the whole process tree, Ray actors included
-    proc.communicate()
+    first_out = proc.communicate()[0]
+    assert "rebuilding the trainer group from step_000002" in first_out, first_out
+    rebuilt = next(line for line in first_out.splitlines() if "trainer group rebuilt in" in line)
+    print(f"a rank killed in update 3: {rebuilt}; step 3 done {step3_s:.1f} s after the kill")
+    assert "died" in first_out.split("rebuilding the trainer group")[0].splitlines()[-1]
     out = _finish(_train(sft_model, run, resume=True))
-    assert "resumed from" in out and "step_000002" in out
+    assert "resumed from" in out and "step_000003" in out
     got = read_metrics(run / "metrics.jsonl")
     want = read_metrics(uninterrupted[0] / "metrics.jsonl")
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    keys = ["reward/solver", "reward/verifier", "reward/corrector", "train/loss", "train/grad_norm", "tokens"]
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # step 3 once: the lost update left no line
+    assert got[2]["pipeline/trainer_restarts"] == 1 and got[2]["time/recover"] > 0
+    assert got[3]["pipeline/trainer_restarts"] == 0 and "time/recover" not in got[3]  # a new process
+    keys = ["reward/solver", "reward/verifier", "reward/corrector", "train/loss", "train/grad_norm", "tokens",
+            "pipeline/trained_total"]  # fmt: skip
     for a, b in zip(got[2:], want[2:], strict=True):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
 

@@ -5,9 +5,10 @@ namespace with its own hostname and address on a bridge (:mod:`tests.node_net`),
 
 Real submission (no dry run): the sbatch script starts a Ray head on the node, the tiny MarsRL job joins it
 as the driver and runs to its end, ``sacct`` records COMPLETED and ``mars launch --wait`` returns the
-trainer's exit status; a failing job comes back as FAILED with the trainer's status; a job cancelled with
-``scancel`` after its checkpoint of step 2 is resumed through the launcher (``--resume``) and its steps 3
-and 4 equal the uninterrupted job's. Also what real Slurm says to NeMo-Run's ``-A=<account>``.
+trainer's exit status; a failing job comes back as FAILED with the trainer's status; a job of three nodes
+(its trainer ranks on two, the engine on the third) cancelled with ``scancel`` after its checkpoint of
+step 2 is resumed through the launcher (``--resume``) and every step equals the one-node job's. Also what
+real Slurm says to NeMo-Run's ``-A=<account>``.
 
 Needs root, the loopback-only namespace of scripts/test.sh and Debian's Slurm packages (scripts/setup.sh
 installs them as root); elsewhere the module is skipped, naming what is missing, except under CI, where a
@@ -197,31 +198,6 @@ def test_the_tiny_job_runs_to_its_end_on_slurm(
     assert 0 < sum(rec["reward/solver"] for rec in records) < STEPS  # real updates from a real warm start
 
 
-def test_the_tiny_job_spans_three_nodes_and_takes_the_one_node_steps(
-    slurm: LocalSlurm,
-    sft_model: Path,
-    completed: tuple[Path, Path, str, subprocess.CompletedProcess[str]],
-    tmp_path: Path,
-) -> None:
-    """``--nodes 3``: the Ray head on the first node, workers joining from the other two over the bridge,
-    the trainer as the driver; every step equal to the one-node job's."""
-    run, jobs = tmp_path / "run", tmp_path / "jobs"
-    r = mars_launch(
-        slurm, tmp_path, *tiny_job(sft_model, run, jobs, "three"), "--nodes", str(NODES), "--wait"
-    )
-    assert r.returncode == 0, explain(r, jobs, slurm)
-    job_id = submitted_id(r.stdout)
-    assert slurm.state(job_id) == ("COMPLETED", "0:0")
-    allocated = slurm.run("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "NodeList").stdout.strip()
-    assert allocated == f"mars-node[1-{NODES}]"
-    batch = next((jobs / "three" / "logs").glob(f"sbatch_mars-three_{job_id}.out")).read_text()
-    assert f"[mars] all {NODES} Ray node(s) joined" in batch, batch[-3000:]
-    got, want = read_metrics(run / "metrics.jsonl"), read_metrics(completed[0] / "metrics.jsonl")
-    assert [rec["step"] for rec in got] == list(range(1, STEPS + 1))
-    for a, b in zip(got, want, strict=True):
-        assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}, a["step"]
-
-
 def test_a_failing_job_comes_back_as_a_failure(slurm: LocalSlurm, tmp_path: Path) -> None:
     jobs = tmp_path / "jobs"
     r = mars_launch(slurm, tmp_path, *tiny_job(tmp_path / "absent", tmp_path / "run", jobs, "bad"), "--wait")
@@ -233,14 +209,20 @@ def test_a_failing_job_comes_back_as_a_failure(slurm: LocalSlurm, tmp_path: Path
     assert "mars train: error: model.mcore_dir:" in trainer
 
 
-def test_a_cancelled_job_resumes_exactly_through_the_launcher(
+def test_a_three_node_job_spreads_its_actors_and_resumes_exactly_through_the_launcher(
     slurm: LocalSlurm,
     sft_model: Path,
     completed: tuple[Path, Path, str, subprocess.CompletedProcess[str]],
     tmp_path: Path,
 ) -> None:
+    """``--nodes 3``: the Ray head on the first node, workers joining from the other two over the bridge,
+    the trainer as the driver. Each node offers Ray 2 CPUs and a trainer rank takes 2, so the two ranks
+    run on two nodes (gloo across the bridge) and the engine on the third (the weight push crosses
+    nodes). The job is cancelled after its step-2 checkpoint and resumed through the launcher on three
+    nodes again; every step equals the one-node job's."""
     run, jobs = tmp_path / "run", tmp_path / "jobs"
-    r = mars_launch(slurm, tmp_path, *tiny_job(sft_model, run, jobs, "cut"))
+    spread = ["pipeline.cpus_per_rank=2", "--env", "CPUS_PER_WORKER=2", "--nodes", str(NODES)]
+    r = mars_launch(slurm, tmp_path, *tiny_job(sft_model, run, jobs, "cut", *spread))
     assert r.returncode == 0, explain(r, jobs, slurm)
     first = submitted_id(r.stdout)
     deadline = time.monotonic() + 600
@@ -251,17 +233,24 @@ def test_a_cancelled_job_resumes_exactly_through_the_launcher(
         time.sleep(0.5)
     slurm.run("scancel", first)
     assert slurm.wait_done(first, 120)[0] == "CANCELLED"
-    r = mars_launch(slurm, tmp_path, *tiny_job(sft_model, run, jobs, "cut"), "--resume", "--wait")
+    r = mars_launch(slurm, tmp_path, *tiny_job(sft_model, run, jobs, "cut", *spread), "--resume", "--wait")
     assert r.returncode == 0, explain(r, jobs, slurm)
     second = submitted_id(r.stdout)
     assert second != first and slurm.state(second) == ("COMPLETED", "0:0")
+    allocated = slurm.run("sacct", "-j", second, "-X", "-n", "-P", "-o", "NodeList").stdout.strip()
+    assert allocated == f"mars-node[1-{NODES}]"
+    batch = next((jobs / "cut" / "logs").glob(f"sbatch_mars-cut_{second}.out")).read_text()
+    assert f"[mars] all {NODES} Ray node(s) joined" in batch, batch[-3000:]
     trainer = (jobs / "cut" / "logs" / "ray-job.log").read_text()
     assert "resumed from" in trainer
+    placement = next(line for line in trainer.splitlines() if line.startswith("placement: "))
+    ranks, engines = (part.split(" on ")[1].split(", ") for part in placement[11:].split("; "))
+    assert len(set(ranks)) == 2 and not set(ranks) & set(engines), placement
+    assert {*ranks, *engines} <= {f"10.213.0.{i}" for i in range(1, NODES + 1)}, placement
     got, want = read_metrics(run / "metrics.jsonl"), read_metrics(completed[0] / "metrics.jsonl")
     assert [rec["step"] for rec in got] == list(range(1, STEPS + 1))
-    resumed_at = int(trainer.split("resumed from")[1].split("step_")[1][:6])
-    assert resumed_at >= 2
-    for a, b in zip(got[resumed_at:], want[resumed_at:], strict=True):
+    assert int(trainer.split("resumed from")[1].split("step_")[1][:6]) >= 2
+    for a, b in zip(got, want, strict=True):
         assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}, a["step"]
 
 

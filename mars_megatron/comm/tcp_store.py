@@ -48,3 +48,24 @@ def listening_store(
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
+
+
+def local_address(peer_host: str, peer_port: int) -> str:
+    """This process's address on the route to ``peer_host`` (the store): the interface gloo must bind so
+    the other members can reach it, on a multi-homed node too."""
+    if peer_host in (LOOPBACK, "localhost"):
+        return LOOPBACK
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer_host, peer_port))  # no packet is sent: only the route is looked up
+        return str(s.getsockname()[0])
+
+
+def interface_of(address: str) -> str:
+    """The name of the network interface that holds ``address`` (gloo's ``GLOO_SOCKET_IFNAME`` names
+    interfaces, not addresses)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    raise RuntimeError(f"no network interface of this host holds {address}")

@@ -21,8 +21,11 @@ current weights from the fleet at once, or at the next push if the trainer is bu
 before) and the work it held is requeued from its last recorded state; the scheduler's counts
 are checked after every update. Every call in flight has a deadline (:class:`Deadlines`): a rollout or
 reward worker past it counts as hung (a stopped process, a wedged library) and is killed, then handled
-as a dead one; an update past it stops the run with a :class:`DeadlineError` naming the ranks that did
-not answer (a trainer rank cannot be replaced alone: the others wait for it in a collective).
+as a dead one. A trainer rank cannot be replaced alone (the others wait for it in a collective): an
+update past its deadline raises :class:`TrainerLost` naming the ranks (a rank's death raises the error
+Ray or the rank reported, which the trainer tells apart from a fault in the code:
+:meth:`~.trainer.MarsRLTrainer.lost_if_dead`), and the trainer rebuilds the whole group from its last
+checkpoint with a new driver (:meth:`~.trainer.MarsRLTrainer.recover`): what was in flight is dropped.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from mars_megatron.algorithm.advantages import assign_advantages, balance_roles
-from mars_megatron.deadline import DeadlineError
 from mars_megatron.pipeline.agents import (
     batch_metrics,
     record_outputs,
@@ -65,6 +67,16 @@ class Deadlines:
 
 
 _SETTING = {"rollout": "rollout_timeout_s", "reward": "reward_timeout_s"}
+
+
+class TrainerLost(RuntimeError):
+    """Trainer ranks died (``reason`` "died") or stopped answering ("hung") during an update: the group
+    cannot go on, and nothing of the update is kept."""
+
+    def __init__(self, message: str, ranks: list[int], reason: str) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.reason = reason
 
 
 @dataclass
@@ -184,15 +196,16 @@ class PipelineDriver:
 
     def _overdue(self, step: int) -> None:
         """Handle every call past its deadline: a hung rollout or reward worker is killed and replaced
-        (:meth:`_lost`); an update raises :class:`DeadlineError`."""
+        (:meth:`_lost`); an update raises :class:`TrainerLost`."""
         now = time.monotonic()
         late = [(ref, item) for ref, item in self.flight.items() if item.due <= now]
         if any(item.kind == "train" for _, item in late):
             ranks = sorted(item.worker for item in self.flight.values() if item.kind == "train")
-            raise DeadlineError(
+            raise TrainerLost(
                 f"update {step}: trainer rank(s) {ranks} did not answer within pipeline.train_timeout_s = "
-                f"{self.deadlines.train_s:g} s (a hung collective or a stopped rank; the run stops here, its "
-                "last checkpoint resumes it)"
+                f"{self.deadlines.train_s:g} s (a hung collective or a stopped rank)",
+                ranks,
+                "hung",
             )
         for ref, item in late:
             del self.flight[ref]

@@ -75,6 +75,11 @@ class TrainerGroup:
         self.versions: dict[str, int] = dict.fromkeys(self.names, 0)
         """The policy version each policy's engines hold."""
 
+    def rebind(self, group: Any, ranks: TrainerRanks) -> None:
+        """A new group of ranks in place of a lost one (:meth:`~.trainer.MarsRLTrainer.recover`)."""
+        self.group = group
+        self.ranks = ranks
+
     def policy_of(self, role: str) -> str:
         return self.graph.policy_of(role, self.names)
 

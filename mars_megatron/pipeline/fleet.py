@@ -398,6 +398,18 @@ class EngineFleet:
         self.trainer.wait(send)
         return time.perf_counter() - start
 
+    def rebind(self, trainer: Any) -> None:
+        """``trainer`` (a new group of trainer ranks, the old one lost) sends from now on: the transfer
+        groups are built anew at the next push, and until it every engine counts as stale (it holds
+        weights newer than the checkpoint the new ranks load). The transfer plans are the same (the
+        same model in the same layout); a group that plans otherwise is refused."""
+        plans = trainer.call("transfer_plans")[0]
+        if plans != self.plans:
+            raise TransferError("the rebuilt trainer group plans another weight transfer than the first one")
+        self.trainer = trainer
+        self._members.clear()
+        self.stale = set(range(len(self.engines)))
+
     # -------------------------------------------------------------------------------------- engines
     def replace(self, index: int, *, push: bool) -> Any:
         """A new engine in place of engine ``index`` (dead or unwanted). ``push``: give it the current

@@ -17,11 +17,12 @@ workers are Ray actors of their own. Everything is checked before any of them st
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mars_megatron import runtime_env
 from mars_megatron.agents.graph import prompt_set_of
@@ -29,6 +30,9 @@ from mars_megatron.agents.graph_file import graph_for, policy_names
 from mars_megatron.config import ConfigError, MarsConfig, dump_config
 from mars_megatron.rl.data import ProblemStream
 from mars_megatron.rl.worker import PolicyWorker
+
+if TYPE_CHECKING:
+    from mars_megatron.pipeline.driver import TrainerLost
 
 STATE_VERSION = 1
 PIPELINE_FILE = "pipeline_state.pt"
@@ -144,11 +148,12 @@ def check_this_machine(cfg: MarsConfig) -> None:
         raise ConfigError(str(e), "model.transformer_impl") from None
 
 
-def _start_ray(num_cpus: int, actors: int) -> bool:
+def _start_ray(num_cpus: int, actors: int, cpus: float) -> bool:
     """Start a local Ray with ``num_cpus`` unless this process is already connected to one (a test's),
     or ``RAY_ADDRESS`` names a cluster to join (a Slurm job's); True if started here (then the run shuts
-    it down at the end). Every actor of the run
-    takes one CPU, so a cluster with fewer is refused now rather than after a placement timeout. A joined
+    it down at the end). The run's ``actors`` hold ``cpus`` CPUs (one each, a trainer rank
+    ``pipeline.cpus_per_rank``), so a cluster with fewer is refused now rather than after a placement
+    timeout. A joined
     cluster's workers get this process's numerics environment through the job's ``runtime_env`` (a local
     one's inherit it: :mod:`mars_megatron.runtime_env`)."""
     import ray
@@ -162,10 +167,11 @@ def _start_ray(num_cpus: int, actors: int) -> bool:
         )
     if ray.is_initialized():
         have = ray.cluster_resources().get("CPU", 0.0)
-        if have < actors:
+        if have < cpus:
             raise RuntimeError(
                 f"the Ray cluster this process is connected to has {have:.0f} CPUs; this run starts {actors} "
-                "actors of 1 CPU each (trainer ranks, rollout workers, reward workers)"
+                f"actors holding {cpus:g} (trainer ranks of pipeline.cpus_per_rank each, rollout workers and "
+                "reward workers of 1)"
             )
         return False
     ray.init(
@@ -186,7 +192,7 @@ class MarsRLTrainer:
         from mars_megatron.pipeline.fleet import EngineFleet
         from mars_megatron.pipeline.placement import place, unplaced_gpus, unplaced_launch
         from mars_megatron.rollout.chat import ChatCodec
-        from mars_megatron.training.ray_group import RayWorkerGroup, rendezvous_host
+        from mars_megatron.training.ray_group import rendezvous_host
 
         self.cfg, self.setup, self.log = cfg, setup, log
         self.graph = graph_for(cfg)  # the agent system, checked before anything starts
@@ -194,7 +200,8 @@ class MarsRLTrainer:
         cores = os.cpu_count() or 1
         p = cfg.pipeline
         actors = setup.world_size + len(self.names) * p.rollout_workers + p.reward_workers
-        self._own_ray = _start_ray(max(cores, actors), actors)
+        cpus = setup.world_size * p.cpus_per_rank + actors - setup.world_size
+        self._own_ray = _start_ray(max(cores, math.ceil(cpus)), actors, cpus)
         self._threads = cfg.rollout.threads or runtime_env.cpu_threads()
         self.placement = None
         engines = len(self.names) * p.rollout_workers
@@ -206,16 +213,7 @@ class MarsRLTrainer:
             self.placement = place(p.placement, setup.world_size, engines, engine_gpus=cfg.rollout.tp)
         names = [name for name in self.names for _ in range(p.rollout_workers)]
         workers = [(name, self._start_engine(i)) for i, name in enumerate(names)]
-        self.group = RayWorkerGroup(
-            PolicyWorker,
-            setup.world_size,
-            cfg,
-            setup.model_dir,
-            self.names,
-            threads_per_rank=runtime_env.cpu_threads(),  # a constant: reductions split alike on any host
-            call_timeout_s=p.train_timeout_s,
-            **self._trainer_placement(),
-        )
+        self.group = self._new_group()
         ranks = TrainerRanks.ask(self.group)
         fleet = EngineFleet(
             self.group,
@@ -230,6 +228,7 @@ class MarsRLTrainer:
         )
         self.fleet = fleet
         self.trainers = TrainerGroup(self.group, fleet, self.names, self.graph, cfg.train, ranks)
+        self._log_where()
         self.stream: ProblemStream[Any] = ProblemStream(
             setup.problems, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
@@ -237,12 +236,45 @@ class MarsRLTrainer:
             setup.engine_dir, max_input_tokens=cfg.rollout.max_input_tokens, truncate=True
         )
         self.step = 0
+        self.trainer_restarts = 0
+        """Trainer groups rebuilt in this process (:meth:`recover`)."""
+        self._codec = codec
         self.driver = self._pipeline(codec)
         self.held_out = None
         if setup.eval_problems:
             from mars_megatron.rl.evaluate import HeldOutEval
 
             self.held_out = HeldOutEval(cfg, setup.eval_problems, setup.engine_dir)
+
+    def _log_where(self) -> None:
+        """One line saying on which nodes the trainer ranks and the engines run (by address), for the
+        operator of a multi-node job; nothing when everything is on one node."""
+        from mars_megatron import deadline
+
+        engines = deadline.get(
+            [engine.actor.node_address.remote() for _, engine in self.fleet.engines],
+            "the rollout engines' node addresses",
+            self.cfg.pipeline.rollout_timeout_s,
+            "pipeline.rollout_timeout_s",
+        )
+        if len({*self.group.addresses, *engines}) > 1:
+            self.log(f"placement: trainer ranks on {', '.join(self.group.addresses)}; rollout engines on "
+                     f"{', '.join(engines)}")  # fmt: skip
+
+    def _new_group(self) -> Any:
+        """The trainer ranks: one Ray actor each, every policy's model built (from ``setup.model_dir``)."""
+        from mars_megatron.training.ray_group import RayWorkerGroup
+
+        return RayWorkerGroup(
+            PolicyWorker,
+            self.setup.world_size,
+            self.cfg,
+            self.setup.model_dir,
+            self.names,
+            threads_per_rank=runtime_env.cpu_threads(),  # a constant: reductions split alike on any host
+            call_timeout_s=self.cfg.pipeline.train_timeout_s,
+            **self._trainer_placement(),
+        )
 
     def _start_engine(self, index: int) -> Any:
         """Rollout engine ``index`` as a Ray actor, started as the placement says
@@ -276,7 +308,10 @@ class MarsRLTrainer:
     def _trainer_placement(self) -> dict[str, Any]:
         if self.placement is None:
             # one GPU per rank on a GPU cluster, whether or not this driver process sees one
-            return {"num_cpus_per_rank": 1, "num_gpus_per_rank": 1.0 if self._cluster_gpus() > 0 else 0.0}
+            return {
+                "num_cpus_per_rank": self.cfg.pipeline.cpus_per_rank,
+                "num_gpus_per_rank": 1.0 if self._cluster_gpus() > 0 else 0.0,
+            }
         res = self.placement.resources()
         return {
             "num_cpus_per_rank": res["num_cpus"],
@@ -292,10 +327,11 @@ class MarsRLTrainer:
         host = {bundle: rank for rank, bundle in enumerate(self.placement.trainer_bundles)}
         return [[host[b] for b in bundles] for bundles in self.placement.engine_bundles]
 
-    def _pipeline(self, codec: Any) -> Any:
-        """The run's schedule on Ray. ``sync`` is the same scheduler with every staleness bound 0: each
-        update trains exactly the outputs of the problems admitted since the last one, decoded by the
-        current weights, and no rollout runs while it trains."""
+    def _pipeline(self, codec: Any, rewards: Any = None) -> Any:
+        """The run's schedule on Ray (with ``rewards``, a reward pool kept from an earlier driver; None:
+        new reward workers). ``sync`` is the same scheduler with every staleness bound 0: each update
+        trains exactly the outputs of the problems admitted since the last one, decoded by the current
+        weights, and no rollout runs while it trains."""
         from mars_megatron.pipeline.agents import prompt_builder
         from mars_megatron.pipeline.driver import Deadlines, PipelineDriver
         from mars_megatron.pipeline.facades import ProblemFeed, RewardPool
@@ -317,7 +353,7 @@ class MarsRLTrainer:
             scheduler,
             fleet=self.fleet,
             trainers=self.trainers,
-            rewards=RewardPool(p.reward_workers),
+            rewards=rewards or RewardPool(p.reward_workers),
             problems=ProblemFeed(self.stream, cfg.data.problems_per_step),
             codec=codec,
             sampling=sampling,
@@ -371,23 +407,27 @@ class MarsRLTrainer:
 
     def start(self) -> None:
         """Fresh weights into the engines, or everything restored from ``setup.resume_from``."""
-        from mars_megatron.checkpoint.rank_state import set_python_rng_state
-        from mars_megatron.checkpoint.store import CheckpointStore
-
         if self.setup.resume_from is None:
             self.trainers.push(dict.fromkeys(self.names, 0))
             return
-        state = CheckpointStore.load_state(self.setup.resume_from)
+        self.restore(self.setup.resume_from)
+        self.log(f"resumed from {self.setup.resume_from} at step {self.step}")
+
+    def restore(self, path: Path) -> None:
+        """Everything as checkpoint ``path`` saved it: the ranks' weights and optimizers, the step, the
+        data stream, the Python RNG and the schedule; then those weights into every engine."""
+        from mars_megatron.checkpoint.rank_state import set_python_rng_state
+        from mars_megatron.checkpoint.store import CheckpointStore
+
+        state = CheckpointStore.load_state(path)
         if state.get("state_version") != STATE_VERSION:
-            raise ValueError(
-                f"{self.setup.resume_from}: checkpoint state version {state.get('state_version')}"
-            )
+            raise ValueError(f"{path}: checkpoint state version {state.get('state_version')}")
         if state["policies"] != self.names:
             raise ConfigError(
                 f"the checkpoint holds policies {state['policies']}, this config {self.names}",
                 "algorithm.policies",
             )
-        self.group.call("load", str(self.setup.resume_from))
+        self.group.call("load", str(path))
         self.step = int(state["step"])
         self.stream.load_state_dict(state["data"])
         set_python_rng_state(state["python_rng"])
@@ -395,11 +435,11 @@ class MarsRLTrainer:
         if saved_pipeline:
             from mars_megatron.checkpoint.safe_load import load_plain
 
-            pipeline_state = load_plain(self.setup.resume_from / saved_pipeline)
+            pipeline_state = load_plain(path / saved_pipeline)
             saved_mode = pipeline_state.get("mode", "agentic")
             if saved_mode != self.cfg.pipeline.mode and in_flight(pipeline_state["scheduler"]):
                 raise ConfigError(
-                    f"{self.setup.resume_from} holds outputs of the {saved_mode} schedule still in flight; "
+                    f"{path} holds outputs of the {saved_mode} schedule still in flight; "
                     f"resume it with pipeline.mode={saved_mode}",
                     "pipeline.mode",
                 )
@@ -407,7 +447,57 @@ class MarsRLTrainer:
         else:  # a checkpoint of the older synchronous loop: nothing in flight
             self.driver.s.version = max(state["policy_versions"].values())
         self.trainers.push(state["policy_versions"])
-        self.log(f"resumed from {self.setup.resume_from} at step {self.step}")
+
+    def lost_if_dead(self, error: Exception, what: str) -> Exception:
+        """``error`` (raised by ``what``) as :class:`~.driver.TrainerLost` when trainer ranks have died,
+        else unchanged: a rank can die outside an update too (in the weight push, in a checkpoint's
+        save), and the error that surfaces is then another rank's or the transfer's."""
+        from mars_megatron.pipeline.driver import TrainerLost
+
+        if isinstance(error, TrainerLost):
+            return error
+        dead = self.group.dead_ranks()
+        if not dead:
+            return error
+        said = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        return TrainerLost(f"{what}: trainer rank(s) {dead} died ({said})", dead, "died")
+
+    def recover(self, lost: TrainerLost) -> float:
+        """Trainer ranks died or hung in an update (``lost``): build a new group of ranks and go back to
+        the last checkpoint, inside this process. The engines and reward workers are kept, under a new
+        driver (their calls in flight finish unheard; the weight push waits for the engines to be idle);
+        the new ranks load the checkpoint's weights and optimizer state, the schedule and the data stream
+        are restored, and the engines take the checkpoint's weights. With the schedule deterministic
+        (``pipeline.mode=sync``) the steps that follow are those of a run never interrupted. Re-raises
+        ``lost`` (with the reason) when ``pipeline.trainer_restarts`` are used up or no checkpoint
+        exists; returns the seconds it took."""
+        import time
+
+        from mars_megatron.checkpoint.store import CheckpointStore
+        from mars_megatron.pipeline.driver import TrainerLost
+        from mars_megatron.pipeline.facades import TrainerRanks
+
+        c = self.cfg.checkpoint
+        latest = CheckpointStore(c.save_dir, c.keep_last).latest() if c.save_dir else None
+        if self.trainer_restarts >= self.cfg.pipeline.trainer_restarts or latest is None:
+            why = (
+                f"pipeline.trainer_restarts = {self.cfg.pipeline.trainer_restarts} used up"
+                if latest is not None
+                else "no checkpoint to rebuild the trainer from yet (checkpoint.save_dir, save_interval)"
+            )
+            raise TrainerLost(f"{lost}; the run stops: {why}", lost.ranks, lost.reason) from lost
+        started = time.perf_counter()
+        self.trainer_restarts += 1
+        self.log(f"{lost}: rebuilding the trainer group from {latest.name}")
+        self.group.shutdown()  # kills every rank: the survivors may be blocked in a collective
+        self.group = self._new_group()
+        self.fleet.rebind(self.group)
+        self.trainers.rebind(self.group, TrainerRanks.ask(self.group))
+        self.driver = self._pipeline(self._codec, self.driver.rewards)
+        self.restore(latest)
+        seconds = time.perf_counter() - started
+        self.log(f"trainer group rebuilt in {seconds:.1f} s: the run goes on from step {self.step}")
+        return seconds
 
     def save(self) -> Path:
         from mars_megatron.checkpoint.rank_state import python_rng_state
@@ -492,36 +582,66 @@ def _log_eval(trainer: MarsRLTrainer, sink: Any) -> dict[str, float]:
 def train(
     cfg: MarsConfig, *, nproc: int | None = None, resume: str | bool | None = None
 ) -> list[dict[str, float]]:
-    """Run (or resume) ``cfg``'s MarsRL training; returns the metrics of the steps run here."""
+    """Run (or resume) ``cfg``'s MarsRL training; returns the metrics of the steps run here. A trainer
+    rank that dies or hangs in an update is survived (:meth:`MarsRLTrainer.recover`)."""
     from tqdm import tqdm
 
     from mars_megatron.metrics import MetricsSink
+    from mars_megatron.pipeline.driver import TrainerLost
 
     graph_for(cfg)  # a graph that cannot run fails here, before models are converted or Ray starts
     setup = prepare(cfg, nproc=nproc, resume=resume)
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
-    history = []
+    history: list[dict[str, float]] = []
     with MarsRLTrainer(cfg, setup, log=tqdm.write) as trainer:
         trainer.start()
-        with MetricsSink(
-            run_dir,
-            tensorboard=cfg.logging.tensorboard,
-            total_steps=cfg.train.steps,
-            resume_step=trainer.step,
-        ) as sink:
-            held_out = trainer.held_out
-            if held_out is not None and trainer.step == 0:  # the start of the curve: the warm start
-                _log_eval(trainer, sink)
-            while trainer.step < cfg.train.steps:
-                metrics = trainer.train_step()
-                if held_out is not None and held_out.due(trainer.step):
-                    metrics.update(_log_eval(trainer, sink))
-                sink.log(trainer.step, metrics)
-                history.append({"step": trainer.step, **metrics})
-                if trainer.step % cfg.logging.log_interval == 0:
-                    tqdm.write(_line(trainer.step, cfg.train.steps, metrics, list(trainer.graph.roles)))
-                if _due(trainer.step, cfg):
-                    trainer.save()
+        held_out = trainer.held_out
+        recovered_s = 0.0
+        while trainer.step < cfg.train.steps:
+            # (re)opened at the step the run goes on from: after a rebuilt trainer, the lines of the
+            # steps it went back over are dropped, as on --resume
+            with MetricsSink(
+                run_dir,
+                tensorboard=cfg.logging.tensorboard,
+                total_steps=cfg.train.steps,
+                resume_step=trainer.step,
+            ) as sink:
+                history = [h for h in history if h["step"] <= trainer.step]
+                if held_out is not None and trainer.step == 0:  # the start of the curve: the warm start
+                    _log_eval(trainer, sink)
+                try:
+                    recovered_s = _steps(trainer, sink, history, recovered_s)
+                except TrainerLost as lost:
+                    recovered_s = trainer.recover(lost)
     return history
+
+
+def _steps(trainer: MarsRLTrainer, sink: Any, history: list[dict[str, float]], recovered_s: float) -> float:
+    """Train, log and checkpoint until the run's last step; a lost trainer raises
+    :class:`~.driver.TrainerLost` out of here. ``recovered_s``: the seconds of the last recovery, logged
+    with the first step after it (``time/recover``)."""
+    from tqdm import tqdm
+
+    cfg = trainer.cfg
+    while trainer.step < cfg.train.steps:
+        try:
+            metrics = trainer.train_step()
+        except Exception as e:  # a rank lost after its update: in the weight push
+            raise trainer.lost_if_dead(e, f"update {trainer.step}") from e
+        metrics["pipeline/trainer_restarts"] = float(trainer.trainer_restarts)
+        if recovered_s:
+            metrics["time/recover"], recovered_s = recovered_s, 0.0
+        if trainer.held_out is not None and trainer.held_out.due(trainer.step):
+            metrics.update(_log_eval(trainer, sink))
+        sink.log(trainer.step, metrics)
+        history.append({"step": trainer.step, **metrics})
+        if trainer.step % cfg.logging.log_interval == 0:
+            tqdm.write(_line(trainer.step, cfg.train.steps, metrics, list(trainer.graph.roles)))
+        if _due(trainer.step, cfg):
+            try:
+                trainer.save()
+            except Exception as e:
+                raise trainer.lost_if_dead(e, f"the checkpoint of step {trainer.step}") from e
+    return recovered_s

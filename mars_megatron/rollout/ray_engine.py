@@ -94,6 +94,12 @@ class RolloutActor:
         by_reference = ray.is_initialized()  # a Ray actor: the routing stays in this node's object store
         return answer(batch, self.engine.generate, by_reference), self._version
 
+    def node_address(self) -> str:
+        """The address of the node this actor runs on (the run's log of where everything is)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
     # ------------------------------------------------------------------------------ weight transfer
     def transfer_ranks(self) -> int:
         """How many members of each transfer group this engine brings (its workers)."""

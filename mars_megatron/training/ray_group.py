@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mars_megatron import deadline
-from mars_megatron.comm.tcp_store import LOOPBACK, listening_store
+from mars_megatron.comm.tcp_store import LOOPBACK, interface_of, listening_store, local_address
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -98,6 +98,10 @@ class WorkerGroup(Protocol):
         """Results of the handles from :meth:`call_async` (in that rank order)."""
         ...
 
+    def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
+        """The ranks whose process has died (after a failure: a lost rank, or an error in the code?)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -161,8 +165,11 @@ class _RankActor:
             MASTER_ADDR=addr,
             MASTER_PORT=str(port),
         )
-        if addr == _LOOPBACK:
-            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        # gloo binds the interface its name says; without one it resolves this host's name, which may
+        # answer loopback (it did on the test cluster's nodes: every rank then advertised 127.0.0.1). So
+        # the interface on the route to rank 0's store, which the other ranks reach too.
+        here = "lo" if addr == _LOOPBACK else interface_of(local_address(addr, port))
+        os.environ["GLOO_SOCKET_IFNAME"] = here
         if torch.cuda.is_available():
             # Ray gives each rank its own GPU via CUDA_VISIBLE_DEVICES, so it is device 0 of this process.
             count = torch.cuda.device_count()
@@ -251,6 +258,7 @@ class RayWorkerGroup:
         """Deadline of every wait on the ranks (``pipeline.train_timeout_s`` in a run): a rank that has not
         answered by then is hung (the others wait for it in a collective), and :meth:`wait` says which."""
         self._actors: list[Any] = []
+        self.addresses: list[str] = []
         self._remove_pg = remove_placement_group
         bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
         strategy = "STRICT_PACK" if _fits_one_node(bundle, world_size) else "PACK"
@@ -288,6 +296,8 @@ class RayWorkerGroup:
             ]
             where = self._gather([a.where.remote() for a in self._actors], "where")
             nodes = [node for node, _ in where]
+            self.addresses = [address for _, address in where]
+            """Each rank's node address, as Ray knows it."""
             addr = _LOOPBACK if len(set(nodes)) == 1 else where[0][1]
             port = self._gather([self._actors[0].host_store.remote(addr)], "host_store")[0]
             local = [nodes[:r].count(nodes[r]) for r in range(world_size)]
@@ -341,6 +351,25 @@ class RayWorkerGroup:
 
     def wait(self, handles: Sequence[ObjectRef]) -> list[Any]:
         return self._gather(list(handles), "call")
+
+    def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
+        """The ranks whose actor has died (its process killed, crashed, or its node gone), asked after a
+        failure to tell a lost rank from an error in the code. A rank still busy (blocked in a collective
+        with the dead one, as on NCCL, which tells nobody) does not answer within ``timeout_s`` and counts
+        as alive: only Ray's word that an actor is dead makes a rank dead."""
+        import ray
+
+        refs = [a.where.remote() for a in self._live()]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for rank, ref in enumerate(refs):
+            if ref not in done:
+                continue
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
+                dead.append(rank)
+        return dead
 
     def shutdown(self) -> None:
         """Destroy the process groups where the actors still answer, then kill the actors and free the
@@ -533,6 +562,11 @@ class LocalWorkerGroup:
             if h.error is not None:
                 raise h.error
         return [h.value for h in handles]
+
+    def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
+        """None: the one rank is this process."""
+        del timeout_s
+        return []
 
     def shutdown(self) -> None:
         if self._closed:

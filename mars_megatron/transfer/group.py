@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -81,7 +80,7 @@ import torch
 import torch.distributed as dist
 
 from mars_megatron.comm.collectives import device_for_backend
-from mars_megatron.comm.tcp_store import listening_store
+from mars_megatron.comm.tcp_store import listening_store, local_address
 
 STORE_PREFIX = "mars-weight-transfer"
 BACKSTOP = 2.0
@@ -157,16 +156,6 @@ def host_store(host: str, timeout_s: float = 300.0) -> Any:
     """The store every member of this run's transfer groups meets through (kept alive by the caller),
     listening on ``host`` only: loopback when every member runs on this node."""
     return listening_store(host, 0, timeout_s=timeout_s)
-
-
-def local_address(peer_host: str, peer_port: int) -> str:
-    """This process's address on the route to ``peer_host`` (the store): the interface gloo must bind so
-    the other members can reach it, on a multi-homed node too."""
-    if peer_host in ("127.0.0.1", "localhost"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((peer_host, peer_port))  # no packet is sent: only the route is looked up
-        return str(s.getsockname()[0])
 
 
 _ENV_LOCK = threading.Lock()
