@@ -21,10 +21,10 @@ report() {
 # Two pytest-xdist workers, each module on one worker (its module fixtures built once): a serial run kept
 # 2 cores about 55 % busy, most tests being one process waiting on another (docs/tests.md). MARS_TEST_WORKERS
 # sets another count (0: no workers, one process). vLLM sets process-wide state (threads, NUMA binding), so
-# its tests get a pytest process of their own. It starts when the first worker has finished (the file
-# MARS_FIRST_WORKER_DONE names appears, tests/conftest.py), on the core that worker leaves: alone it keeps
-# the cores about 56 % busy, and run beside both workers from the start it slowed their multi-process tests
-# more than it saved. Its report follows the main phase's.
+# its tests get pytest processes of their own (two workers, a module each). They start when the first
+# worker has finished (the file MARS_FIRST_WORKER_DONE names appears, tests/conftest.py): run beside both
+# workers from the start they slowed their multi-process tests more than they saved; in one process after
+# the main phase they left a core idle for its last minutes. Its report follows the main phase's.
 when_a_core_frees() {  # or the shell that started the phases has gone (killed)
   while [ ! -e "$MARS_FIRST_WORKER_DONE" ] && kill -0 "$$" 2>/dev/null; do sleep 2; done
 }
@@ -32,9 +32,13 @@ offline_phases() {
   export PATH="$PWD/${MARS_VENV:-.venv}/bin:$PATH"
   : "${MARS_FIRST_WORKER_DONE:=$(mktemp -u)}"
   export MARS_FIRST_WORKER_DONE
-  local workers=${MARS_TEST_WORKERS:-2} vllm_log vllm rc=0 vllm_rc=0
+  local workers=${MARS_TEST_WORKERS:-2} vllm_log vllm rc=0 vllm_rc=0 vllm_workers
+  # vLLM's modules on two workers of their own too: one process each (vLLM's process-wide state stays
+  # in its module's worker), so that once the main phase ends both cores run them
+  vllm_workers=$((workers > 2 ? 2 : workers))
   vllm_log=$(mktemp)
-  (when_a_core_frees && say "vLLM phase" && phase -m "vllm and not network" "$@") >"$vllm_log" 2>&1 &
+  (when_a_core_frees && say "vLLM phase" &&
+    phase -n "$vllm_workers" --dist loadfile -m "vllm and not network" "$@") >"$vllm_log" 2>&1 &
   vllm=$!
   # in the foreground (a debugger's prompt works with MARS_TEST_WORKERS=0)
   phase --durations=15 -n "$workers" --dist loadfile --no-loadscope-reorder -m "not vllm and not network" "$@" ||

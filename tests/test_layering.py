@@ -26,6 +26,7 @@ LAYERS: tuple[str, ...] = (
     "",  # ...the package's own __init__, which runs before any of its modules, so it sits just above
     # leaves: no package imports, used everywhere
     "deadline",  # waits that say what they waited for (DeadlineError)
+    "reaper",  # a replaced worker's process ended for sure (SIGKILL on its node)
     "json_file",
     "metrics",
     "runtime_env",  # the numerics and thread pins every process takes before torch runs

@@ -38,6 +38,15 @@ def _pid(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
 
+def _state(pid: int) -> str:
+    """A process's state letter (``T``: stopped), or "gone" when it has ended (a zombie included)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+    return "gone" if state in ("Z", "X") else state
+
+
 def test_agentic_run_streams_keeps_the_bound_and_survives_dead_and_hung_workers(
     sft_model: Path, tmp_path: Path
 ) -> None:
@@ -76,6 +85,8 @@ def test_agentic_run_streams_keeps_the_bound_and_survives_dead_and_hung_workers(
                     os.kill(pid, signal.SIGKILL)
         print(f"2 updates with an engine and a reward worker hung: {time.monotonic() - t0:.1f} s")
         census = driver.scheduler.census()
+        # replaced, and their processes ended: a stopped process outlives ray.kill (mars_megatron.reaper)
+        assert [_state(pid) for pid in stopped] == ["gone", "gone"]
     assert driver.counters["rollout_restarts"] > restarts["rollout_restarts"]
     assert driver.counters["reward_restarts"] > restarts["reward_restarts"]
     assert driver.counters["reward_timeouts"] >= 1  # the stopped worker is given a batch, and never answers

@@ -231,6 +231,8 @@ class PipelineDriver:
         else:
             self.counters["reward_restarts"] += 1
             self.rewards.restart(item.worker)
+            sent = len(item.payload)
+            self.log(f"reward worker {item.worker} lost: restarted, its {sent} requests sent again")
             self.busy_reward.discard(item.worker)
             self.scheduler.requeue(item.payload)
             self.to_score.extend(item.payload)

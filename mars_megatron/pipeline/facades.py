@@ -18,6 +18,7 @@ from mars_megatron.agents.sample import Sample
 from mars_megatron.config import TrainConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.fleet import EngineFleet
+from mars_megatron.reaper import reap
 from mars_megatron.rewards.scoring import RewardWorker, ScoreRequest
 from mars_megatron.rl.data import ProblemStream
 from mars_megatron.rl.shares import BatchShare, shard_batch
@@ -141,6 +142,8 @@ class RewardPool:
         if workers < 1:
             raise ValueError(f"RewardPool: need at least one worker, got {workers}")
         self.actors = [self._start() for _ in range(workers)]
+        self._processes = [actor.process.remote() for actor in self.actors]
+        """Each worker's process (its first call: answered before any score), for :meth:`restart`."""
 
     @staticmethod
     def _start() -> Any:
@@ -156,14 +159,20 @@ class RewardPool:
         return self.actors[worker].score.remote(list(requests))
 
     def restart(self, worker: int) -> None:
-        """``worker`` died or hung: it is killed (if it still runs) and a new actor takes its place."""
+        """``worker`` died or hung: it is killed, its process for sure (a stopped one outlives
+        ``ray.kill``), and a new actor takes its place."""
         import contextlib
 
         import ray
 
+        process = None
+        with contextlib.suppress(Exception):  # it never answered: died or hung while starting
+            process = ray.get(self._processes[worker], timeout=1)
         with contextlib.suppress(Exception):  # already gone
             ray.kill(self.actors[worker])
+        reap(process)
         self.actors[worker] = self._start()
+        self._processes[worker] = self.actors[worker].process.remote()
 
     def close(self) -> None:
         import ray

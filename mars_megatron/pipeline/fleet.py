@@ -24,7 +24,9 @@ generate
 cannot keep its old weights while it loads new ones, so the old version is what it *reports*, never what it
 serves half-loaded. The dead engine is replaced, and the new engine and the torn ones are pushed to again
 over a group of their own (the trainer still holds the weights); if that fails too, the run stops with a
-:class:`TransferError`.
+:class:`TransferError`. A push that failed because a trainer rank died is not tried again (it cannot
+succeed): the :class:`TransferError` names the rank, and the trainer rebuilds its group
+(:meth:`~mars_megatron.pipeline.trainer.MarsRLTrainer.recover`).
 """
 
 from __future__ import annotations
@@ -150,6 +152,11 @@ class EngineFleet:
             raise TransferError(
                 f"weight push of policy {policy!r} version {version} failed at engine(s) {sorted(failed)}; "
                 "they report their old version and refuse to generate until a push completes"
+            )
+        dead = self.trainer.dead_ranks()
+        if dead:  # the group broke at a sender: no push to the engines can succeed without a new trainer
+            raise TransferError(
+                f"weight push of policy {policy!r} version {version}: trainer rank(s) {dead} died during it"
             )
         retry = tuple(sorted(failed))
         self.log(
@@ -422,13 +429,8 @@ class EngineFleet:
         return self.engines[index][1]
 
     def _restart(self, index: int) -> None:
-        import contextlib
-
-        import ray
-
         policy, old = self.engines[index]
-        with contextlib.suppress(Exception):  # already gone
-            ray.kill(old.actor)
+        old.kill(grace_s=0)  # dead, hung or unwanted: its process ended for sure (a stopped one lingers)
         self._make_room(index)
         engine = self.start_engine(index)
         self.engines[index] = (policy, engine)

@@ -449,13 +449,22 @@ class MarsRLTrainer:
         self.trainers.push(state["policy_versions"])
 
     def lost_if_dead(self, error: Exception, what: str) -> Exception:
-        """``error`` (raised by ``what``) as :class:`~.driver.TrainerLost` when trainer ranks have died,
-        else unchanged: a rank can die outside an update too (in the weight push, in a checkpoint's
-        save), and the error that surfaces is then another rank's or the transfer's."""
+        """``error`` (raised by ``what``) as :class:`~.driver.TrainerLost` when trainer ranks have died
+        or hung (a wait on the group past its deadline, maybe inside a transfer's error), else unchanged:
+        a rank can be lost outside an update too (in the weight push, in a checkpoint's save), and the
+        error that surfaces is then another rank's or the transfer's."""
         from mars_megatron.pipeline.driver import TrainerLost
+        from mars_megatron.training.ray_group import RanksHung
 
         if isinstance(error, TrainerLost):
             return error
+        cause: BaseException | None = error
+        for _ in range(16):  # the chain of causes, however it was raised (bounded: a chain may loop)
+            if cause is None:
+                break
+            if isinstance(cause, RanksHung):
+                return TrainerLost(f"{what}: {cause}", cause.ranks, "hung")
+            cause = cause.__cause__ or cause.__context__
         dead = self.group.dead_ranks()
         if not dead:
             return error

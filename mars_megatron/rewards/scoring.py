@@ -17,6 +17,7 @@ from typing import Any, Literal
 from mars_megatron.agents.graph import AgentGraph, RewardKind, RoleSpec, VerdictReader
 from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.verdict import read_verdict
+from mars_megatron.reaper import WorkerProcess, whereabouts
 from mars_megatron.rewards.agent_rewards import Checker, answer_rewards, verdict_reward
 
 RewardMode = Literal["agent", "shared"]
@@ -81,6 +82,10 @@ class RewardWorker:
 
     def ping(self) -> bool:
         return True
+
+    def process(self) -> WorkerProcess:
+        """This worker's process, for :func:`~mars_megatron.reaper.reap` if it hangs."""
+        return whereabouts("ray::RewardWorker")
 
 
 def _children(records: Iterable[Sample]) -> dict[str, list[Sample]]:

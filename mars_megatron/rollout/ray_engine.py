@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from mars_megatron import deadline
+from mars_megatron.reaper import WorkerProcess, reap, whereabouts
 from mars_megatron.rollout.batch import OutputBatch, RequestBatch, answer
 from mars_megatron.rollout.engine import (
     GenerationOutput,
@@ -99,6 +100,10 @@ class RolloutActor:
         import ray
 
         return ray.util.get_node_ip_address()
+
+    def process(self) -> WorkerProcess:
+        """This actor's process, for :func:`~mars_megatron.reaper.reap` if it must be given up on."""
+        return whereabouts("ray::RolloutActor")
 
     # ------------------------------------------------------------------------------ weight transfer
     def transfer_ranks(self) -> int:
@@ -193,9 +198,11 @@ class RemoteEngine:
     ``timeout_s`` (``pipeline.rollout_timeout_s`` in a run), then raises
     :class:`~mars_megatron.deadline.DeadlineError`: a hung engine is named instead of waited on forever."""
 
-    def __init__(self, actor: Any, timeout_s: float = 3600.0) -> None:
+    def __init__(self, actor: Any, timeout_s: float = 3600.0, process: WorkerProcess | None = None) -> None:
         self.actor = actor
         self.timeout_s = timeout_s
+        self.process = process
+        """The actor's process (asked at start), ended for sure by :meth:`kill`."""
 
     def _get(self, ref: Any, what: str) -> Any:
         return deadline.get(ref, f"rollout engine {what}", self.timeout_s, "pipeline.rollout_timeout_s")
@@ -215,14 +222,18 @@ class RemoteEngine:
 
     def kill(self, grace_s: float = 60.0) -> None:
         """End the actor (and its engine) now, instead of when the last handle goes away: the engine
-        shuts down first (within ``grace_s``; a dead or stuck one is killed all the same)."""
+        shuts down first (within ``grace_s``; 0: not asked, for a hung one; a dead or stuck one is killed
+        all the same, its process too: :func:`~mars_megatron.reaper.reap`)."""
         import contextlib
 
         import ray
 
-        with contextlib.suppress(Exception):  # dead already, or stuck: killed below
-            ray.get(self.actor.shutdown.remote(), timeout=grace_s)
-        ray.kill(self.actor)
+        if grace_s > 0:
+            with contextlib.suppress(Exception):  # dead already, or stuck: killed below
+                ray.get(self.actor.shutdown.remote(), timeout=grace_s)
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(self.actor)
+        reap(self.process)
 
 
 def start_rollout_actor(
@@ -257,7 +268,7 @@ def start_rollout_actor(
         .remote(factory, threads if threads is not None else max(1, int(num_cpus)))
     )
     try:
-        deadline.get(actor.version.remote(), "a rollout engine's start", start_timeout_s)
+        process = deadline.get(actor.process.remote(), "a rollout engine's start", start_timeout_s)
     except ray.exceptions.RayActorError as e:
         raise RuntimeError(f"the rollout actor failed to start its engine: {e}") from None
-    return RemoteEngine(actor, timeout_s)
+    return RemoteEngine(actor, timeout_s, process)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from mars_megatron import deadline
 from mars_megatron.comm.tcp_store import LOOPBACK, interface_of, listening_store, local_address
+from mars_megatron.reaper import WorkerProcess, reap, whereabouts
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -49,6 +50,18 @@ def rendezvous_host() -> str:
 
     alive = [node for node in ray.nodes() if node.get("Alive")]
     return _LOOPBACK if len(alive) <= 1 else ray.util.get_node_ip_address()
+
+
+class RanksHung(deadline.DeadlineError):
+    """Trainer ranks did not answer a call within the group's deadline (a hung collective or a stopped
+    rank); ``ranks`` names them."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RanksHung, (self.args[0], self.ranks))
 
 
 class RankError(RuntimeError):
@@ -137,6 +150,10 @@ class _RankActor:
         import ray
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def process(self) -> WorkerProcess:
+        """This rank's process, for :func:`~mars_megatron.reaper.reap` if it must be given up on."""
+        return whereabouts("ray::_RankActor")
 
     def resources(self) -> dict[str, Any]:
         """The Ray resources this rank holds, its (logical) GPU ids and placement group."""
@@ -258,6 +275,7 @@ class RayWorkerGroup:
         """Deadline of every wait on the ranks (``pipeline.train_timeout_s`` in a run): a rank that has not
         answered by then is hung (the others wait for it in a collective), and :meth:`wait` says which."""
         self._actors: list[Any] = []
+        self._processes: list[WorkerProcess] = []
         self.addresses: list[str] = []
         self._remove_pg = remove_placement_group
         bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
@@ -294,6 +312,7 @@ class RayWorkerGroup:
                 ).remote(rank, world_size, threads)
                 for rank in range(world_size)
             ]
+            self._processes = self._gather([a.process.remote() for a in self._actors], "process")
             where = self._gather([a.where.remote() for a in self._actors], "where")
             nodes = [node for node, _ in where]
             self.addresses = [address for _, address in where]
@@ -379,11 +398,16 @@ class RayWorkerGroup:
         actors, self._actors = self._actors, []
         if actors:
             refs = [a.destroy.remote() for a in actors]
+            done: list[Any] = []
             with contextlib.suppress(Exception):
-                ray.wait(refs, num_returns=len(refs), timeout=10)
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
             for a in actors:
                 with contextlib.suppress(Exception):
                     ray.kill(a)
+            # a rank that did not answer (stopped, wedged) outlives ray.kill: its process is ended for sure
+            for rank, process in enumerate(self._processes):
+                if refs[rank] not in done:
+                    reap(process)
         pg, self._pg = getattr(self, "_pg", None), None
         if pg is not None and getattr(self, "_own_pg", True):  # a shared one belongs to its creator
             with contextlib.suppress(Exception):
@@ -416,10 +440,11 @@ class RayWorkerGroup:
             if not ready:
                 late = sorted(ranks[index[ref]] for ref in pending)
                 _drain(pending)
-                raise deadline.DeadlineError(
+                raise RanksHung(
                     f"{what}: trainer rank(s) {late} of {self.world_size} did not answer within "
                     f"{self.call_timeout_s:g} s (pipeline.train_timeout_s): a hung collective or a stopped "
-                    "rank"
+                    "rank",
+                    late,
                 )
             for ref in ready:
                 i = index[ref]
