@@ -50,12 +50,15 @@ def _sigkill(pid: int, title: str) -> bool:
 
 def reap(process: WorkerProcess | None, timeout_s: float = 60.0) -> None:
     """Make sure ``process`` is gone (after ``ray.kill`` of its actor): ``SIGKILL`` on its node. A node
-    that is gone or does not answer within ``timeout_s`` is left (its processes went with it, or Ray's
-    own node failure handling ends them)."""
+    Ray counts as dead, or one that does not answer within ``timeout_s``, is left (its processes went
+    with it, or Ray's own node failure handling ends them)."""
     if process is None:
         return
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not any(node["NodeID"] == process.node_id and node["Alive"] for node in ray.nodes()):
+        return  # the node is gone, and its processes with it: a task pinned there would never run
 
     task = ray.remote(_sigkill).options(
         num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(process.node_id, soft=False)
