@@ -212,8 +212,10 @@ class MarsRLTrainer:
         else:
             self.placement = place(p.placement, setup.world_size, engines, engine_gpus=cfg.rollout.tp)
         names = [name for name in self.names for _ in range(p.rollout_workers)]
-        workers = [(name, self._start_engine(i)) for i, name in enumerate(names)]
+        # the engines load their models while the trainer ranks build theirs
+        starting = [(name, self._launch_engine(i)) for i, name in enumerate(names)]
         self.group = self._new_group()
+        workers = [(name, engine.ready()) for name, engine in starting]
         ranks = TrainerRanks.ask(self.group)
         fleet = EngineFleet(
             self.group,
@@ -277,11 +279,16 @@ class MarsRLTrainer:
         )
 
     def _start_engine(self, index: int) -> Any:
+        """Rollout engine ``index`` as a Ray actor, built (:meth:`_launch_engine`, waited for)."""
+        return self._launch_engine(index).ready()
+
+    def _launch_engine(self, index: int) -> Any:
         """Rollout engine ``index`` as a Ray actor, started as the placement says
         (:meth:`~mars_megatron.pipeline.placement.Placement.engine_launch`), or without one (placement
-        'none') with GPUs of its own on a GPU cluster."""
+        'none') with GPUs of its own on a GPU cluster; not waited for
+        (:class:`~mars_megatron.rollout.ray_engine.StartingEngine`)."""
         from mars_megatron.rollout.factory import run_engine_recipe
-        from mars_megatron.rollout.ray_engine import start_rollout_actor
+        from mars_megatron.rollout.ray_engine import launch_rollout_actor
 
         recipe = run_engine_recipe(self.cfg, self.setup.engine_dir)
         if self.placement is None:
@@ -289,7 +296,7 @@ class MarsRLTrainer:
         else:
             launch = self.placement.engine_launch(index)
             strategy = self.placement.strategy(self.placement.engine_bundles[index][0])
-        return start_rollout_actor(
+        return launch_rollout_actor(
             recipe,
             num_cpus=launch.num_cpus,
             num_gpus=launch.num_gpus,
@@ -637,7 +644,7 @@ def _steps(trainer: MarsRLTrainer, sink: Any, history: list[dict[str, float]], r
     while trainer.step < cfg.train.steps:
         try:
             metrics = trainer.train_step()
-        except Exception as e:  # a rank lost after its update: in the weight push
+        except Exception as e:  # a rank lost in the update or its weight push: TrainerLost
             raise trainer.lost_if_dead(e, f"update {trainer.step}") from e
         metrics["pipeline/trainer_restarts"] = float(trainer.trainer_restarts)
         if recovered_s:

@@ -236,7 +236,34 @@ class RemoteEngine:
         reap(self.process)
 
 
-def start_rollout_actor(
+@dataclass
+class StartingEngine:
+    """A :class:`RolloutActor` whose engine is being built (:func:`launch_rollout_actor`): other work can
+    go on meanwhile (a run builds its trainer ranks), and :meth:`ready` waits for it."""
+
+    actor: Any
+    process: Any  # the ref of the actor's first call, answered once its engine is built
+    timeout_s: float
+    start_timeout_s: float
+
+    def ready(self) -> RemoteEngine:
+        """The engine's proxy once it is built; a bad model directory fails here."""
+        import ray
+
+        try:
+            process = deadline.get(self.process, "a rollout engine's start", self.start_timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"the rollout actor failed to start its engine: {e}") from None
+        return RemoteEngine(self.actor, self.timeout_s, process)
+
+
+def start_rollout_actor(factory: Callable[[], RolloutEngine], **options: Any) -> RemoteEngine:
+    """:func:`launch_rollout_actor` and wait until the engine is built (so a bad model directory fails
+    here, not at the first rollout)."""
+    return launch_rollout_actor(factory, **options).ready()
+
+
+def launch_rollout_actor(
     factory: Callable[[], RolloutEngine],
     *,
     num_cpus: float = 1,
@@ -246,11 +273,10 @@ def start_rollout_actor(
     scheduling_strategy: Any = None,
     timeout_s: float = 3600.0,
     start_timeout_s: float = 3600.0,
-) -> RemoteEngine:
-    """Start a :class:`RolloutActor` running ``factory()`` and wait until the engine is built (so a bad
-    model directory fails here, not at the first rollout). ``threads`` defaults to ``num_cpus``;
-    ``start_timeout_s`` bounds the start (a process, its imports and the model's load: minutes for a large
-    model), ``timeout_s`` every call of the returned proxy."""
+) -> StartingEngine:
+    """Start a :class:`RolloutActor` running ``factory()``, without waiting for its engine.
+    ``threads`` defaults to ``num_cpus``; ``start_timeout_s`` bounds the start (a process, its imports
+    and the model's load: minutes for a large model), ``timeout_s`` every call of the proxy."""
     import ray
 
     if num_cpus <= 0:
@@ -267,8 +293,4 @@ def start_rollout_actor(
         )
         .remote(factory, threads if threads is not None else max(1, int(num_cpus)))
     )
-    try:
-        process = deadline.get(actor.process.remote(), "a rollout engine's start", start_timeout_s)
-    except ray.exceptions.RayActorError as e:
-        raise RuntimeError(f"the rollout actor failed to start its engine: {e}") from None
-    return RemoteEngine(actor, timeout_s, process)
+    return StartingEngine(actor, actor.process.remote(), timeout_s, start_timeout_s)
