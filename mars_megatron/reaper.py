@@ -21,10 +21,12 @@ __all__ = ["WorkerProcess", "reap", "whereabouts"]
 
 @dataclass(frozen=True)
 class WorkerProcess:
-    """Where a worker's process runs: its Ray node, its pid and the title Ray gave it (``ray::<class>``),
-    checked before the kill so that a pid reused by another process is never signalled."""
+    """Where a worker's process runs: its Ray node (id and address), its pid and the title Ray gave it
+    (``ray::<class>``), checked before the kill so that a pid reused by another process is never
+    signalled."""
 
     node_id: str
+    address: str
     pid: int
     title: str
 
@@ -33,7 +35,9 @@ def whereabouts(title: str) -> WorkerProcess:
     """This process, as a worker whose Ray title starts with ``title`` (call it inside the actor)."""
     import ray
 
-    return WorkerProcess(ray.get_runtime_context().get_node_id(), os.getpid(), title)
+    return WorkerProcess(
+        ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid(), title
+    )
 
 
 def _sigkill(pid: int, title: str) -> bool:

@@ -249,16 +249,9 @@ class MarsRLTrainer:
             self.held_out = HeldOutEval(cfg, setup.eval_problems, setup.engine_dir)
 
     def _log_where(self) -> None:
-        """One line saying on which nodes the trainer ranks and the engines run (by address), for the
-        operator of a multi-node job; nothing when everything is on one node."""
-        from mars_megatron import deadline
-
-        engines = deadline.get(
-            [engine.actor.node_address.remote() for _, engine in self.fleet.engines],
-            "the rollout engines' node addresses",
-            self.cfg.pipeline.rollout_timeout_s,
-            "pipeline.rollout_timeout_s",
-        )
+        """One line saying on which nodes the trainer ranks and the engines run (by address, as each
+        said at its start), for the operator of a multi-node job; nothing when all is on one node."""
+        engines = [engine.process.address for _, engine in self.fleet.engines]
         if len({*self.group.addresses, *engines}) > 1:
             self.log(f"placement: trainer ranks on {', '.join(self.group.addresses)}; rollout engines on "
                      f"{', '.join(engines)}")  # fmt: skip

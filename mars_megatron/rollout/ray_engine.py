@@ -95,14 +95,9 @@ class RolloutActor:
         by_reference = ray.is_initialized()  # a Ray actor: the routing stays in this node's object store
         return answer(batch, self.engine.generate, by_reference), self._version
 
-    def node_address(self) -> str:
-        """The address of the node this actor runs on (the run's log of where everything is)."""
-        import ray
-
-        return ray.util.get_node_ip_address()
-
     def process(self) -> WorkerProcess:
-        """This actor's process, for :func:`~mars_megatron.reaper.reap` if it must be given up on."""
+        """This actor's process: where it runs (the run logs its node's address), and for
+        :func:`~mars_megatron.reaper.reap` if it must be given up on."""
         return whereabouts("ray::RolloutActor")
 
     # ------------------------------------------------------------------------------ weight transfer

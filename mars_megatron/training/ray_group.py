@@ -145,14 +145,9 @@ class _RankActor:
         self._store: Any = None
         torch.set_num_threads(threads)
 
-    def where(self) -> tuple[str, str]:
-        """(Ray node id, node IP) of this actor."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-
     def process(self) -> WorkerProcess:
-        """This rank's process, for :func:`~mars_megatron.reaper.reap` if it must be given up on."""
+        """This rank's process: where it runs (its node's id and address), and for
+        :func:`~mars_megatron.reaper.reap` if it must be given up on."""
         return whereabouts("ray::_RankActor")
 
     def resources(self) -> dict[str, Any]:
@@ -313,11 +308,10 @@ class RayWorkerGroup:
                 for rank in range(world_size)
             ]
             self._processes = self._gather([a.process.remote() for a in self._actors], "process")
-            where = self._gather([a.where.remote() for a in self._actors], "where")
-            nodes = [node for node, _ in where]
-            self.addresses = [address for _, address in where]
+            nodes = [p.node_id for p in self._processes]
+            self.addresses = [p.address for p in self._processes]
             """Each rank's node address, as Ray knows it."""
-            addr = _LOOPBACK if len(set(nodes)) == 1 else where[0][1]
+            addr = _LOOPBACK if len(set(nodes)) == 1 else self.addresses[0]
             port = self._gather([self._actors[0].host_store.remote(addr)], "host_store")[0]
             local = [nodes[:r].count(nodes[r]) for r in range(world_size)]
             self._gather(
@@ -378,7 +372,7 @@ class RayWorkerGroup:
         as alive: only Ray's word that an actor is dead makes a rank dead."""
         import ray
 
-        refs = [a.where.remote() for a in self._live()]
+        refs = [a.process.remote() for a in self._live()]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         dead = []
         for rank, ref in enumerate(refs):
