@@ -55,8 +55,8 @@ def slurm_args(nodes: int, tmp: Path, *extra: str) -> list[str]:
         Q30B, *ALL_TRAINER, "train.steps=3", "algorithm.role_weights={verifier: 2}", "--executor", "slurm",
         "--nodes", str(nodes), "--gpus-per-node", "8", "--account", "acme_llm", "--partition", "batch",
         "--container-image", IMAGE, "--container-mounts", "/lustre/data:/data", "--env", "HF_HOME=/data/hf",
-        "--env", "NOTE=two words", "--cpus-per-node", "96", "--job-name", f"q30-{nodes}",
-        "--job-dir", str(tmp / "jobs"), *extra,
+        "--env", "NOTE=two words", "--env", "RAY_health_check_period_ms=1000", "--cpus-per-node", "96",
+        "--job-name", f"q30-{nodes}", "--job-dir", str(tmp / "jobs"), *extra,
     ]  # fmt: skip
 
 
@@ -179,6 +179,8 @@ def test_slurm_script_contents(nodes: int, tmp_path: Path) -> None:
                  "--partition=batch", f"--job-name=mars-q30-{nodes}", "--time=04:00:00"):  # fmt: skip
         assert f"#SBATCH {flag}" in sbatch, (flag, sbatch)
     assert "export HF_HOME=/data/hf" in script and "export NOTE='two words'" in script
+    # a name keeps its case (NeMo-Run upper-cases its own; Ray reads its settings by exact name)
+    assert "export RAY_health_check_period_ms=1000" in script and "RAY_HEALTH" not in script
     assert "export CPUS_PER_WORKER=96" in script
     assert "export RAY_AUTH_MODE=token" in script and "export RAY_AUTH_TOKEN" in script
     # the node list: the head is the allocation's first node, a worker starts on each of the others

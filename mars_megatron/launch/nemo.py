@@ -341,10 +341,13 @@ def slurm_executor(spec: LaunchSpec) -> Any:
         mounts = list(spec.container_mounts)
         if not any(m.split(":")[1] == str(spec.workdir) for m in mounts):
             mounts.append(f"{spec.workdir}:{spec.workdir}")
-    env = {key: shlex.quote(value) for key, value in spec.env.items()}  # the template writes export K=V
+    # NeMo-Run writes each of its env_vars as `export {KEY.upper()}=…`: a name with small letters (Ray's
+    # own settings, RAY_health_check_period_ms…, are read by exact name) is exported by a setup line.
+    exact = [f"export {key}={shlex.quote(value)}" for key, value in spec.env.items() if key != key.upper()]
+    env = {key: shlex.quote(value) for key, value in spec.env.items() if key == key.upper()}
     if spec.cpus_per_node is not None:
         env["CPUS_PER_WORKER"] = str(spec.cpus_per_node)  # the template's default: 8 x 16
-    setup = [] if "RAY_AUTH_MODE" in spec.env else [RAY_TOKEN_SETUP]
+    setup = exact + ([] if "RAY_AUTH_MODE" in spec.env else [RAY_TOKEN_SETUP])
     if spec.venv is not None:
         env["GPUS_PER_NODE"] = str(spec.gpus_per_node or 0)  # Ray's GPU count on every node
         # activate on the batch host: srun passes the environment (PATH, VIRTUAL_ENV) to every step
