@@ -351,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RuntimeError as e:
         # A failed rank: its traceback ends with the real error; show that line first.
-        last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
-        print(f"mars {args.command}: error: {last}\n\n{e}", file=sys.stderr)
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        said = f"{lines[-1]}\n\n{e}" if len(lines) > 1 else str(e).strip()
+        print(f"mars {args.command}: error: {said}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SystemExit):
         raise

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -142,6 +143,30 @@ class NodeNet:
     def link(self, i: int, up: bool) -> None:
         """Node ``i``'s link to the bridge down (nothing in or out; its processes live on) or up again."""
         _ip("link", "set", f"{self.bridge}n{i}", "up" if up else "down")
+
+    def crash(self, i: int) -> list[int]:
+        """Node ``i`` fails as a machine does: its link goes down, then every process on it (every one in
+        its network namespace but the namespace's holder) is killed with ``SIGKILL``; their pids. Bring it
+        back with :meth:`link` and by starting its daemons again."""
+        self.link(i, up=False)
+        node = self.node(i)
+        target = _netns(node.holder)
+        killed = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != node.holder and _netns(int(entry)) == target:
+                try:
+                    os.kill(int(entry), signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                killed.append(int(entry))
+        return killed
+
+
+def _netns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:  # gone, or a kernel thread
+        return None
 
 
 def _ip(*args: str) -> None:

@@ -142,6 +142,25 @@ class LocalSlurm:
             raise
         return self
 
+    def node_up(self, i: int) -> bool:
+        """Whether node ``i``'s ``slurmd`` runs."""
+        pid_file = self.root / "run" / f"slurmd-{self.node_names[i - 1]}.pid"
+        try:
+            return _alive(int(pid_file.read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            return False
+
+    def start_nodes(self, nodes: list[int], timeout_s: float = 60.0) -> None:
+        """Start the ``slurmd`` of each of ``nodes`` again where it is not running (after
+        :meth:`~tests.node_net.NodeNet.crash`), and wait until every node is idle (their jobs cleaned
+        up)."""
+        assert self.net is not None
+        for i in nodes:
+            if not self.node_up(i):
+                slurmd = [_tool("slurmd"), "-f", str(self.conf), "-N", self.node_names[i - 1]]
+                self._run(self.net.on(i, slurmd))
+        self._wait(f"nodes {nodes}", self._nodes_idle, timeout_s)
+
     def stop(self) -> None:
         """Stop every daemon and wait for them to go: the slurmds first (their job steps end with them),
         then the rest together (one after another took 12 s)."""

@@ -70,8 +70,8 @@ _SETTING = {"rollout": "rollout_timeout_s", "reward": "reward_timeout_s"}
 
 
 class TrainerLost(RuntimeError):
-    """Trainer ranks died (``reason`` "died") or stopped answering ("hung") during an update: the group
-    cannot go on, and nothing of the update is kept."""
+    """Trainer ranks died (``reason`` "died"), stopped answering ("hung") or were cut off ("unreachable")
+    during an update: the group cannot go on, and nothing of the update is kept."""
 
     def __init__(self, message: str, ranks: list[int], reason: str) -> None:
         super().__init__(message)
@@ -353,6 +353,20 @@ class PipelineDriver:
         else:
             self._on_reward(item, result)
 
+    def _train_result(self, ref: Any, item: _InFlight, step: int) -> Any:
+        """A trainer rank's share of update ``step``; its error is raised at once, a rank cut off
+        (Ray's ``ActorUnavailableError``: alive, but its connection broke) as :class:`TrainerLost`."""
+        import ray
+
+        from mars_megatron.training.ray_group import unreachable
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.ActorUnavailableError as e:
+            world = len(self.train_handles or [])
+            raise TrainerLost(f"update {step}: {unreachable(item.worker, world, e)}", [item.worker],
+                              "unreachable") from None  # fmt: skip
+
     # -------------------------------------------------------------------------------------------- loop
     def run_update(self, step: int) -> dict[str, float]:
         """Drive everything until one update (the run's ``step``) has finished; returns its metrics."""
@@ -375,7 +389,7 @@ class PipelineDriver:
             ref = ready[0]
             item = self.flight.pop(ref)
             if item.kind == "train":  # an update ends when its last rank has answered
-                self._train_results[item.worker] = ray.get(ref)  # a rank's error is raised at once
+                self._train_results[item.worker] = self._train_result(ref, item, step)
                 if any(other.kind == "train" for other in self.flight.values()):
                     continue
                 metrics, train_s = self._finish_update(item)

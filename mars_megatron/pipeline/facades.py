@@ -18,7 +18,8 @@ from mars_megatron.agents.sample import Sample
 from mars_megatron.config import TrainConfig
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.pipeline.fleet import EngineFleet
-from mars_megatron.reaper import reap
+from mars_megatron.pipeline.nodes import NodeWatch
+from mars_megatron.reaper import WorkerProcess, reap
 from mars_megatron.rewards.scoring import RewardWorker, ScoreRequest
 from mars_megatron.rl.data import ProblemStream
 from mars_megatron.rl.shares import BatchShare, shard_batch
@@ -138,9 +139,12 @@ class RewardPool:
     """The reward workers: one Ray actor of :class:`~mars_megatron.rewards.scoring.RewardWorker` each,
     replaced when one dies."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, nodes: NodeWatch | None = None) -> None:
+        """``nodes``: asked before a worker is started again (a lost node whose work the nodes left cannot
+        take stops the run: :mod:`~mars_megatron.pipeline.nodes`)."""
         if workers < 1:
             raise ValueError(f"RewardPool: need at least one worker, got {workers}")
+        self.nodes = nodes
         self.actors = [self._start() for _ in range(workers)]
         self._processes = [actor.process.remote() for actor in self.actors]
         """Each worker's process (its first call: answered before any score), for :meth:`restart`."""
@@ -158,16 +162,29 @@ class RewardPool:
         """Send ``requests`` to ``worker``; the handle of its ``(sample_id, reward, verdict)`` list."""
         return self.actors[worker].score.remote(list(requests))
 
-    def restart(self, worker: int) -> None:
-        """``worker`` died or hung: it is killed, its process for sure (a stopped one outlives
-        ``ray.kill``), and a new actor takes its place."""
+    def processes(self) -> list[WorkerProcess | None]:
+        """Each worker's process and node (None: it has not said, it died or hung while starting)."""
+        return [self._process(worker) for worker in range(len(self.actors))]
+
+    def _process(self, worker: int) -> WorkerProcess | None:
         import contextlib
 
         import ray
 
-        process = None
-        with contextlib.suppress(Exception):  # it never answered: died or hung while starting
-            process = ray.get(self._processes[worker], timeout=1)
+        with contextlib.suppress(Exception):  # answered at its start: at once, even after it died
+            return ray.get(self._processes[worker], timeout=1)
+        return None
+
+    def restart(self, worker: int) -> None:
+        """``worker`` died or hung: it is killed, its process for sure (a stopped one outlives
+        ``ray.kill``), and a new actor takes its place (if a lost node left room for it)."""
+        import contextlib
+
+        import ray
+
+        if self.nodes is not None:
+            self.nodes.before_replacing("reward", worker)
+        process = self._process(worker)
         with contextlib.suppress(Exception):  # already gone
             ray.kill(self.actors[worker])
         reap(process)

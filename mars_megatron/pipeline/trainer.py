@@ -33,6 +33,7 @@ from mars_megatron.rl.worker import PolicyWorker
 
 if TYPE_CHECKING:
     from mars_megatron.pipeline.driver import TrainerLost
+    from mars_megatron.pipeline.nodes import Holding
 
 STATE_VERSION = 1
 PIPELINE_FILE = "pipeline_state.pt"
@@ -190,6 +191,7 @@ class MarsRLTrainer:
     def __init__(self, cfg: MarsConfig, setup: RunSetup, *, log: Callable[[str], None] = print) -> None:
         from mars_megatron.pipeline.facades import TrainerGroup, TrainerRanks
         from mars_megatron.pipeline.fleet import EngineFleet
+        from mars_megatron.pipeline.nodes import NodeWatch
         from mars_megatron.pipeline.placement import place, unplaced_gpus, unplaced_launch
         from mars_megatron.rollout.chat import ChatCodec
         from mars_megatron.training.ray_group import rendezvous_host
@@ -209,8 +211,14 @@ class MarsRLTrainer:
             vllm = cfg.rollout.engine == "vllm"
             gpus = unplaced_gpus(self._cluster_gpus(), setup.world_size, engines, cfg.rollout.tp, vllm=vllm)
             self._unplaced = unplaced_launch(cfg.rollout.tp, gpus)
+            self._engine_needs = {"CPU": self._unplaced.num_cpus, "GPU": float(gpus)}
         else:
             self.placement = place(p.placement, setup.world_size, engines, engine_gpus=cfg.rollout.tp)
+            own = self.placement.resources()  # each actor's share of its bundles
+            self._engine_needs = {"CPU": own["num_cpus"], "GPU": own["num_gpus"] * cfg.rollout.tp}
+        self.nodes = NodeWatch(self.holdings, log)
+        """Asked before a rank, engine or reward worker is started again: a lost node whose work the nodes
+        left cannot take stops the run at once, naming it (:mod:`~mars_megatron.pipeline.nodes`)."""
         names = [name for name in self.names for _ in range(p.rollout_workers)]
         # the engines load their models while the trainer ranks build theirs
         starting = [(name, self._launch_engine(i)) for i, name in enumerate(names)]
@@ -256,6 +264,25 @@ class MarsRLTrainer:
             self.log(f"placement: trainer ranks on {', '.join(self.group.addresses)}; rollout engines on "
                      f"{', '.join(engines)}")  # fmt: skip
 
+    def holdings(self) -> list[Holding]:
+        """What this run holds on the cluster's nodes: trainer ranks, rollout engines, reward workers."""
+        from mars_megatron.pipeline.nodes import Holding
+
+        placed = self._trainer_placement()
+        rank = {"CPU": placed["num_cpus_per_rank"], "GPU": placed["num_gpus_per_rank"]}
+        held = [Holding("rank", r, f"trainer rank {r}", p, rank) for r, p in enumerate(self.group.processes)]
+        held += [
+            Holding("engine", i, f"rollout engine {i} ({name})", engine.process, self._engine_needs)
+            for i, (name, engine) in enumerate(self.fleet.engines)
+        ]
+        driver = getattr(self, "driver", None)  # none yet while the first one is built
+        if driver is not None:
+            held += [
+                Holding("reward", w, f"reward worker {w}", p, {"CPU": 1.0})
+                for w, p in enumerate(driver.rewards.processes())
+            ]
+        return held
+
     def _new_group(self) -> Any:
         """The trainer ranks: one Ray actor each, every policy's model built (from ``setup.model_dir``)."""
         from mars_megatron.training.ray_group import RayWorkerGroup
@@ -272,7 +299,9 @@ class MarsRLTrainer:
         )
 
     def _start_engine(self, index: int) -> Any:
-        """Rollout engine ``index`` as a Ray actor, built (:meth:`_launch_engine`, waited for)."""
+        """Rollout engine ``index`` started again as a Ray actor (:meth:`_launch_engine`), built: the
+        fleet's replacement of a dead or hung one, once the nodes left have room for it."""
+        self.nodes.before_replacing("engine", index)
         return self._launch_engine(index).ready()
 
     def _launch_engine(self, index: int) -> Any:
@@ -353,7 +382,7 @@ class MarsRLTrainer:
             scheduler,
             fleet=self.fleet,
             trainers=self.trainers,
-            rewards=rewards or RewardPool(p.reward_workers),
+            rewards=rewards or RewardPool(p.reward_workers, self.nodes),
             problems=ProblemFeed(self.stream, cfg.data.problems_per_step),
             codec=codec,
             sampling=sampling,
@@ -454,6 +483,7 @@ class MarsRLTrainer:
         a rank can be lost outside an update too (in the weight push, in a checkpoint's save), and the
         error that surfaces is then another rank's or the transfer's."""
         from mars_megatron.pipeline.driver import TrainerLost
+        from mars_megatron.pipeline.nodes import NodeLost
         from mars_megatron.training.ray_group import RanksHung
 
         if isinstance(error, TrainerLost):
@@ -462,6 +492,8 @@ class MarsRLTrainer:
         for _ in range(16):  # the chain of causes, however it was raised (bounded: a chain may loop)
             if cause is None:
                 break
+            if isinstance(cause, NodeLost):  # a replacement found no room: the run stops, saying why
+                return cause
             if isinstance(cause, RanksHung):
                 return TrainerLost(f"{what}: {cause}", cause.ranks, "hung")
             cause = cause.__cause__ or cause.__context__
@@ -479,13 +511,15 @@ class MarsRLTrainer:
         are restored, and the engines take the checkpoint's weights. With the schedule deterministic
         (``pipeline.mode=sync``) the steps that follow are those of a run never interrupted. Re-raises
         ``lost`` (with the reason) when ``pipeline.trainer_restarts`` are used up or no checkpoint
-        exists; returns the seconds it took."""
+        exists, and raises :class:`~.nodes.NodeLost` when a node of the run's is lost and the nodes left
+        cannot hold a new group (with room, the group is rebuilt on them); returns the seconds it took."""
         import time
 
         from mars_megatron.checkpoint.store import CheckpointStore
         from mars_megatron.pipeline.driver import TrainerLost
         from mars_megatron.pipeline.facades import TrainerRanks
 
+        self.nodes.before_replacing("rank")  # a lost node and no room for the group: NodeLost, now
         c = self.cfg.checkpoint
         latest = CheckpointStore(c.save_dir, c.keep_last).latest() if c.save_dir else None
         if self.trainer_restarts >= self.cfg.pipeline.trainer_restarts or latest is None:

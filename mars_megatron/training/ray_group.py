@@ -323,6 +323,11 @@ class RayWorkerGroup:
             self.shutdown()
             raise
 
+    @property
+    def processes(self) -> list[WorkerProcess]:
+        """Each rank's process and node, as it said at its start."""
+        return list(self._processes)
+
     def resources(self) -> list[dict[str, Any]]:
         """The Ray resources each rank holds, its (logical) GPU ids and placement group."""
         return deadline.get(
@@ -369,9 +374,13 @@ class RayWorkerGroup:
         """The ranks whose actor has died (its process killed, crashed, or its node gone), asked after a
         failure to tell a lost rank from an error in the code. A rank still busy (blocked in a collective
         with the dead one, as on NCCL, which tells nobody) does not answer within ``timeout_s`` and counts
-        as alive: only Ray's word that an actor is dead makes a rank dead."""
+        as alive: only Ray's word that an actor (or its node) is dead makes a rank dead."""
         import ray
 
+        alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        gone = [rank for rank, p in enumerate(self._processes) if p.node_id not in alive]
+        if gone:  # their node is dead (Ray says so): no need to wait for the others' answers
+            return gone
         refs = [a.process.remote() for a in self._live()]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         dead = []
@@ -444,6 +453,11 @@ class RayWorkerGroup:
                 i = index[ref]
                 try:
                     out[i] = ray.get(ref)
+                except ray.exceptions.ActorUnavailableError as e:  # not dead: cut off (a link, a stall)
+                    _drain(pending)
+                    raise RanksHung(
+                        f"{what}: {unreachable(ranks[i], self.world_size, e)}", [ranks[i]]
+                    ) from None
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
                     _drain(pending)
                     raise self._error(e, ranks[i], what) from None
@@ -458,6 +472,14 @@ class RayWorkerGroup:
         if isinstance(e, ray.exceptions.RayActorError):
             return _rank_error(rank, self.world_size, what, f"the rank's actor died: {e}")
         return _rank_error(rank, self.world_size, what, str(e))
+
+
+def unreachable(rank: int, world_size: int, error: Exception) -> str:
+    """What Ray's ``ActorUnavailableError`` for a rank's call means: the connection to a living actor
+    broke (measured: a node's link down for 30 s, the connection reset when it came back), and the call
+    may or may not have run, so the update cannot be trusted or sent again; the group is rebuilt."""
+    said = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return f"trainer rank {rank} of {world_size} unreachable, its call may or may not have run ({said})"
 
 
 def _drain(refs: list[Any]) -> None:
