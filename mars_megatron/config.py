@@ -521,6 +521,15 @@ class PipelineConfig(Section):
         min=0.01,
         max=1024,
     )
+    network_interface: str | None = _field(
+        None,
+        "The network interface a multi-homed cluster's nodes talk over (its name on every node, e.g. "
+        "'ib0', 'bond0'). `mars launch --executor slurm --venv` gives each node's Ray that interface's "
+        "address instead of Slurm's NodeAddr, so the trainer's and the weight transfer's stores listen "
+        "there and gloo takes the route to them; trainer ranks and rollout engines also set "
+        "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to it. null: Slurm's NodeAddr, and gloo the interface "
+        "on the route to rank 0's store (NCCL picks its own).",
+    )
     bucket_mb: int = _field(
         512,
         "Weight push bucket size in MiB: the trainer's senders broadcast the policy to every engine in "
@@ -568,6 +577,14 @@ class PipelineConfig(Section):
     )
 
     def validate(self) -> None:
+        if self.network_interface is not None and not re.fullmatch(
+            r"[A-Za-z0-9_.-]{1,15}", self.network_interface
+        ):
+            raise ConfigError(
+                f"{self.network_interface!r}: expected one interface name (1-15 letters, digits, '_', '.' "
+                "or '-'), as `ip link` lists it",
+                "network_interface",
+            )
         # Role names are the agent graph's: agents/graph_file.py:graph_for checks them against it.
         for role, bound in self.staleness_per_role.items():
             if not isinstance(bound, int) or bound < 0:

@@ -8,6 +8,8 @@ Layout (``NodeNet(3)``)::
         veth -> node 1: eth0 10.213.<k>.1/24, hostname mars-node1
         veth -> node 2: eth0 10.213.<k>.2/24, hostname mars-node2
         veth -> node 3: eth0 10.213.<k>.3/24, hostname mars-node3
+      bridge marsbr<k+1> (``data_network=True``: a second network, as on a multi-homed cluster)
+        veth -> node i: eth1 10.<k+1>.0.i/24
 
 The addresses belong to this project's own test hosts, inside namespaces it made: no node has a route
 beyond its bridge, and the bridge is in a namespace with no other link, so nothing reaches another machine.
@@ -62,7 +64,9 @@ class Node:
 class NodeNet:
     """``count`` nodes on a bridge: create with :meth:`start`, end with :meth:`stop` (or ``with``)."""
 
-    def __init__(self, count: int, subnet: int = 213) -> None:
+    def __init__(self, count: int, subnet: int = 213, *, data_network: bool = False) -> None:
+        """``data_network``: a second network (a multi-homed cluster's: bridge ``marsbr<k+1>``, each node's
+        ``eth1`` at ``10.<k+1>.0.<i>``) beside the first, which Slurm's ``NodeAddr`` stays on."""
         if not 1 <= count <= 200:
             raise ValueError(f"count: 1..200 nodes, got {count}")
         self.count = count
@@ -70,14 +74,17 @@ class NodeNet:
         self.bridge = f"marsbr{subnet}"
         self.prefix = f"10.{subnet}.0"
         self.controller = f"{self.prefix}.{CONTROLLER_HOST}"
+        self.data_prefix = f"10.{subnet + 1}.0" if data_network else None
+        self.bridges = [self.bridge, *([f"marsbr{subnet + 1}"] if data_network else [])]
         self.nodes: list[Node] = []
         self._holders: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> NodeNet:
         try:
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.controller}/24", "dev", self.bridge)
-            _ip("link", "set", self.bridge, "up")
+            for k, bridge in enumerate(self.bridges):
+                _ip("link", "add", bridge, "type", "bridge")
+                _ip("addr", "add", f"10.{self.subnet + k}.0.{CONTROLLER_HOST}/24", "dev", bridge)
+                _ip("link", "set", bridge, "up")
             _ip("link", "set", "lo", "up")
             for i in range(1, self.count + 1):
                 self.nodes.append(self._add_node(i))
@@ -106,13 +113,14 @@ class NodeNet:
         if holder.stdout.readline().strip() != b"up":
             raise RuntimeError(f"node {i}: its namespace holder exited ({holder.wait()})")
         node = Node(i, hostname, f"{self.prefix}.{i}", holder.pid)
-        veth = f"{self.bridge}n{i}"
-        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", str(holder.pid))
-        _ip("link", "set", veth, "master", self.bridge, "up")
         on = node.nsenter()
         _run([*on, "ip", "link", "set", "lo", "up"])
-        _run([*on, "ip", "addr", "add", f"{node.address}/24", "dev", "eth0"])
-        _run([*on, "ip", "link", "set", "eth0", "up"])
+        for k, bridge in enumerate(self.bridges):
+            veth, eth = f"{bridge}n{i}", f"eth{k}"
+            _ip("link", "add", veth, "type", "veth", "peer", "name", eth, "netns", str(holder.pid))
+            _ip("link", "set", veth, "master", bridge, "up")
+            _run([*on, "ip", "addr", "add", f"10.{self.subnet + k}.0.{i}/24", "dev", eth])
+            _run([*on, "ip", "link", "set", eth, "up"])
         return node
 
     def stop(self) -> None:
@@ -123,7 +131,8 @@ class NodeNet:
                 holder.wait()
         self._holders.clear()
         self.nodes.clear()
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        for bridge in self.bridges:
+            subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
     def __enter__(self) -> NodeNet:
         return self.start()
@@ -141,8 +150,9 @@ class NodeNet:
         return [*self.node(i).nsenter(), *argv]
 
     def link(self, i: int, up: bool) -> None:
-        """Node ``i``'s link to the bridge down (nothing in or out; its processes live on) or up again."""
-        _ip("link", "set", f"{self.bridge}n{i}", "up" if up else "down")
+        """Node ``i``'s links to the bridges down (nothing in or out; its processes live on) or up again."""
+        for bridge in self.bridges:
+            _ip("link", "set", f"{bridge}n{i}", "up" if up else "down")
 
     def crash(self, i: int) -> list[int]:
         """Node ``i`` fails as a machine does: its link goes down, then every process on it (every one in

@@ -129,3 +129,13 @@ class PromptEcho:
                 GenerationOutput(r.request_id, ids, [-0.5] * n, "length", {"prompt": prompt.tolist()})
             )
         return outputs
+
+
+class SocketsRank:
+    """A trainer rank that only says which interfaces its collectives bind and sums a tensor over the group
+    (the group's gloo sockets, on the interface given)."""
+
+    def sockets(self) -> tuple[str | None, str | None, float]:
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        return os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME"), float(total)

@@ -478,3 +478,11 @@ def test_role_keyed_settings_are_checked_against_the_agent_graph(override: str, 
     with pytest.raises(GraphError) as error:
         graph_for(cfg)
     assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize("name", ["eth0; reboot", "$(id)", "ib0,eth0", "a" * 16, "", "^docker"])
+def test_a_network_interface_is_one_name_and_nothing_else(name: str) -> None:
+    """It reaches the launcher's Slurm script and every rank's environment: one interface name only."""
+    said = error_of(None, (f"pipeline.network_interface={name!r}",))
+    assert "pipeline.network_interface: " in said and "expected one interface name" in said
+    assert load_config(None, ["pipeline.network_interface=ib0"]).pipeline.network_interface == "ib0"

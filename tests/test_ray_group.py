@@ -325,3 +325,17 @@ def test_a_wait_past_its_deadline_names_what_it_waited_for(cluster: None) -> Non
     assert time.monotonic() - started < 10
     assert str(err.value) == "the sleeper's nap: no answer within 0.5 s (pipeline.rollout_timeout_s)"
     ray.kill(sleeper)
+
+
+def test_the_network_interface_asked_for_is_bound_and_a_missing_one_is_named(cluster: None) -> None:
+    """``pipeline.network_interface`` reaches every rank's gloo and NCCL; a node without the interface
+    fails the group's start, naming the setting and what the node has."""
+    from tests.ray_workers import SocketsRank
+
+    with RayWorkerGroup(SocketsRank, 2, threads_per_rank=1, socket_ifname="lo") as g:
+        assert g.call("sockets") == [("lo", "lo", 2.0), ("lo", "lo", 2.0)]
+    with RayWorkerGroup(SocketsRank, 2, threads_per_rank=1) as g:  # loopback: one node
+        assert g.call("sockets") == [("lo", None, 2.0), ("lo", None, 2.0)]
+    with pytest.raises(RankError, match=r"pipeline\.network_interface: \S+ has no interface 'nosuch0' "
+                       r"with an IPv4 address \(it has: .*lo.*\)"):  # fmt: skip
+        RayWorkerGroup(SocketsRank, 2, threads_per_rank=1, socket_ifname="nosuch0")

@@ -53,7 +53,10 @@ pytestmark = pytest.mark.skipif(
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
     if _missing:  # under CI (see pytestmark): a missing piece is a failure, not a skip
         pytest.fail(f"the real-Slurm tests cannot run: missing {'; '.join(_missing)}", pytrace=False)
-    with NodeNet(NODES) as net, LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=net) as cluster:
+    with (
+        NodeNet(NODES, data_network=True) as net,
+        LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=net) as cluster,
+    ):
         yield cluster
 
 
@@ -74,18 +77,9 @@ def test_each_node_has_its_own_hostname_and_address_and_no_route_beyond_the_brid
         seen[host] = next(w.split("/")[0] for w in addr if w.count(".") == 3)
     assert seen == {n.hostname: n.address for n in slurm.net.nodes}
     routes = srun(slurm, "-w", "mars-node2", "ip", "-4", "route").splitlines()
-    assert [r.split() for r in routes] == [
-        [
-            f"{slurm.net.prefix}.0/24",
-            "dev",
-            "eth0",
-            "proto",
-            "kernel",
-            "scope",
-            "link",
-            "src",
-            slurm.net.node(2).address,
-        ]
+    assert [r.split() for r in routes] == [  # its two networks (the second: a multi-homed cluster's)
+        [f"{prefix}.0/24", "dev", eth, "proto", "kernel", "scope", "link", "src", f"{prefix}.2"]
+        for eth, prefix in (("eth0", slurm.net.prefix), ("eth1", slurm.net.data_prefix))
     ]
 
 
@@ -250,11 +244,13 @@ def test_a_three_node_job_goes_on_without_a_lost_node_stops_when_none_is_left_an
     """``--nodes 3``: the Ray head on the first node, workers joining from the other two over the bridge,
     the trainer as the driver; nodes crash for real (link down, every process on them killed).
 
-    1. Each node offers Ray 4 CPUs, a trainer rank takes 2: both ranks on one node, the engine and the
-       reward worker on the head's, the third node spare. After the step-2 checkpoint the ranks' node
-       crashes; once Ray counts it dead, the group is rebuilt on the spare node inside the job, which
-       says it goes on without the lost node. That node then crashes too: the nodes left cannot hold a
-       group, and the run stops naming it and what it held (``sacct`` FAILED).
+    1. On the nodes' second network (``pipeline.network_interface=eth1``: Ray's addresses, so the stores
+       and gloo, there; Slurm's on the first). Each node offers Ray 4 CPUs, a trainer rank takes 2: both
+       ranks on one node, the engine and the reward worker on the head's, the third node spare. After
+       the step-2 checkpoint the ranks' node crashes; once Ray counts it dead, the group is rebuilt on
+       the spare node inside the job, which says it goes on without the lost node. That node then
+       crashes too: the nodes left cannot hold a group, and the run stops naming it and what it held
+       (``sacct`` FAILED).
     2. The nodes come back; the job is resumed through the launcher with 2 CPUs a node, so its two ranks
        run on two nodes (gloo across the bridge) and the engine on the third (the weight push crosses
        nodes). A rank's node has its link cut for 30 s: the run goes on when it is back, or Ray counts
@@ -266,21 +262,24 @@ def test_a_three_node_job_goes_on_without_a_lost_node_stops_when_none_is_left_an
     run, jobs = tmp_path / "run", tmp_path / "jobs"
     log = jobs / "cut" / "logs" / "ray-job.log"
     fast = [arg for env in FAST_HEALTH for arg in ("--env", env)]
-    spare = ["pipeline.cpus_per_rank=2", "--env", "CPUS_PER_WORKER=4", "--nodes", str(NODES), *fast]
+    data = "pipeline.network_interface=eth1"  # Ray, the stores and gloo on the nodes' second network
+    spare = ["pipeline.cpus_per_rank=2", data, "--env", "CPUS_PER_WORKER=4", "--nodes", str(NODES), *fast]
     r = mars_launch(slurm, tmp_path, *tiny_job(sft_model, run, jobs, "cut", *spare))
     assert r.returncode == 0, explain(r, jobs, slurm)
     first = submitted_id(r.stdout)
     wait_for(run / "ckpt" / "step_000002" / "trainer_state.json", "", slurm, first, explain(r, jobs, slurm))
+    batch = next((jobs / "cut" / "logs").glob(f"sbatch_mars-cut_{first}.out")).read_text()
+    assert "[mars] Ray head on mars-node1 (10.214.0.1:6379)" in batch, batch[-3000:]
     placement = next(line for line in log.read_text().splitlines() if line.startswith("placement: "))
     ranks, engines = (part.split(" on ")[1].split(", ") for part in placement[11:].split("; "))
-    assert len(set(ranks)) == 1 and engines == ["10.213.0.1"], placement
+    assert len(set(ranks)) == 1 and engines == ["10.214.0.1"], placement
     packed = int(ranks[0].rsplit(".", 1)[1])
     other = 5 - packed  # the spare node: 2 or 3
     try:
-        said = f"node mars-node{packed} (10.213.0.{packed}) is lost (Ray counts it dead): the nodes left"
+        said = f"node mars-node{packed} (10.214.0.{packed}) is lost (Ray counts it dead): the nodes left"
         went_on = crash(slurm, packed, first, log, said, explain(r, jobs, slurm))
         wait_for(log, "trainer group rebuilt in", slurm, first, explain(r, jobs, slurm))
-        said = f"mars train: error: node mars-node{other} (10.213.0.{other}) is lost (Ray counts it dead)"
+        said = f"mars train: error: node mars-node{other} (10.214.0.{other}) is lost (Ray counts it dead)"
         stopped = crash(slurm, other, first, log, said, explain(r, jobs, slurm))
         assert slurm.wait_done(first, 120) == ("FAILED", "1:0"), explain(r, jobs, slurm)
     finally:

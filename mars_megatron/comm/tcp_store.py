@@ -69,3 +69,19 @@ def interface_of(address: str) -> str:
         if any(a.address == address for a in addresses):
             return name
     raise RuntimeError(f"no network interface of this host holds {address}")
+
+
+def check_interface(name: str) -> None:
+    """Raise naming ``name`` (``pipeline.network_interface``) and this host unless it has an interface of
+    that name with an IPv4 address: gloo and NCCL would otherwise fail later, with less to go on."""
+    import psutil
+
+    addresses = psutil.net_if_addrs().get(name, [])
+    if not any(a.family == socket.AF_INET for a in addresses):
+        have = ", ".join(
+            sorted(n for n, a in psutil.net_if_addrs().items() if any(x.family == socket.AF_INET for x in a))
+        )
+        raise RuntimeError(
+            f"pipeline.network_interface: {socket.gethostname()} has no interface {name!r} with an IPv4 "
+            f"address (it has: {have})"
+        )

@@ -112,6 +112,8 @@ class LaunchSpec:
     venv: Path | None = None
     """Container-less: the virtual environment every node activates (a path all nodes see)."""
     cpus_per_node: int | None = None
+    network_interface: str | None = None
+    """``pipeline.network_interface``: the interface whose address each node's Ray takes (``--venv``)."""
 
     def train_args(self) -> list[str]:
         """Arguments of ``mars`` that run this job's training."""
@@ -289,6 +291,7 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
         container_mounts=tuple(mounts),
         venv=venv,
         cpus_per_node=args.cpus_per_node,
+        network_interface=cfg.pipeline.network_interface,  # a name checked by the config: safe in a shell
     )
 
 
@@ -350,6 +353,8 @@ def slurm_executor(spec: LaunchSpec) -> Any:
     setup = exact + ([] if "RAY_AUTH_MODE" in spec.env else [RAY_TOKEN_SETUP])
     if spec.venv is not None:
         env["GPUS_PER_NODE"] = str(spec.gpus_per_node or 0)  # Ray's GPU count on every node
+        if spec.network_interface:
+            env["MARS_NETWORK_INTERFACE"] = spec.network_interface  # each node's Ray address: the template
         # activate on the batch host: srun passes the environment (PATH, VIRTUAL_ENV) to every step
         setup.append(f"set +u\nsource {shlex.quote(str(spec.venv / 'bin' / 'activate'))}\nset -u")
     return run.SlurmExecutor(

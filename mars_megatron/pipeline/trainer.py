@@ -295,6 +295,7 @@ class MarsRLTrainer:
             self.names,
             threads_per_rank=runtime_env.cpu_threads(),  # a constant: reductions split alike on any host
             call_timeout_s=self.cfg.pipeline.train_timeout_s,
+            socket_ifname=self.cfg.pipeline.network_interface,
             **self._trainer_placement(),
         )
 
@@ -318,12 +319,14 @@ class MarsRLTrainer:
         else:
             launch = self.placement.engine_launch(index)
             strategy = self.placement.strategy(self.placement.engine_bundles[index][0])
+        ifname = self.cfg.pipeline.network_interface  # NCCL's weight transfer (and vLLM's own groups)
+        sockets = {"NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname} if ifname else {}
         return launch_rollout_actor(
             recipe,
             num_cpus=launch.num_cpus,
             num_gpus=launch.num_gpus,
             threads=self._threads,
-            env=launch.env,
+            env={**(launch.env or {}), **sockets} or None,
             scheduling_strategy=strategy,
             timeout_s=self.cfg.pipeline.rollout_timeout_s,
         )

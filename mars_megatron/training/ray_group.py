@@ -32,7 +32,13 @@ import torch
 import torch.distributed as dist
 
 from mars_megatron import deadline
-from mars_megatron.comm.tcp_store import LOOPBACK, interface_of, listening_store, local_address
+from mars_megatron.comm.tcp_store import (
+    LOOPBACK,
+    check_interface,
+    interface_of,
+    listening_store,
+    local_address,
+)
 from mars_megatron.reaper import WorkerProcess, reap, whereabouts
 
 if TYPE_CHECKING:
@@ -169,7 +175,7 @@ class _RankActor:
         self._store = listening_store(addr, 0, world_size=self.world_size)
         return int(self._store.port)
 
-    def init_group(self, addr: str, port: int, local_rank: int) -> None:
+    def init_group(self, addr: str, port: int, local_rank: int, ifname: str | None = None) -> None:
         os.environ.update(
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size),
@@ -179,8 +185,12 @@ class _RankActor:
         )
         # gloo binds the interface its name says; without one it resolves this host's name, which may
         # answer loopback (it did on the test cluster's nodes: every rank then advertised 127.0.0.1). So
-        # the interface on the route to rank 0's store, which the other ranks reach too.
-        here = "lo" if addr == _LOOPBACK else interface_of(local_address(addr, port))
+        # the interface asked for (a multi-homed cluster's), else the one on the route to rank 0's
+        # store, which the other ranks reach too.
+        if ifname is not None:
+            check_interface(ifname)
+            os.environ["NCCL_SOCKET_IFNAME"] = ifname
+        here = ifname or ("lo" if addr == _LOOPBACK else interface_of(local_address(addr, port)))
         os.environ["GLOO_SOCKET_IFNAME"] = here
         if torch.cuda.is_available():
             # Ray gives each rank its own GPU via CUDA_VISIBLE_DEVICES, so it is device 0 of this process.
@@ -233,6 +243,8 @@ class RayWorkerGroup:
     all ranks (a single-node group rendezvouses on loopback), PACK otherwise. Each rank gets one GPU when
     this process sees CUDA (override with ``num_gpus_per_rank``). ``env`` goes into every actor's
     environment before it starts (Ray ``runtime_env``), for variables read at import (NCCL_*, OMP_*).
+    ``socket_ifname``: the network interface gloo and NCCL bind on every rank (checked on each node);
+    None: the one on the route to rank 0's store.
     Starts a local Ray instance if none is running, as Ray itself does on first use.
     """
 
@@ -248,6 +260,7 @@ class RayWorkerGroup:
         ready_timeout_s: float = 300.0,
         call_timeout_s: float = 7200.0,
         placement: tuple[Any, list[int]] | None = None,
+        socket_ifname: str | None = None,
         **init_kwargs: Any,
     ) -> None:
         import ray
@@ -315,7 +328,11 @@ class RayWorkerGroup:
             port = self._gather([self._actors[0].host_store.remote(addr)], "host_store")[0]
             local = [nodes[:r].count(nodes[r]) for r in range(world_size)]
             self._gather(
-                [a.init_group.remote(addr, port, local[r]) for r, a in enumerate(self._actors)], "init_group"
+                [
+                    a.init_group.remote(addr, port, local[r], socket_ifname)
+                    for r, a in enumerate(self._actors)
+                ],
+                "init_group",
             )
             spec = ray.put((worker_cls, init_args, init_kwargs))
             self._gather([a.construct.remote(spec) for a in self._actors], f"{worker_cls.__qualname__}()")
