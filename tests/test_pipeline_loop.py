@@ -130,10 +130,9 @@ def test_agentic_run_resumes_its_in_flight_state(sft_model: Path, tmp_path: Path
 
 
 def _rollouts(run: Path) -> list[list[dict]]:
-    import json
+    from mars_megatron.pipeline.agents import read_rollouts
 
-    files = sorted((run / "rollouts").glob("step_*.jsonl"))
-    return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+    return read_rollouts(run / "rollouts")
 
 
 def test_sync_is_the_agentic_pipeline_at_staleness_zero(sft_model: Path, tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ import pytest
 
 from mars_megatron.launch import nemo
 from mars_megatron.metrics import read_metrics
+from mars_megatron.pipeline.agents import trained_ids
 from tests import node_net
 from tests.node_net import NodeNet
 from tests.slurm_cluster import ACCOUNT, PARTITION, LocalSlurm, missing_prerequisites
@@ -138,8 +139,9 @@ def tiny_job(model: Path, run: Path, job_dir: Path, name: str, *extra: str) -> l
     return [
         str(TINY), f"model.mcore_dir={model}", f"data.train_file={DATA}", f"logging.run_dir={run}",
         f"checkpoint.save_dir={run}/ckpt", "checkpoint.save_interval=1", f"train.steps={STEPS}",
-        "data.problems_per_step=4", "logging.tensorboard=false", "--executor", "slurm", "--venv", str(VENV),
-        "--account", ACCOUNT, "--partition", PARTITION, "--gpus-per-node", "0", "--time", "30",
+        "data.problems_per_step=4", "logging.tensorboard=false", "logging.rollouts=true", "--executor",
+        "slurm", "--venv", str(VENV), "--account", ACCOUNT, "--partition", PARTITION, "--gpus-per-node", "0",
+        "--time", "30",
         "--job-name", name, "--job-dir", str(job_dir), *extra,
     ]  # fmt: skip
 
@@ -329,6 +331,8 @@ def test_a_three_node_job_goes_on_without_a_lost_node_stops_when_none_is_left_an
     assert [rec["step"] for rec in got] == list(range(1, STEPS + 1))
     for a, b in zip(got, want, strict=True):
         assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}, a["step"]
+    # every step trained the samples the one-node job's did: none lost, none trained twice
+    assert trained_ids(run / "rollouts") == trained_ids(completed[0] / "rollouts")
 
 
 def test_slurm_refuses_an_unknown_account_at_submission(slurm: LocalSlurm, tmp_path: Path) -> None:

@@ -168,3 +168,18 @@ def write_rollouts(folder: Path, step: int, batch: Batch, trained: Sequence[Samp
             f.write(json.dumps(record) + "\n")
     tmp.replace(path)
     return path
+
+
+def read_rollouts(folder: Path) -> list[list[dict[str, Any]]]:
+    """Per update, in step order, the records :func:`write_rollouts` wrote (those of the steps a run
+    kept: a step done again after a resume or a rebuilt trainer replaced its file)."""
+    import json
+
+    files = sorted(folder.glob("step_*.jsonl"))
+    return [[json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()] for f in files]
+
+
+def trained_ids(folder: Path) -> list[list[str]]:
+    """Per update, the ids of the outputs trained on: with an uninterrupted run's, what a run that lost
+    work lost (ids missing) or trained twice (ids repeated)."""
+    return [[r["sample_id"] for r in step if r["advantage"] is not None] for step in read_rollouts(folder)]

@@ -56,6 +56,7 @@ from pathlib import Path
 from common import REPO, mars_argv, warm_start
 
 from mars_megatron.metrics import read_metrics
+from mars_megatron.pipeline.agents import trained_ids
 
 KINDS = {
     "engine_kill": b"ray::RolloutActor.generate_versioned",
@@ -223,15 +224,6 @@ def chaos(run: Run, args: list[str], faults: list[Fault]) -> None:
                 pass
 
 
-def trained_ids(folder: Path) -> list[list[str]]:
-    """Per update, the ids of the outputs trained on (the rollouts files of the steps kept)."""
-    steps = []
-    for path in sorted((folder / "rollouts").glob("step_*.jsonl")):
-        records = [json.loads(line) for line in path.read_text().splitlines()]
-        steps.append([r["sample_id"] for r in records if r["advantage"] is not None])
-    return steps
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -289,7 +281,7 @@ def main() -> None:
         times = [f.recovered_s for f in mine if f.recovered_s is not None]
         mean = f"{statistics.mean(times):.1f} s" if times else "-"
         print(f"{kind:<13}{len(mine):>9}{len(times):>9}{mean:>20}")
-    base_ids, ids = trained_ids(base.folder), trained_ids(run.folder)
+    base_ids, ids = trained_ids(base.folder / "rollouts"), trained_ids(run.folder / "rollouts")
     flat = [i for step in ids for i in step]
     lost = set(i for step in base_ids for i in step) - set(flat)
     duplicated = len(flat) - len(set(flat))
