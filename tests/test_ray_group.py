@@ -339,3 +339,22 @@ def test_the_network_interface_asked_for_is_bound_and_a_missing_one_is_named(clu
     with pytest.raises(RankError, match=r"pipeline\.network_interface: \S+ has no interface 'nosuch0' "
                        r"with an IPv4 address \(it has: .*lo.*\)"):  # fmt: skip
         RayWorkerGroup(SocketsRank, 2, threads_per_rank=1, socket_ifname="nosuch0")
+
+
+def test_a_group_waiting_for_resources_asks_while_waiting_and_stops_when_it_raises(cluster: None) -> None:
+    """A run rebuilding its trainer after a link cut waited out the whole placement timeout for a node Ray
+    counted dead meanwhile; now the wait asks the run every few seconds (it checks its lost nodes)."""
+    from tests.ray_workers import SocketsRank
+
+    asked = []
+
+    def lost() -> None:
+        asked.append(time.monotonic())
+        raise RuntimeError("node mars-node2 is lost")
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="node mars-node2 is lost"):
+        RayWorkerGroup(SocketsRank, 2, num_cpus_per_rank=3, ready_timeout_s=300, while_waiting=lost)
+    assert len(asked) == 1 and asked[0] - started < 15
+    with RayWorkerGroup(SocketsRank, 2, threads_per_rank=1) as g:  # the resources were given back
+        assert [total for _, _, total in g.call("sockets")] == [2.0, 2.0]

@@ -283,8 +283,9 @@ class MarsRLTrainer:
             ]
         return held
 
-    def _new_group(self) -> Any:
-        """The trainer ranks: one Ray actor each, every policy's model built (from ``setup.model_dir``)."""
+    def _new_group(self, while_waiting: Callable[[], None] | None = None) -> Any:
+        """The trainer ranks: one Ray actor each, every policy's model built (from ``setup.model_dir``).
+        ``while_waiting``: asked while the cluster has not granted their resources (it may raise)."""
         from mars_megatron.training.ray_group import RayWorkerGroup
 
         return RayWorkerGroup(
@@ -296,6 +297,7 @@ class MarsRLTrainer:
             threads_per_rank=runtime_env.cpu_threads(),  # a constant: reductions split alike on any host
             call_timeout_s=self.cfg.pipeline.train_timeout_s,
             socket_ifname=self.cfg.pipeline.network_interface,
+            while_waiting=while_waiting,
             **self._trainer_placement(),
         )
 
@@ -521,6 +523,7 @@ class MarsRLTrainer:
         from mars_megatron.checkpoint.store import CheckpointStore
         from mars_megatron.pipeline.driver import TrainerLost
         from mars_megatron.pipeline.facades import TrainerRanks
+        from mars_megatron.pipeline.nodes import NodeLost
 
         self.nodes.before_replacing("rank")  # a lost node and no room for the group: NodeLost, now
         c = self.cfg.checkpoint
@@ -536,7 +539,17 @@ class MarsRLTrainer:
         self.trainer_restarts += 1
         self.log(f"{lost}: rebuilding the trainer group from {latest.name}")
         self.group.shutdown()  # kills every rank: the survivors may be blocked in a collective
-        self.group = self._new_group()
+
+        def room() -> None:  # a node may be lost while the new group waits or builds (a link cut)
+            self.nodes.before_replacing("rank")
+
+        try:
+            self.group = self._new_group(while_waiting=room)
+        except NodeLost:
+            raise
+        except Exception:
+            room()  # the group failed because a node was lost and the nodes left cannot hold it: say so
+            raise
         self.fleet.rebind(self.group)
         self.trainers.rebind(self.group, TrainerRanks.ask(self.group))
         self.driver = self._pipeline(self._codec, self.driver.rewards)

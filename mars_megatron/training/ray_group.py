@@ -58,6 +58,10 @@ def rendezvous_host() -> str:
     return _LOOPBACK if len(alive) <= 1 else ray.util.get_node_ip_address()
 
 
+PLACEMENT_POLL_S = 5.0
+"""How often a group waiting for its resources asks its ``while_waiting`` (a lost node's check)."""
+
+
 class RanksHung(deadline.DeadlineError):
     """Trainer ranks did not answer a call within the group's deadline (a hung collective or a stopped
     rank); ``ranks`` names them."""
@@ -244,7 +248,10 @@ class RayWorkerGroup:
     this process sees CUDA (override with ``num_gpus_per_rank``). ``env`` goes into every actor's
     environment before it starts (Ray ``runtime_env``), for variables read at import (NCCL_*, OMP_*).
     ``socket_ifname``: the network interface gloo and NCCL bind on every rank (checked on each node);
-    None: the one on the route to rank 0's store.
+    None: the one on the route to rank 0's store. ``while_waiting``: called every few seconds while the
+    cluster has not granted the ranks' resources; it may raise to stop the wait (a run whose node was
+    lost during the wait checks that the nodes left have room: measured, a group rebuilt after a link
+    cut waited out the whole ``ready_timeout_s`` for a node Ray counted dead meanwhile).
     Starts a local Ray instance if none is running, as Ray itself does on first use.
     """
 
@@ -261,6 +268,7 @@ class RayWorkerGroup:
         call_timeout_s: float = 7200.0,
         placement: tuple[Any, list[int]] | None = None,
         socket_ifname: str | None = None,
+        while_waiting: Callable[[], None] | None = None,
         **init_kwargs: Any,
     ) -> None:
         import ray
@@ -299,13 +307,7 @@ class RayWorkerGroup:
             if len(bundles) != world_size:
                 raise ValueError(f"placement gives {len(bundles)} bundles for {world_size} ranks")
         try:
-            try:
-                ray.get(self._pg.ready(), timeout=ready_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(
-                    f"RayWorkerGroup: the cluster did not grant {world_size} x {bundle} ({strategy}) within "
-                    f"{ready_timeout_s:.0f}s; available: {ray.available_resources()}"
-                ) from None
+            self._wait_placed(ready_timeout_s, while_waiting, f"{world_size} x {bundle} ({strategy})")
             threads = threads_per_rank or max(1, int(num_cpus_per_rank))
             actor_cls = ray.remote(_RankActor)
             runtime_env = {"env_vars": {k: str(v) for k, v in env.items()}} if env else None
@@ -339,6 +341,24 @@ class RayWorkerGroup:
         except BaseException:
             self.shutdown()
             raise
+
+    def _wait_placed(self, timeout_s: float, while_waiting: Callable[[], None] | None, what: str) -> None:
+        import ray
+
+        give_up_at = time.monotonic() + timeout_s
+        while True:
+            left = give_up_at - time.monotonic()
+            try:
+                ray.get(self._pg.ready(), timeout=max(0.0, min(left, PLACEMENT_POLL_S)))
+                return
+            except ray.exceptions.GetTimeoutError:
+                if left <= PLACEMENT_POLL_S:
+                    raise RuntimeError(
+                        f"RayWorkerGroup: the cluster did not grant {what} within {timeout_s:.0f}s; "
+                        f"available: {ray.available_resources()}"
+                    ) from None
+            if while_waiting is not None:
+                while_waiting()
 
     @property
     def processes(self) -> list[WorkerProcess]:
