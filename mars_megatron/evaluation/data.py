@@ -10,8 +10,9 @@ reference answer math-verify cannot read, over 1 MiB, a duplicate id) is skipped
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mars_megatron.json_file import parse_json
 from mars_megatron.rewards.answers import check_reference
@@ -30,7 +31,10 @@ class Problem:
     text: str
     reference: str | int | float
     line: int
-    """1-based line number in the data file."""
+    """1-based line number in the data file (the row, 1-based, of a table)."""
+    extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+    """Further columns of the row that the data mapping hands to the reward (``data.fields.extra``), as
+    JSON values; empty for most tasks."""
 
 
 @dataclass(frozen=True)

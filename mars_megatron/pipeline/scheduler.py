@@ -730,4 +730,5 @@ def _admission(key: str) -> int:
 
 # -------------------------------------------------------------------------------------------- checkpoints
 def _problem_state(p: Problem) -> dict[str, Any]:
-    return {"problem_id": p.problem_id, "text": p.text, "reference": p.reference, "line": p.line}
+    state = {"problem_id": p.problem_id, "text": p.text, "reference": p.reference, "line": p.line}
+    return {**state, "extra": p.extra} if p.extra else state  # checkpoints of tasks without extra: as before
