@@ -289,14 +289,85 @@ class TrainConfig(Section):
 
 
 @dataclass
+class FieldsConfig(Section):
+    """Which column of a data file is what. A column is named by itself or by a dotted path into nested
+    columns and lists (``reward_model.ground_truth``, ``prompt.0.content``); null: the first present of the
+    usual names. docs/data.md shows DAPO-Math, AIME and BeyondAIME mapped."""
+
+    problem: str | None = _field(
+        None,
+        "Column of the problem text; a chat list ([{role, content}, ...]) gives its last user message. "
+        "null = the first of problem, query, input, question holding text.",
+    )
+    answer: str | None = _field(
+        None,
+        "Column of the reference answer. null = the first of answer, ans_box, reference holding one.",
+    )
+    id: str | None = _field(
+        None, "Column of the problem id (keys results and --resume). null = qid, else the line or row number."
+    )
+    extra: list[str] = _field(  # noqa: RUF009 — _field gives mutable defaults a factory
+        [],
+        "Further columns handed to the reward (a reward function's request.extra, keyed by the path as "
+        "written here), as JSON values.",
+    )
+
+    def validate(self) -> None:
+        from mars_megatron.row_filter import FilterError, parse_path
+
+        for name in ("problem", "answer", "id"):
+            if getattr(self, name) is not None:
+                try:
+                    parse_path(getattr(self, name))
+                except FilterError as e:
+                    raise ConfigError(str(e), name) from None
+        for i, path in enumerate(self.extra):
+            try:
+                parse_path(path)
+            except FilterError as e:
+                raise ConfigError(str(e), f"extra[{i}]") from None
+        if len(set(self.extra)) != len(self.extra):
+            raise ConfigError("a column is named twice", "extra")
+
+
+_FILTER_HELP = (
+    "Rows to keep: conditions that must all hold, each 'PATH OP VALUE' (OP one of ==, !=, <, <=, >, >=, in, "
+    "not in; VALUE a JSON literal), e.g. ['reward_model.style == \"rule\"', 'level >= 3']. Rows left out "
+    "are counted, not errors."
+)
+_SPLIT_HELP = (
+    "Split of a saved datasets folder (DatasetDict) or of a folder of Parquet files (train-*.parquet); null "
+    "= the only one (an error naming the splits when there are several)."
+)
+
+
+def _check_filter(conditions: list[str]) -> None:
+    from mars_megatron.row_filter import FilterError, parse_condition
+
+    for i, text in enumerate(conditions):
+        try:
+            parse_condition(text)
+        except FilterError as e:
+            raise ConfigError(str(e), f"filter[{i}]") from None
+
+
+@dataclass
 class DataConfig(Section):
     train_file: str | None = _field(
         None,
-        'JSONL of training problems, one {"problem": ..., "answer": ...} per line (the format mars eval '
-        'reads; optional "qid").',
+        "Training problems: JSONL (one object per line), Parquet, Arrow, a datasets save_to_disk folder or a "
+        "folder of Parquet files; columns mapped by data.fields (docs/data.md).",
     )
+    fields: FieldsConfig = field(
+        default_factory=FieldsConfig, metadata={"help": "Which column of train_file is what."}
+    )
+    filter: list[str] = _field([], _FILTER_HELP)  # noqa: RUF009 — _field gives mutable defaults a factory
+    split: str | None = _field(None, _SPLIT_HELP)
     problems_per_step: int = _field(128, "Problems per rollout batch (MarsRL: 128).", min=1)
     shuffle: bool = _field(True, "Shuffle the problems each epoch (seeded by train.seed and the epoch).")
+
+    def validate(self) -> None:
+        _check_filter(self.filter)
 
 
 @dataclass
@@ -621,8 +692,15 @@ class EvalConfig(Section):
     saved checkpoint)."""
 
     test_file: str | None = _field(
-        None, "JSONL of held-out problems (mars eval --data format); null = no evaluation during training."
+        None,
+        "Held-out problems, in any format data.train_file reads (columns mapped by evaluation.fields); null "
+        "= no evaluation during training.",
     )
+    fields: FieldsConfig = field(
+        default_factory=FieldsConfig, metadata={"help": "Which column of test_file is what."}
+    )
+    filter: list[str] = _field([], _FILTER_HELP)  # noqa: RUF009 — _field gives mutable defaults a factory
+    split: str | None = _field(None, _SPLIT_HELP)
     interval: int = _field(
         0,
         "Evaluate before the first update, every this many updates and after the last; 0 = never.",
@@ -674,6 +752,7 @@ class EvalConfig(Section):
     )
 
     def validate(self) -> None:
+        _check_filter(self.filter)
         if self.top_k == 0:
             raise ConfigError("must be -1 (off) or >= 1, got 0", "top_k")
         if self.interval and self.test_file is None:

@@ -28,6 +28,7 @@ LAYERS: tuple[str, ...] = (
     "deadline",  # waits that say what they waited for (DeadlineError)
     "reaper",  # a replaced worker's process ended for sure (SIGKILL on its node)
     "json_file",
+    "row_filter",  # data.filter's conditions: the config checks them, the data loader applies them
     "metrics",
     "runtime_env",  # the numerics and thread pins every process takes before torch runs
     "seeds",  # seeds derived from names (blake2b), for every random choice of a run
@@ -41,6 +42,7 @@ LAYERS: tuple[str, ...] = (
     "agents",
     "algorithm",
     "rewards",
+    "problems",  # a task's problems from its data files (JSONL, Parquet, datasets folders), mapped
     "checkpoint",
     # torch.distributed plumbing (collectives' device rule, the one-address store), then weight transfer
     "comm",

@@ -161,6 +161,44 @@ def test_a_killed_rank_and_a_killed_run_both_continue_exactly(
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
 
 
+def test_a_dapo_like_parquet_and_an_aime_like_dataset_train_as_their_jsonl(
+    sft_model: Path, uninterrupted: tuple[Path, str], tmp_path: Path
+) -> None:
+    """The same problems in two other datasets' shapes, written by pyarrow and ``datasets``: DAPO-Math's
+    Parquet (the problem a chat list, the answer a string in a nested column, rows the filter leaves out
+    and unusable rows between them) and AIME's ``save_to_disk`` folder (``query``/``ans_box``, a test
+    split beside). Mapped by ``data.fields``, each trains exactly the steps of the JSONL run."""
+    from tests.test_data_files import arith, save_aime, write_dapo
+
+    records = arith()
+    dapo = write_dapo(tmp_path / "dapo.parquet", records)
+    aime = save_aime(tmp_path / "aime", records, records[:5])
+    steps = 2
+    want = read_metrics(uninterrupted[0] / "metrics.jsonl")[:steps]
+    runs = {
+        "dapo": [f"data.train_file={dapo}", "data.fields.problem=prompt",
+                 "data.fields.answer=reward_model.ground_truth", "data.fields.id=extra_info.index",
+                 """data.filter=['reward_model.style == "rule"']"""],
+        "aime": [f"data.train_file={aime}", "data.split=train", "data.fields.problem=query",
+                 "data.fields.answer=ans_box", "data.fields.id=id"],
+    }  # fmt: skip
+    keys = ["reward/solver", "reward/verifier", "reward/corrector", "train/loss", "train/grad_norm", "tokens"]
+    for name, fields in runs.items():
+        run = tmp_path / name
+        out = subprocess.run(
+            [sys.executable, "-m", "mars_megatron.cli", "train", str(EXAMPLE), f"model.mcore_dir={sft_model}",
+             f"logging.run_dir={run}", f"train.steps={steps}", "data.problems_per_step=4", *fields],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-4000:]
+        if name == "dapo":
+            assert f"data: {dapo}: 75 problems of 79 rows, 2 left out by the filter, 2 unusable" in out.stdout
+        got = read_metrics(run / "metrics.jsonl")
+        assert [r["step"] for r in got] == [1, 2]
+        for a, b in zip(got, want, strict=True):
+            assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (name, a["step"])
+
+
 def test_a_separate_policy_per_role_evaluated_during_and_after_training(
     sft_model: Path, tmp_path: Path
 ) -> None:

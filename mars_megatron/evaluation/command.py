@@ -32,7 +32,27 @@ OPTIONS = {name: name.replace("_", "-") for name in (*sampling.SAMPLING_FIELDS, 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``mars eval``; unset sampling and loop numbers take the defaults of the config's
     ``evaluation`` section (the response budget: the training config's given with ``--config``)."""
-    p.add_argument("--data", required=True, help="JSONL of problems (problem|query|input, answer|ans_box)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="problems: JSONL, Parquet, Arrow, a datasets save_to_disk folder or a folder of Parquet files "
+        "(columns: problem|query|input|question, answer|ans_box|reference, qid; or mapped with --field)",
+    )
+    p.add_argument(
+        "--field",
+        action="append",
+        default=[],
+        metavar="NAME=COLUMN",
+        help="map a column: problem=, answer=, id= (a name or dotted path: answer=reward_model.ground_truth)",
+    )
+    p.add_argument(
+        "--filter",
+        action="append",
+        default=[],
+        metavar="COND",
+        help="keep rows where COND holds ('level >= 3')",
+    )
+    p.add_argument("--split", default=None, help="split of a datasets folder (default: its only one)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument(
         "--model", default=None, help="one model for every role: an HF directory or a mars checkpoint folder"
@@ -165,10 +185,37 @@ def settings(args: argparse.Namespace) -> EvalSettings:
 
 
 def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a data file, or of a dataset folder's files (names and contents, in name order)."""
     import hashlib
 
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    path = Path(path)
+    if not path.is_dir():
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
+
+
+def data_fields(args: argparse.Namespace) -> Any:
+    """The column mapping of ``--field``/``--filter``; ValueError naming the flag."""
+    from mars_megatron.problems import FieldMap
+
+    named: dict[str, str] = {}
+    for item in args.field:
+        name, sep, column = item.partition("=")
+        if not sep or name not in ("problem", "answer", "id") or not column:
+            raise ValueError(f"--field {item!r}: expected problem=COLUMN, answer=COLUMN or id=COLUMN")
+        if name in named:
+            raise ValueError(f"--field {name}= is given twice")
+        named[name] = column
+    try:
+        return FieldMap(named.get("problem"), named.get("answer"), named.get("id"), filter=tuple(args.filter))
+    except ValueError as e:
+        raise ValueError(f"--field/--filter: {e}") from None
 
 
 def evaluation_section(args: argparse.Namespace, rollout: RolloutConfig | None) -> EvalConfig:
@@ -258,8 +305,9 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         from mars_megatron.rollout.openai_engine import check_endpoint
 
         check_endpoint(args.endpoint, "--endpoint")
-    if not Path(args.data).is_file():
-        raise FileNotFoundError(f"--data {args.data}: no such file")
+    if not Path(args.data).exists():
+        raise FileNotFoundError(f"--data {args.data}: no such file or folder")
+    fields = data_fields(args)
     chosen = settings(args)  # every flag checked before OUT is touched
     graph = chosen.graph
     sources = _sources(args, graph)
@@ -276,11 +324,19 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         "max_input_tokens": chosen.max_input_tokens,
         "truncate_long_prompts": args.truncate_long_prompts,
         **sampling.record(chosen.evaluation, graph),
+        # only when given, so that the outputs of runs before the mapping resume as they were
+        **(
+            {"fields": fields.named(), "filter": list(fields.filter)}
+            if fields.named() or fields.filter
+            else {}
+        ),
+        **({"split": args.split} if args.split else {}),
     }
-    dataset = load_problems(args.data, args.limit)
+    dataset = load_problems(args.data, args.limit, fields, split=args.split, key="--data")
+    print(dataset.summary(f"--data {args.data}"), file=sys.stderr, flush=True)
     if not dataset.problems and args.limit != 0:
         raise ValueError(
-            f"--data {args.data}: no usable problems ({len(dataset.skipped)} bad lines, named in the "
+            f"--data {args.data}: no usable problems ({dataset.unusable} unusable rows, named in the "
             "warnings above)"
         )
     out = OutputDir(args.out, config, resume=args.resume)

@@ -59,7 +59,6 @@ def prepare(
     ``check_machine``) against this machine (:func:`check_this_machine`); raise
     :class:`ConfigError`/``ValueError`` naming the field or file. Starts nothing."""
     from mars_megatron.checkpoint.store import CheckpointStore
-    from mars_megatron.evaluation.data import load_problems
     from mars_megatron.jobs import model_arch, tokenizer_dir
     from mars_megatron.models.layout import LayoutError, check_parallel
     from mars_megatron.training.parallel import min_world_size
@@ -86,11 +85,11 @@ def prepare(
     cfg.check_world_size(world)
     if cfg.data.train_file is None:
         raise ConfigError("no training problems: set data.train_file", "data.train_file")
-    if not Path(cfg.data.train_file).is_file():
-        raise ConfigError(f"{cfg.data.train_file}: no such file", "data.train_file")
-    dataset = load_problems(cfg.data.train_file)
+    if not Path(cfg.data.train_file).exists():
+        raise ConfigError(f"{cfg.data.train_file}: no such file or folder", "data.train_file")
+    dataset = _read_problems(cfg.data.train_file, cfg.data, "data")
     if not dataset.problems:
-        raise ValueError(f"{cfg.data.train_file}: no usable problems ({len(dataset.skipped)} bad lines)")
+        raise ValueError(f"{dataset.summary(cfg.data.train_file)}: no usable problems")
     eval_problems = _eval_problems(cfg, dataset.problems)
     resume_from = None
     if resume:
@@ -111,17 +110,29 @@ def prepare(
     )
 
 
+def _read_problems(path: str, section: Any, key: str, limit: int | None = None) -> Any:
+    """The problems of ``path`` mapped by ``section``'s fields and filter; the summary (problems kept,
+    rows filtered, unusable rows by reason) goes to the log, so no row is dropped without a word."""
+    from mars_megatron.problems import FieldMap, load_problems
+
+    try:
+        fields = FieldMap.of(section)
+    except ValueError as e:
+        raise ConfigError(str(e), f"{key}.fields") from None
+    dataset = load_problems(path, limit, fields, split=section.split, key=key)
+    print(dataset.summary(f"{key}: {path}"), flush=True)
+    return dataset
+
+
 def _eval_problems(cfg: MarsConfig, train: list[Any]) -> list[Any]:
     """``evaluation.test_file``'s problems, refused when any is also a training problem: a held-out score
     on problems the run trains on would measure memory, not the skill."""
-    from mars_megatron.evaluation.data import load_problems
-
     ev = cfg.evaluation
     if not ev.interval or ev.test_file is None:
         return []
-    if not Path(ev.test_file).is_file():
-        raise ConfigError(f"{ev.test_file}: no such file", "evaluation.test_file")
-    problems = load_problems(ev.test_file, ev.limit).problems
+    if not Path(ev.test_file).exists():
+        raise ConfigError(f"{ev.test_file}: no such file or folder", "evaluation.test_file")
+    problems = _read_problems(ev.test_file, ev, "evaluation", ev.limit).problems
     if not problems:
         raise ConfigError(f"{ev.test_file}: no usable problems", "evaluation.test_file")
     seen = {p.text.strip() for p in train}

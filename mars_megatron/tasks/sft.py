@@ -94,7 +94,8 @@ class SFTConfig(Section):
     )
     train_file: str | None = _field(
         None,
-        "JSONL of the task's problems the demos are drawn from (the RL run's data.train_file), so the "
+        "The task's problems the demos are drawn from (the RL run's data.train_file; any format it reads, "
+        "with the usual column names), so the "
         "warm start never sees a held-out problem; null = generate them (arith: `problems` from "
         "max_operand/problem_seed; subset_sum: the training split of tasks/subset_sum.py).",
     )
@@ -114,8 +115,8 @@ class SFTConfig(Section):
         if self.skill_steps > self.steps:
             raise ConfigError(f"{self.skill_steps} is more than steps ({self.steps})", "skill_steps")
         if self.train_file is not None:
-            if not Path(self.train_file).is_file():
-                raise ConfigError(f"{self.train_file}: no such file", "train_file")
+            if not Path(self.train_file).exists():
+                raise ConfigError(f"{self.train_file}: no such file or folder", "train_file")
             return
         if self.task != "arith":
             return
