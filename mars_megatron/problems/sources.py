@@ -80,16 +80,14 @@ def _jsonl(path: Path) -> Iterator[Row]:
 def _columns(
     names: list[str], wanted: set[str] | None, where: Path, named: dict[str, str], key: str
 ) -> list[str] | None:
-    """The columns to read, after checking that every mapped one exists (ValueError naming the file, the
-    field and the columns the file has)."""
-    if wanted is None:
-        return None
+    """The columns to read (None: all of them), after checking that every mapped one exists: a
+    ValueError naming the file, the field and the columns the file has."""
     for field, path in named.items():
         top = path.split(".")[0]
         if top not in names:
             shown = ", ".join(names[:40]) + (", ..." if len(names) > 40 else "")
             raise ValueError(f"{where}: no column '{top}' for {key}.{field} ('{path}'); its columns: {shown}")
-    return [n for n in names if n in wanted]
+    return None if wanted is None else [n for n in names if n in wanted]
 
 
 def _batches(batches: Any, where: Path) -> Iterator[Row]:

@@ -225,6 +225,7 @@ def all_cases() -> list[Case]:
         checkpoints,
         configs,
         conversion,
+        data_files,
         data_lines,
         eval_flags,
         launch_flags,
@@ -236,6 +237,7 @@ def all_cases() -> list[Case]:
     for module in (
         configs,
         data_lines,
+        data_files,
         model_files,
         checkpoints,
         conversion,
