@@ -309,9 +309,11 @@ def _config(args: argparse.Namespace) -> None:
 
     from mars_megatron.agents.graph_file import graph_for
     from mars_megatron.config import config_to_dict
+    from mars_megatron.rewards.functions import check_graph_functions
 
     cfg = load_config(args.config, args.overrides)
-    graph_for(cfg)  # the agent graph is part of a valid config: its errors name the field too
+    graph = graph_for(cfg)  # the agent graph is part of a valid config: its errors name the field too
+    check_graph_functions(graph)  # reward functions import (in a process of their own)
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 

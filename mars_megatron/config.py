@@ -522,6 +522,19 @@ class AlgorithmConfig(Section):
         0.99, "DMMPT: probability above which a token is mastered.", gt=0, lt=1
     )
     dmmpt_entropy_target: float = _field(0.3, "DMMPT acts while the policy entropy is below this.", min=0)
+    reward_functions: dict[str, str] = _field(  # noqa: RUF009 — _field gives mutable defaults a factory
+        {},
+        "Roles rewarded by a function of yours instead of the graph's reward: role -> "
+        "'package.module:name' or 'path/to/file.py:name' (relative to the working directory); it runs in "
+        "the reward workers' own processes (docs/rewards.md).",
+    )
+    reward_timeout_s: float = _field(
+        10.0,
+        "Most seconds a reward function of algorithm.reward_functions may take on one output; past it, its "
+        "process is killed and the output scores 0 (reason timeout).",
+        gt=0,
+        max=3600,
+    )
     role_weights: dict[str, float] = _field(  # noqa: RUF009 — _field gives mutable defaults a factory
         {}, "Loss weight per role of the agent graph (e.g. {verifier: 2}); missing roles weigh 1.", min=0
     )

@@ -96,14 +96,14 @@ def test_a_score_request_comes_from_the_record_and_its_score_goes_back() -> None
             "2",
             True,
         )
-        ((sid, reward, verdict),) = score_requests([solver], checker)
+        ((sid, reward, verdict, _),) = score_requests([solver], checker)
         s.on_scored(sid, reward, verdict)
         (job,) = s.take_segments()
         verifier = s.samples[job.sample_id]
         assert verifier.judged_right is False  # the solution it judges was wrong
         assert s.on_segment(job.sample_id, [6], [-0.5], stopped=True)
         verifier.text = VERDICT
-        ((sid, reward, verdict),) = score_requests([score_request(s, job.sample_id)], checker)
+        ((sid, reward, verdict, _),) = score_requests([score_request(s, job.sample_id)], checker)
     assert (sid, reward, verdict) == (verifier.sample_id, 1.0, False)  # it rightly found errors
     s.on_scored(sid, reward, verdict)
     assert verifier.reward == 1.0 and verifier.verdict is False and verifier.found_errors

@@ -25,6 +25,7 @@ from tests.test_cli import TOKENS, assert_close_to, hf_logprobs, mars, ok, read_
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
 DATA = REPO / "examples" / "data" / "arith_train.jsonl"
+SUMS = REPO / "examples" / "rewards" / "sums.py:score"
 STEPS = 4
 REQUIRED = ["reward/solver", "reward/verifier", "reward/corrector", "samples/solver", "samples/verifier",
             "samples/corrector", "tokens", "time/step", "policy_version"]  # fmt: skip
@@ -167,7 +168,9 @@ def test_a_dapo_like_parquet_and_an_aime_like_dataset_train_as_their_jsonl(
     """The same problems in two other datasets' shapes, written by pyarrow and ``datasets``: DAPO-Math's
     Parquet (the problem a chat list, the answer a string in a nested column, rows the filter leaves out
     and unusable rows between them) and AIME's ``save_to_disk`` folder (``query``/``ans_box``, a test
-    split beside). Mapped by ``data.fields``, each trains exactly the steps of the JSONL run."""
+    split beside), the latter with the answers judged by examples/rewards/sums.py (a reward function in its
+    own processes) instead of math-verify. Mapped by ``data.fields``, each trains exactly the steps of the
+    JSONL run."""
     from tests.test_data_files import arith, save_aime, write_dapo
 
     records = arith()
@@ -180,7 +183,9 @@ def test_a_dapo_like_parquet_and_an_aime_like_dataset_train_as_their_jsonl(
                  "data.fields.answer=reward_model.ground_truth", "data.fields.id=extra_info.index",
                  """data.filter=['reward_model.style == "rule"']"""],
         "aime": [f"data.train_file={aime}", "data.split=train", "data.fields.problem=query",
-                 "data.fields.answer=ans_box", "data.fields.id=id"],
+                 "data.fields.answer=ans_box", "data.fields.id=id",
+                 # the Solver's and the Corrector's answers judged by a function of the user's
+                 f"algorithm.reward_functions.solver={SUMS}", f"algorithm.reward_functions.corrector={SUMS}"],
     }  # fmt: skip
     keys = ["reward/solver", "reward/verifier", "reward/corrector", "train/loss", "train/grad_norm", "tokens"]
     for name, fields in runs.items():

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from mars_megatron.config import EvalConfig
 
 OutputKind = Literal["solution", "report", "judgement", "digest"]
-RewardKind = Literal["answer", "verdict", "outcome"]
+RewardKind = Literal["answer", "verdict", "outcome", "function"]
 VerdictReader = Literal["correctness", "yes_no"]
 Strategy = Literal["random", "balanced", "adaptive", "custom"]
 When = Literal["any", "rejected", "accepted"]
@@ -140,6 +140,27 @@ class ToolSpec:
     max_calls: int = 1
 
 
+REWARD_TIMEOUT_S = 10.0
+"""How long a reward function may take on one output by default (``timeout_s``): its process is killed
+and replaced after that, and the output scores 0 (reason ``timeout``)."""
+MAX_REWARD_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """A role rewarded by a function of the user's (``reward: {function: ...}`` in the graph file, or
+    ``algorithm.reward_functions``): where it is and how long it may take. Only the name travels (to
+    the reward workers, which import it in processes of their own); the function is never pickled, nor
+    saved in or read from a checkpoint."""
+
+    target: str
+    """``package.module:name``, or the absolute path of a ``.py`` file then ``:name``."""
+    timeout_s: float = REWARD_TIMEOUT_S
+    source: str = ""
+    """Where it was declared (the graph file's ``roles.<name>.reward`` or the config field), for
+    messages."""
+
+
 @dataclass(frozen=True)
 class RoleSpec:
     """One agent: what it writes, how it is read and rewarded, and its prompt in each prompt set."""
@@ -153,6 +174,8 @@ class RoleSpec:
     """Prompt set name -> the messages, in order; an empty template file drops its message."""
     tool: ToolSpec | None = None
     """The tool this role may call while it writes (None: no tool)."""
+    function: RewardFunction | None = None
+    """``reward: function``: the user's function that scores this role's outputs."""
 
     @property
     def decides(self) -> bool:

@@ -5,11 +5,15 @@ starts). ``yaml.safe_load`` only, and prompt files only from the folders beside 
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from mars_megatron.agents.graph import (
+    MAX_REWARD_TIMEOUT_S,
+    REWARD_TIMEOUT_S,
     SHIPPED,
     VARIABLES,
     AgentGraph,
@@ -19,6 +23,7 @@ from mars_megatron.agents.graph import (
     MessageRole,
     OutputKind,
     PositionSpec,
+    RewardFunction,
     RewardKind,
     RoleSpec,
     Strategy,
@@ -191,8 +196,16 @@ def _parse_role(name: str, spec: Any, folders: Mapping[str, Path], path: Path) -
     _unknown(spec, _ROLE_KEYS, where, path)
     output = _choice(spec.get("output"), get_args(OutputKind), f"{where}.output", path)
     if "reward" not in spec:
-        raise GraphError("every role needs a reward (answer, verdict or outcome)", f"{where}.reward", path)
-    reward = _choice(spec["reward"], get_args(RewardKind), f"{where}.reward", path)
+        raise GraphError(
+            "every role needs a reward (answer, verdict, outcome or {function: ...})", f"{where}.reward", path
+        )
+    function = None
+    if isinstance(spec["reward"], dict):
+        function = reward_function(spec["reward"], f"{where}.reward", path, path.parent)
+        reward = "function"
+    else:
+        kinds = tuple(k for k in get_args(RewardKind) if k != "function")
+        reward = _choice(spec["reward"], kinds, f"{where}.reward", path)
     verdict = spec.get("verdict")
     if verdict is not None:
         verdict = _choice(verdict, get_args(VerdictReader), f"{where}.verdict", path)
@@ -208,7 +221,58 @@ def _parse_role(name: str, spec: Any, folders: Mapping[str, Path], path: Path) -
         set_name: _parse_messages(messages, folder, where, path) for set_name, folder in folders.items()
     }
     tool = _parse_tool(spec.get("tool"), f"{where}.tool", path)
-    return RoleSpec(name, output, reward, verdict, tuple(variables), prompts, tool)
+    return RoleSpec(name, output, reward, verdict, tuple(variables), prompts, tool, function)
+
+
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def reward_target(text: Any, where: str, source: str | Path, base: Path) -> str:
+    """A reward function's ``package.module:name`` as written, or ``path/to/file.py:name`` with the file
+    made absolute (relative to ``base``: the graph file's folder, or the working directory for the config)
+    and checked to exist: the reward workers may run elsewhere, with another working directory."""
+    if not isinstance(text, str) or text.count(":") != 1:
+        raise GraphError(
+            f"expected 'package.module:function' or 'path/to/file.py:function', got {str(text)[:200]!r}",
+            where,
+            source,
+        )
+    module, name = text.split(":")
+    if not _NAME.match(name):
+        raise GraphError(
+            f"{name[:100]!r} is not a Python name (after the ':' of {text[:200]!r})", where, source
+        )
+    if module.endswith(".py"):
+        file = (base / module).resolve()
+        if not file.is_file():
+            raise GraphError(f"reward function file {str(file)!r} not found", where, source)
+        return f"{file}:{name}"
+    if not _MODULE.match(module):
+        raise GraphError(
+            f"{module[:200]!r} is neither a module path (package.module) nor a .py file", where, source
+        )
+    return text
+
+
+def reward_function(spec: Mapping[str, Any], where: str, source: str | Path, base: Path) -> RewardFunction:
+    """``{function: TARGET, timeout_s: SECONDS}`` of a role's reward."""
+    _unknown(spec, {"function", "timeout_s"}, where, Path(source))
+    if "function" not in spec:
+        raise GraphError("a reward mapping needs function: package.module:name", where, source)
+    timeout = spec.get("timeout_s", REWARD_TIMEOUT_S)
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not 0 < timeout <= MAX_REWARD_TIMEOUT_S
+    ):
+        raise GraphError(
+            f"timeout_s must be a number of seconds in (0, {MAX_REWARD_TIMEOUT_S:g}], got {timeout!r}",
+            f"{where}.timeout_s",
+            source,
+        )
+    target = reward_target(spec["function"], f"{where}.function", source, base)
+    return RewardFunction(target, float(timeout), f"{source}: {where}" if source else where)
 
 
 def _parse_messages(messages: list[Any], folder: Path, where: str, path: Path) -> tuple[Template, ...]:
@@ -300,6 +364,7 @@ def graph_for(cfg: MarsConfig) -> AgentGraph:
     for where, keyed in (
         ("pipeline.staleness_per_role", cfg.pipeline.staleness_per_role),
         ("algorithm.role_weights", cfg.algorithm.role_weights),
+        ("algorithm.reward_functions", cfg.algorithm.reward_functions),
     ):
         for role in keyed:
             if role not in graph.roles:
@@ -307,7 +372,24 @@ def graph_for(cfg: MarsConfig) -> AgentGraph:
                     f"graph {graph.name!r} has no role {role!r}; its roles: {', '.join(graph.roles)}",
                     f"{where}.{role}",
                 )
-    return graph
+    return with_reward_functions(graph, cfg.algorithm.reward_functions, cfg.algorithm.reward_timeout_s)
+
+
+def with_reward_functions(graph: AgentGraph, functions: Mapping[str, str], timeout_s: float) -> AgentGraph:
+    """``graph`` with the roles named in ``algorithm.reward_functions`` rewarded by those functions (a
+    relative file path is taken from the working directory), checked again as a whole."""
+    if not functions:
+        return graph
+    roles = dict(graph.roles)
+    for role, text in functions.items():
+        where = f"algorithm.reward_functions.{role}"
+        target = reward_target(text, where, "", Path.cwd())
+        roles[role] = dataclasses.replace(
+            roles[role], reward="function", function=RewardFunction(target, timeout_s, where)
+        )
+    changed = dataclasses.replace(graph, roles=roles)
+    validate(changed)
+    return changed
 
 
 def policy_names(cfg: MarsConfig, graph: AgentGraph | None = None) -> list[str]:

@@ -203,6 +203,8 @@ class Sample:
     tool_calls: int = 0
     """Tool calls served inside this response (each added an observation, masked out of the loss)."""
     role: str = ""
+    reward_info: dict[str, float] = field(default_factory=dict)
+    """A reward function's notes for the metrics (its details; ``fail/<reason>: 1`` when it failed)."""
     """The agent of the graph that wrote it (the position's role). Empty: the position's name without a
     trailing ``_<n>``, for positions named after their role (``verifier_2``: ``verifier``)."""
 
@@ -431,6 +433,7 @@ class Sample:
             "reward": self.reward,
             "verdict": self.verdict,
             "judged_right": self.judged_right,
+            **({"reward_info": self.reward_info} if self.reward_info else {}),
         }
 
     @classmethod
@@ -461,6 +464,7 @@ class Sample:
             role=d.get("role") or role,
             loss_mask=d.get("loss_mask"),
             tool_calls=int(d.get("tool_calls", 0)),
+            reward_info=dict(d.get("reward_info", {})),
         )
 
     def summary(self) -> dict[str, Any]:

@@ -289,6 +289,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     from mars_megatron.evaluation.results import OutputDir
     from mars_megatron.evaluation.runner import EvalRunner
     from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
+    from mars_megatron.rewards.functions import check_graph_functions
     from mars_megatron.rollout.chat import ChatCodec
 
     started = time.monotonic()
@@ -310,6 +311,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     fields = data_fields(args)
     chosen = settings(args)  # every flag checked before OUT is touched
     graph = chosen.graph
+    check_graph_functions(graph)
     sources = _sources(args, graph)
     served = _served_names(args, sources) if args.engine == "openai" else {}
     config = {
@@ -412,3 +414,5 @@ def _run_jobs(runner: Any, jobs: list, out: Any, checker: Any) -> None:
             raise RuntimeError(
                 f"{e} ({kept} finished results kept in {out.path}; rerun with --resume to continue)"
             ) from e
+        finally:
+            runner.close()

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mars_megatron.agents.graph import AgentGraph
 from mars_megatron.agents.loop import InferenceLoop, LoopResult, Request
@@ -31,6 +31,9 @@ from mars_megatron.evaluation import sampling
 from mars_megatron.evaluation.data import Problem
 from mars_megatron.rewards.answers import extract_boxed
 from mars_megatron.rewards.checker import CheckResult
+
+if TYPE_CHECKING:
+    from mars_megatron.rewards.functions import FunctionPools
 from mars_megatron.rollout.chat import PromptTooLongError
 from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest, RolloutEngine
 
@@ -104,6 +107,11 @@ class EvalRunner:
         self.engines: dict[str, RolloutEngine] = per_role(engine, list(graph.roles))
         self.codecs: dict[str, Codec] = per_role(codec, list(graph.roles))
         self.checker = checker
+        start = graph.roles[graph.start_role]
+        self.function = start.function if start.reward == "function" else None
+        """A start role rewarded by the user's function: solutions are judged by it, right when it gives
+        the full score (>= 1), in its own process (as in training)."""
+        self._functions: FunctionPools | None = None
         # the evaluation section: sampling and overrides of the loop's budgets; a null max_tokens is the
         # default rollout's response budget (callers that have a run's rollout resolve it first)
         self.config = sampling.with_response_budget(config or EvalConfig())
@@ -190,11 +198,40 @@ class EvalRunner:
             pairs.append((first_text(result, self.graph.start_role), slot.problem.reference))
             pairs += [(text, slot.problem.reference) for text in result.solutions]
             spans.append((start, len(pairs)))
-        checks = self.checker.check_many(pairs)
+        checks = (
+            self._function_checks(finished, spans, pairs) if self.function else self.checker.check_many(pairs)
+        )
         return [
             _record(slot, result, self.graph.start_role, checks[start], checks[start + 1 : end])
             for slot, result, (start, end) in zip(finished, results, spans, strict=True)
         ]
+
+    def _function_checks(
+        self, finished: list[_Slot], spans: list[tuple[int, int]], pairs: list[tuple[str, Any]]
+    ) -> list[CheckResult]:
+        from mars_megatron.rewards.functions import FunctionPools, RewardRequest
+
+        assert self.function is not None
+        if self._functions is None:
+            self._functions = FunctionPools()
+        role = self.graph.start_role
+        requests = [
+            RewardRequest(slot.problem.text, slot.problem.reference, pairs[i][0], role,
+                          dict(slot.problem.extra), problem_id=slot.problem.problem_id)
+            for slot, (start, end) in zip(finished, spans, strict=True)
+            for i in range(start, end)
+        ]  # fmt: skip
+        outcomes = self._functions.get(self.function.target, self.function.timeout_s).score(requests)
+        status = {None: "ok", "timeout": "timeout"}
+        return [
+            CheckResult(o.reason is None and o.score >= 1.0, status.get(o.reason, "parse_error"))
+            for o in outcomes
+        ]
+
+    def close(self) -> None:
+        """Stop a reward function's process (when solutions were judged by one)."""
+        if self._functions is not None:
+            self._functions.close()
 
 
 def prompt_tokens(codec: Codec, request: Request) -> tuple[int, ...]:

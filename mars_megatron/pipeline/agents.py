@@ -118,7 +118,10 @@ def score_request(scheduler: Scheduler, sample_id: str) -> ScoreRequest:
     """What a reward worker receives for the finished record ``sample_id`` (the one conversion of a
     record: small, no token or routing arrays)."""
     sample = scheduler.samples[sample_id]
-    return ScoreRequest.of(sample, scheduler.graph.roles[sample.role], scheduler.problem(sample).reference)
+    judged = scheduler.samples.get(sample.judged_id) if sample.judged_id is not None else None
+    return ScoreRequest.of(
+        sample, scheduler.graph.roles[sample.role], scheduler.problem(sample), judged.text if judged else None
+    )
 
 
 def set_shared_rewards(scheduler: Scheduler, batch: Batch) -> None:

@@ -189,10 +189,10 @@ class PipelineDriver:
         self.contexts.received(outputs, ref, self.scheduler)
         self.to_score.extend(recorded)
 
-    def _on_reward(self, item: _InFlight, results: list[tuple[str, float, bool | None]]) -> None:
+    def _on_reward(self, item: _InFlight, results: list[tuple[str, float, bool | None, dict]]) -> None:
         self.busy_reward.discard(item.worker)
-        for sid, reward, verdict in results:
-            self.scheduler.on_scored(sid, reward, verdict)
+        for sid, reward, verdict, info in results:
+            self.scheduler.on_scored(sid, reward, verdict, info)
 
     def _overdue(self, step: int) -> None:
         """Handle every call past its deadline: a hung rollout or reward worker is killed and replaced

@@ -26,6 +26,7 @@ from mars_megatron.pipeline.agents import (
 )
 from mars_megatron.pipeline.scheduler import Batch, Limits, Scheduler
 from mars_megatron.rewards.agent_rewards import Checker
+from mars_megatron.rewards.functions import FunctionPools
 from mars_megatron.rewards.scoring import RewardMode, score_requests
 from mars_megatron.rollout.chat import ChatCodec
 from mars_megatron.rollout.engine import RolloutEngine, SamplingParams
@@ -56,6 +57,7 @@ def run_round(
     segment_tokens: int | None = None,
     max_batch: int = 64,
     version: int = 0,
+    functions: FunctionPools | None = None,
 ) -> Round:
     """All trajectories of ``problems`` (the synchronous schedule: staleness 0), decoded by ``engines``
     as policy ``version``; ``engines`` by role of ``graph``, prompts in ``agents.prompts``."""
@@ -93,8 +95,8 @@ def run_round(
             raise RuntimeError(f"run_round stalled: {scheduler.stats()}")
         if finished:
             requests = [score_request(scheduler, sid) for sid in finished]
-            for sid, value, verdict in score_requests(requests, checker):
-                scheduler.on_scored(sid, value, verdict)
+            for sid, value, verdict, info in score_requests(requests, checker, functions):
+                scheduler.on_scored(sid, value, verdict, info)
     batch = scheduler.take_batch()
     assert batch is not None
     if reward == "shared":

@@ -349,10 +349,15 @@ class Scheduler:
         return False
 
     # ------------------------------------------------------------------------------------------ scoring
-    def on_scored(self, sample_id: str, reward: float, verdict: bool | None = None) -> None:
-        """Record a finished sequence's reward; completes groups and starts the next position."""
+    def on_scored(
+        self, sample_id: str, reward: float, verdict: bool | None = None, info: dict[str, float] | None = None
+    ) -> None:
+        """Record a finished sequence's reward (``info``: a reward function's notes for the metrics);
+        completes groups and starts the next position."""
         seq = self._expect(sample_id, SeqState.SCORING)
         seq.reward, seq.verdict = reward, verdict
+        if info:
+            seq.reward_info = dict(info)
         seq.check_scores()
         self._flight[sample_id].state = SeqState.DONE
         self._unfinished[seq.role] -= 1

@@ -61,6 +61,7 @@ def prepare(
     from mars_megatron.checkpoint.store import CheckpointStore
     from mars_megatron.jobs import model_arch, tokenizer_dir
     from mars_megatron.models.layout import LayoutError, check_parallel
+    from mars_megatron.rewards.functions import check_graph_functions
     from mars_megatron.training.parallel import min_world_size
 
     model_dir = cfg.model.mcore_dir or cfg.model.hf_dir
@@ -81,6 +82,7 @@ def prepare(
             "supports with the alltoall dispatcher",
             "parallel.moe_token_dispatcher",
         )
+    check_graph_functions(graph_for(cfg))  # each imports in a process of its own, as its workers will
     world = nproc or min_world_size(cfg.parallel)
     cfg.check_world_size(world)
     if cfg.data.train_file is None:

@@ -34,6 +34,14 @@ def role_metrics(outputs: Sequence[Sample], graph: AgentGraph) -> dict[str, floa
             out[f"train_reward/{role}"] = _mean([o.training_reward or 0.0 for o in members])
         out[f"response_len/{role}"] = _mean([float(o.response_len) for o in members])
         out[f"truncated/{role}"] = _mean([float(o.truncated) for o in members])
+    for role, members in by_role.items():  # a reward function's failures (counted) and details (averaged)
+        keys = sorted({k for o in members for k in o.reward_info})
+        for key in keys:
+            values = [o.reward_info[key] for o in members if key in o.reward_info]
+            if key.startswith("fail/"):
+                out[f"reward_fn/{role}/{key.removeprefix('fail/')}"] = float(len(values))
+            else:
+                out[f"reward_fn/{role}/{key}"] = _mean(values)
     out["rollout/prompt_tokens"] = float(sum(len(o.prompt_ids) for o in outputs))
     out["rollout/response_tokens"] = float(sum(o.response_len for o in outputs))
     for role in (r for r in graph.roles.values() if r.decides):

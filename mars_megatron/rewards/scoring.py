@@ -14,17 +14,20 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mars_megatron.agents.graph import AgentGraph, RewardKind, RoleSpec, VerdictReader
+from mars_megatron.agents.graph import AgentGraph, RewardFunction, RewardKind, RoleSpec, VerdictReader
 from mars_megatron.agents.sample import Sample
 from mars_megatron.agents.verdict import read_verdict
 from mars_megatron.reaper import WorkerProcess, whereabouts
 from mars_megatron.rewards.agent_rewards import Checker, answer_rewards, verdict_reward
+from mars_megatron.rewards.functions import FunctionPools
 
 RewardMode = Literal["agent", "shared"]
 """``algorithm.reward``: every output trains on its role's own reward, or on its trajectory's outcome."""
 
-Score = tuple[str, float, bool | None]
-"""``(sample_id, reward, verdict)``: what a reward worker returns for one request."""
+Score = tuple[str, float, bool | None, dict[str, float]]
+"""``(sample_id, reward, verdict, info)``: what a reward worker returns for one request. ``info``: what a
+reward function adds for the metrics (its details, and ``fail/<reason>: 1`` when the output scored 0
+without its say); empty for the built-in rewards."""
 
 
 @dataclass(frozen=True)
@@ -42,29 +45,78 @@ class ScoreRequest:
     reference: Any
     judged_right: bool
     """Outputs with an input: whether the solution it judged or revised was right (True otherwise)."""
+    role: str = ""
+    function: RewardFunction | None = None
+    """``reward: function``: the user's function (by name; the worker imports it)."""
+    problem: str = ""
+    problem_id: str = ""
+    extra: Mapping[str, Any] | None = None
+    judged_solution: str | None = None
+    has_input: bool = False
 
     @classmethod
-    def of(cls, sample: Sample, role: RoleSpec, reference: Any) -> ScoreRequest:
-        """The request for ``sample``, an output of ``role`` on a problem whose answer is ``reference``."""
+    def of(
+        cls,
+        sample: Sample,
+        role: RoleSpec,
+        problem: Any,
+        judged_solution: str | None = None,
+    ) -> ScoreRequest:
+        """The request for ``sample``, an output of ``role`` on ``problem`` (its text, reference answer and
+        extra columns); ``judged_solution``: the text of the solution it judged or revised (only a reward
+        function reads it)."""
         judged_right = True if sample.judged_right is None else sample.judged_right
-        return cls(sample.sample_id, role.reward, role.verdict, sample.text, reference, judged_right)
+        function = role.function if role.reward == "function" else None
+        return cls(
+            sample.sample_id, role.reward, role.verdict, sample.text, problem.reference, judged_right,
+            role.name, function, problem.text if function else "", problem.problem_id,
+            dict(problem.extra) if function and problem.extra else None,
+            judged_solution if function else None, sample.judged_id is not None,
+        )  # fmt: skip
+
+    def reward_request(self) -> Any:
+        """What the user's function receives (:class:`~.functions.RewardRequest`)."""
+        from mars_megatron.rewards.functions import RewardRequest
+
+        return RewardRequest(
+            self.problem, self.reference, self.text, self.role, dict(self.extra or {}), self.judged_solution,
+            self.judged_right if self.has_input else None, self.problem_id, self.sample_id,
+        )  # fmt: skip
 
 
-def score_requests(requests: Sequence[ScoreRequest], checker: Checker) -> list[Score]:
-    """``(sample_id, reward, verdict)`` per request, by the role's reward kind. ``answer``: 1 if the last
-    boxed answer matches the reference (one batched math-verify call). ``verdict``: 1 if the verdict is
-    right about the solution it judged. ``outcome``: 0 for now; :func:`outcome_rewards` sets the mean
-    reward of what followed once the trajectory is finished. A role's verdict is read whatever its
-    reward."""
+def score_requests(
+    requests: Sequence[ScoreRequest], checker: Checker, functions: FunctionPools | None = None
+) -> list[Score]:
+    """``(sample_id, reward, verdict, info)`` per request, by the role's reward kind. ``answer``: 1 if the
+    last boxed answer matches the reference (one batched math-verify call). ``verdict``: 1 if the verdict
+    is right about the solution it judged. ``outcome``: 0 for now; :func:`outcome_rewards` sets the mean
+    reward of what followed once the trajectory is finished. ``function``: the user's function's score
+    (in its own process, ``functions``), its verdict when it gives one; 0 when it fails. A role's verdict
+    is read whatever its reward."""
     answers = [(i, r.text, r.reference) for i, r in enumerate(requests) if r.reward == "answer"]
     rewards = answer_rewards([(text, ref) for _, text, ref in answers], checker)
-    out: list[Score] = [(r.sample_id, 0.0, read_verdict(r.verdict, r.text)) for r in requests]
+    out: list[Score] = [(r.sample_id, 0.0, read_verdict(r.verdict, r.text), {}) for r in requests]
     for (i, _, _), reward in zip(answers, rewards, strict=True):
-        out[i] = (requests[i].sample_id, reward, out[i][2])
+        out[i] = (requests[i].sample_id, reward, out[i][2], {})
     for i, r in enumerate(requests):
         if r.reward == "verdict":
             verdict = out[i][2]
-            out[i] = (r.sample_id, verdict_reward(verdict, r.judged_right), verdict)
+            out[i] = (r.sample_id, verdict_reward(verdict, r.judged_right), verdict, {})
+    by_function: dict[RewardFunction, list[int]] = {}
+    for i, r in enumerate(requests):
+        if r.reward == "function":
+            if r.function is None:
+                raise ValueError(f"{r.sample_id}: role {r.role!r} is rewarded by a function but names none")
+            by_function.setdefault(r.function, []).append(i)
+    if by_function and functions is None:
+        raise ValueError("score_requests: a reward function needs its FunctionPools")
+    for spec, indices in by_function.items():
+        pool = functions.get(spec.target, spec.timeout_s)  # type: ignore[union-attr]
+        outcomes = pool.score([requests[i].reward_request() for i in indices])
+        for i, o in zip(indices, outcomes, strict=True):
+            info = {**o.details, **({f"fail/{o.reason}": 1.0} if o.reason else {})}
+            verdict = o.verdict if o.verdict is not None else out[i][2]
+            out[i] = (requests[i].sample_id, o.score, verdict, info)
     return out
 
 
@@ -76,9 +128,10 @@ class RewardWorker:
         from mars_megatron.rewards.checker import AnswerChecker, CheckerConfig
 
         self.checker = AnswerChecker(CheckerConfig(num_workers=1))
+        self.functions = FunctionPools()
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[Score]:
-        return score_requests(requests, self.checker)
+        return score_requests(requests, self.checker, self.functions)
 
     def ping(self) -> bool:
         return True

@@ -135,6 +135,7 @@ class HeldOutEval:
             runner.run([(p, s) for p in self.problems for s in range(self.cfg.evaluation.samples)])
         finally:
             out.close()
+            runner.close()
         summary = summarize(
             out.records, [p.problem_id for p in self.problems], self.cfg.evaluation.samples, self.graph
         )

@@ -670,8 +670,8 @@ def score(bench: Bench, finished: Sequence[str], clock: PhaseClock) -> None:
     with clock.phase("reward actor (not the driver's)"):
         ray.wait([ref])
     with clock.phase("rewards"):
-        for sid, reward, verdict in ray.get(ref):
-            s.on_scored(sid, reward, verdict)
+        for sid, reward, verdict, info in ray.get(ref):
+            s.on_scored(sid, reward, verdict, info)
 
 
 def run_step(bench: Bench, step: int, problems: int) -> StepFigures:
