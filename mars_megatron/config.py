@@ -746,6 +746,8 @@ class MlflowConfig(Section):
         if uri is None:
             return
         scheme, sep, rest = uri.partition("://")
+        if not sep and uri.startswith("/"):
+            raise ConfigError(f"{_show(uri)} is a path; write it as a URI: file://{uri}", "tracking_uri")
         if not sep or scheme not in _MLFLOW_SCHEMES:
             raise ConfigError(
                 f"{_show(uri)} is not a tracking URI MLflow can keep a run in without more setup; write "

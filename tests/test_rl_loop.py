@@ -21,6 +21,7 @@ import torch
 
 from mars_megatron.metrics import read_metrics
 from tests.test_cli import TOKENS, assert_close_to, hf_logprobs, mars, ok, read_logprobs, write_tokens
+from tests.test_trackers import assert_trackers_hold_the_run
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
@@ -173,7 +174,8 @@ def test_a_separate_policy_per_role_evaluated_during_and_after_training(
     test = REPO / "examples" / "data" / "arith_test.jsonl"
     evaluation = [f"evaluation.test_file={test}", "evaluation.interval=1", "evaluation.limit=4",
                   "evaluation.samples=2"]  # fmt: skip
-    _finish(_train(sft_model, run, "algorithm.policies=per_role", "train.steps=2", *evaluation))
+    trackers = ["logging.backends=[wandb, mlflow]"]  # offline: W&B's files and MLflow's store in run
+    _finish(_train(sft_model, run, "algorithm.policies=per_role", "train.steps=2", *evaluation, *trackers))
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     for role in ("solver", "verifier", "corrector"):
@@ -190,6 +192,8 @@ def test_a_separate_policy_per_role_evaluated_during_and_after_training(
     lines = (run / "eval" / "step_000002" / "results.jsonl").read_text().splitlines()
     assert len(lines) == 4 * 2 and all(json.loads(line)["steps"] for line in lines)
     assert Image.open(run / "rewards.png").size == (800, 750)  # with the held-out panel
+    summaries = {f"eval/step_00000{s}/summary.json" for s in range(3)}
+    assert_trackers_hold_the_run(run, {"config.yaml", "rewards.png", *summaries})
 
     out = tmp_path / "eval"
     ok(mars("eval", "--checkpoint", run / "ckpt", "--config", run / "config.yaml", "--data", test,

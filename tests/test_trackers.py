@@ -16,7 +16,7 @@ import pytest
 
 from mars_megatron.config import ConfigError, load_config
 from mars_megatron.metrics import METRICS_FILE, MetricsSink, read_metrics
-from mars_megatron.metrics.tracker_mlflow import mlflow_name
+from mars_megatron.metrics.tracker_mlflow import mlflow_client, mlflow_name
 from mars_megatron.metrics.trackers import STATE_FILE, MlflowSpec, TensorBoardSpec, WandbSpec, flatten
 from mars_megatron.pipeline.tracking import check_trackers, tracker_specs
 
@@ -33,6 +33,7 @@ def metrics(step: int) -> dict[str, float]:
         "reward/verifier": 0.5,
         "train/loss": float("nan") if step == 2 else -0.01 * step,
         "samples": 8,
+        "samples/solver": 4,  # a name that is also the folder of another: MLflow's file store needs care
     }
 
 
@@ -51,7 +52,12 @@ def run_sink(run: Path, steps: range, *, resume_step: int = 0, **trackers: Any) 
             summary.write_text('{"solver_acc": 0.25}\n')
             sink.log_eval(0, {"eval/solver_acc": 0.25, "eval/solver_pass@4": 0.5}, files=[summary])
         for step in steps:
-            sink.log(step, metrics(step))
+            values = metrics(step)
+            if step == 2:  # an evaluation after step 2: its values are in step 2's line as well
+                evaluated = {"eval/solver_acc": 0.5, "eval/solver_pass@4": 0.75}
+                sink.log_eval(step, evaluated)
+                values |= evaluated
+            sink.log(step, values)
     return sink
 
 
@@ -109,6 +115,37 @@ def same(a: float | None, b: float) -> bool:
     return math.isnan(b) if a is None else math.isclose(a, b)
 
 
+def assert_trackers_hold_the_run(run: Path, files: set[str]) -> None:
+    """Every step of ``run``'s metrics.jsonl (and the evaluation before step 1 of its eval.jsonl) is in its
+    one W&B offline run and its MLflow run with the same values, and both keep ``files``."""
+    want = {r["step"]: r for r in read_metrics(run / METRICS_FILE)}
+    if (run / "eval.jsonl").exists():
+        want.setdefault(0, read_metrics(run / "eval.jsonl")[0])
+    [log] = wandb_runs(run)
+    history = wandb_history(log)
+    assert sorted(history) == sorted(want)
+    for step, record in want.items():
+        assert set(history[step]) == set(record) - {"step"}, step
+        assert all(same(record[k], v) for k, v in history[step].items()), (step, history[step], record)
+    saved = {f.path for record in wandb_of(log, "files") for f in record.files}
+    assert files <= saved, saved
+    assert all((log.parent / "files" / f).is_file() for f in files)
+
+    state = json.loads((run / STATE_FILE).read_text())
+    client = mlflow_client(state["mlflow"]["tracking_uri"])
+    run_id = state["mlflow"]["run_id"]
+    for key in {k for r in want.values() for k in r} - {"step"}:
+        got = {m.step: m.value for m in client.get_metric_history(run_id, mlflow_name(key, file_store=True))}
+        assert got.keys() == {s for s, r in want.items() if key in r}, key
+        assert all(same(want[s][key], v) for s, v in got.items()), (key, got)
+    kept = {a.path for a in client.list_artifacts(run_id)}
+    for file in files:
+        folder = str(Path(file).parent)
+        assert file in ({a.path for a in client.list_artifacts(run_id, folder)} if folder != "." else kept), (
+            file
+        )
+
+
 # ------------------------------------------------------------------------------------------------- tests
 def test_wandb_and_mlflow_get_the_steps_config_and_files_of_metrics_jsonl(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -116,57 +153,37 @@ def test_wandb_and_mlflow_get_the_steps_config_and_files_of_metrics_jsonl(
     monkeypatch.setenv("WANDB_MODE", "online")  # exported by a user: the run is still offline
     run = tmp_path / "run"
     run_sink(run, range(1, 5))
+    assert_trackers_hold_the_run(run, {"config.yaml", "rewards.png", "eval/step_000000/summary.json"})
+    history = wandb_history(wandb_runs(run)[0])
+    assert history[0] == {"eval/solver_acc": 0.25, "eval/solver_pass@4": 0.5}
+    assert math.isnan(history[2]["train/loss"]) and history[2]["eval/solver_pass@4"] == 0.75
 
-    from mlflow.tracking import MlflowClient
-
-    records = {r["step"]: r for r in read_metrics(run / METRICS_FILE)}
-    evals = {0: {"eval/solver_acc": 0.25, "eval/solver_pass@4": 0.5}}
-
-    # W&B: one offline run, each step's values as metrics.jsonl holds them (NaN kept as NaN)
+    # W&B: the run's name, config, a copy (not a link) of each file, a clean exit
     [log] = wandb_runs(run)
-    history = wandb_history(log)
-    assert sorted(history) == [0, 1, 2, 3, 4]
-    assert history[0] == evals[0]
-    for step, record in records.items():
-        assert set(history[step]) == set(record) - {"step"}
-        assert all(same(record[k], v) for k, v in history[step].items()), (step, history[step], record)
-    assert math.isnan(history[2]["train/loss"])
     [start] = wandb_of(log, "run")
     assert start.project == "mars-test" and start.display_name == "run"
     config = {u.key: json.loads(u.value_json) for u in start.config.update}
     assert config["train"] == {"steps": 4, "lr": 1e-5} and config["model"] == {"fp8": None}
-    saved = {f.path for files in wandb_of(log, "files") for f in files.files}
-    assert {"config.yaml", "rewards.png", "eval/step_000000/summary.json"} <= saved
     files = log.parent / "files"
     assert (files / "eval/step_000000/summary.json").read_text() == '{"solver_acc": 0.25}\n'
     assert not (files / "rewards.png").is_symlink() and (files / "rewards.png").read_bytes()[:4] == b"\x89PNG"
     assert [e.exit.exit_code for e in wandb_records(log) if e.WhichOneof("record_type") == "exit"] == [0]
 
-    # MLflow: the local file store under the run directory, read through its client
+    # MLflow: the local file store under the run directory; '@' is no MLflow name character, '/' makes folders
     state = json.loads((run / STATE_FILE).read_text())
     assert state["mlflow"]["tracking_uri"] == (run / "mlruns").as_uri()
     assert state["wandb"]["id"] == log.stem.removeprefix("run-")
-    client = MlflowClient(state["mlflow"]["tracking_uri"])
+    client = mlflow_client(state["mlflow"]["tracking_uri"])
     run_id = state["mlflow"]["run_id"]
-    for key in ("reward/solver", "train/loss", "samples"):
-        got = [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
-        assert [s for s, _ in got] == [1, 2, 3, 4]
-        assert all(same(records[s][key], v) for s, v in got), (key, got)
-    pass_at = client.get_metric_history(run_id, "eval/solver_pass_at_4")  # '@' is not an MLflow name char
-    assert [(m.step, m.value) for m in pass_at] == [(0, 0.5)]
+    pass_at = client.get_metric_history(run_id, "eval.solver_pass_at_4")
+    assert [(m.step, m.value) for m in pass_at] == [(0, 0.5), (2, 0.75)]
     info = client.get_run(run_id)
     assert info.info.status == "FINISHED" and info.info.run_name == "run"
     assert info.data.params["train.steps"] == "4" and info.data.params["model.fp8"] == "null"
     assert info.data.params["agents.roles"] == '["solver", "verifier"]'
-    assert {a.path for a in client.list_artifacts(run_id)} == {"config.yaml", "rewards.png", "eval"}
-    assert [a.path for a in client.list_artifacts(run_id, "eval/step_000000")] == [
-        "eval/step_000000/summary.json"
-    ]
 
 
 def test_resume_goes_on_in_the_same_tracker_runs_and_a_redo_never_holds_a_step_twice(tmp_path: Path) -> None:
-    from mlflow.tracking import MlflowClient
-
     run = tmp_path / "run"
     run_sink(run, range(1, 3))
     first = json.loads((run / STATE_FILE).read_text())
@@ -177,9 +194,9 @@ def test_resume_goes_on_in_the_same_tracker_runs_and_a_redo_never_holds_a_step_t
     logs = wandb_runs(run)
     assert len(logs) == 2 and {p.stem for p in logs} == {f"run-{first['wandb']['id']}"}
     assert sorted(wandb_history(logs[1])) == [3, 4]
-    client = MlflowClient(first["mlflow"]["tracking_uri"])
+    client = mlflow_client(first["mlflow"]["tracking_uri"])
     run_id = first["mlflow"]["run_id"]
-    assert [m.step for m in client.get_metric_history(run_id, "reward/solver")] == [1, 2, 3, 4]
+    assert [m.step for m in client.get_metric_history(run_id, "reward.solver")] == [1, 2, 3, 4]
     assert client.get_run(run_id).info.status == "FINISHED"
 
     # resumed from step 3's checkpoint after a kill: step 4 is redone. W&B rewinds the same run to step 3;
@@ -193,8 +210,8 @@ def test_resume_goes_on_in_the_same_tracker_runs_and_a_redo_never_holds_a_step_t
     assert new_id != run_id
     tags = client.get_run(new_id).data.tags
     assert tags["mars.resumed_from_run"] == run_id and tags["mars.resume_step"] == "3"
-    assert [m.step for m in client.get_metric_history(new_id, "reward/solver")] == [4]
-    assert [m.step for m in client.get_metric_history(run_id, "reward/solver")] == [1, 2, 3, 4]
+    assert [m.step for m in client.get_metric_history(new_id, "reward.solver")] == [4]
+    assert [m.step for m in client.get_metric_history(run_id, "reward.solver")] == [1, 2, 3, 4]
 
 
 def test_a_tracker_that_fails_is_warned_about_once_and_the_run_goes_on(tmp_path: Path) -> None:
@@ -256,6 +273,7 @@ def test_config_flattens_into_mlflow_params_and_names_become_mlflow_names() -> N
         "a.f": "{}",
     }
     assert mlflow_name("eval/system_pass@8") == "eval/system_pass_at_8"
+    assert mlflow_name("eval/system_pass@8", file_store=True) == "eval.system_pass_at_8"
     assert mlflow_name("reward/solver-mean:1.5 x_y") == "reward/solver-mean:1.5 x_y"
     assert mlflow_name("reward/solver (mean)") == "reward/solver _mean_"
     assert mlflow_name("a+b") == "a_b"

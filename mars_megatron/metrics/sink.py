@@ -198,7 +198,7 @@ class MetricsSink:
         self._closed = False
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record ``metrics`` (numbers; keys are the TensorBoard tags) for ``step``."""
+        """Record ``metrics`` (numbers; the keys are what every tracker shows) for ``step``."""
         if self._closed:
             raise RuntimeError("MetricsSink.log() after close()")
         if step <= self._last_step:
@@ -208,7 +208,7 @@ class MetricsSink:
         values = {key: _scalar(key, value) for key, value in metrics.items()}
         self.records.append(self._append(self._file, step, values))
         self._last_step = step
-        # eval/* reached TensorBoard through log_eval (which also has the evaluation before step 1)
+        # eval/* reached the trackers through log_eval (which also has the evaluation before step 1)
         self._scalars(step, {k: v for k, v in values.items() if not k.startswith(EVAL_PREFIX)})
         self._advance_bar(step, self.records[-1])
         if self.plot_every and step - self._plotted_step >= self.plot_every:
