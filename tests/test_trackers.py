@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import sys
 import warnings
@@ -212,6 +213,55 @@ def test_resume_goes_on_in_the_same_tracker_runs_and_a_redo_never_holds_a_step_t
     assert tags["mars.resumed_from_run"] == run_id and tags["mars.resume_step"] == "3"
     assert [m.step for m in client.get_metric_history(new_id, "reward.solver")] == [4]
     assert [m.step for m in client.get_metric_history(run_id, "reward.solver")] == [1, 2, 3, 4]
+
+
+KILLED_DRIVER = """
+import os, signal, sys, time
+from pathlib import Path
+from mars_megatron.metrics import MetricsSink
+from mars_megatron.metrics.tracker_wandb import FLUSH_S
+from mars_megatron.metrics.trackers import MlflowSpec, WandbSpec
+from tests.test_trackers import metrics
+run = Path(sys.argv[1])
+run.mkdir()
+sink = MetricsSink(run, trackers=[WandbSpec("mars-test"), MlflowSpec()], total_steps=4, progress=False)
+for step in (1, 2, 3):
+    sink.log(step, metrics(step))
+time.sleep(FLUSH_S + 0.5)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_driver_keeps_every_logged_step_and_the_resume_goes_on(tmp_path: Path) -> None:
+    """SIGKILL a driver (no close, no flush) a moment after its third step; every step is in both trackers,
+    and the run resumed from step 3 goes on in the same tracker runs."""
+    import subprocess
+
+    run = tmp_path / "run"
+    # its own W&B service: a child inherits this process's (WANDB_SERVICE), which would keep its run open
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_DRIVER, str(run)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == -9, done.stderr[-2000:]
+    [killed] = wandb_runs(run)
+    assert sorted(wandb_history(killed)) == [1, 2, 3]
+    state = json.loads((run / STATE_FILE).read_text())
+    client = mlflow_client(state["mlflow"]["tracking_uri"])
+    assert [m.step for m in client.get_metric_history(state["mlflow"]["run_id"], "reward.solver")] == [
+        1,
+        2,
+        3,
+    ]
+
+    run_sink(run, range(4, 5), resume_step=3)
+    assert json.loads((run / STATE_FILE).read_text()) == state
+    logs = wandb_runs(run)
+    assert [sorted(wandb_history(log)) for log in logs] == [[1, 2, 3], [4]]
+    assert {log.stem for log in logs} == {f"run-{state['wandb']['id']}"}
+    history = client.get_metric_history(state["mlflow"]["run_id"], "reward.solver")
+    assert [m.step for m in history] == [1, 2, 3, 4]
+    assert client.get_run(state["mlflow"]["run_id"]).info.status == "FINISHED"
 
 
 def test_a_tracker_that_fails_is_warned_about_once_and_the_run_goes_on(tmp_path: Path) -> None:

@@ -245,7 +245,9 @@ class MetricsSink:
         if self._eval_file is None:
             self._eval_file = self.eval_path.open("a", encoding="utf-8")
         self.eval_records.append(self._append(self._eval_file, step, values))
-        self._scalars(step, values)
+        # the step's own line follows unless it was logged already or never comes (the evaluation before
+        # step 1): until then W&B keeps the row open, so both land in one row
+        self._scalars(step, values, last=step <= self._last_step)
         for file in map(Path, files):
             self._log_file(file)
 
@@ -265,9 +267,9 @@ class MetricsSink:
         os.fsync(file.fileno())
         return record
 
-    def _scalars(self, step: int, values: Mapping[str, int | float]) -> None:
+    def _scalars(self, step: int, values: Mapping[str, int | float], last: bool = True) -> None:
         for tracker in self.trackers:
-            tracker.log(step, values)
+            tracker.log(step, values, last)
 
     def _advance_bar(self, step: int, record: Mapping[str, Any]) -> None:
         parts = [

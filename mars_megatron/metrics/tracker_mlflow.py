@@ -100,7 +100,7 @@ class MlflowTracker:
             client.log_batch(self.run_id, params=items[i : i + BATCH])
         start.state["mlflow"] = {"run_id": self.run_id, "tracking_uri": uri, "experiment": spec.experiment}
 
-    def log(self, step: int, values: Mapping[str, int | float]) -> None:
+    def log(self, step: int, values: Mapping[str, int | float], last: bool) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

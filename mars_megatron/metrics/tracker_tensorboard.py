@@ -20,7 +20,7 @@ class TensorBoardTracker:
 
         self._writer = SummaryWriter(str(start.run_dir / TENSORBOARD_DIR), purge_step=start.resume_step + 1)
 
-    def log(self, step: int, values: Mapping[str, int | float]) -> None:
+    def log(self, step: int, values: Mapping[str, int | float], last: bool) -> None:
         for key, value in values.items():
             self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()

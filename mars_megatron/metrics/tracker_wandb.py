@@ -10,6 +10,10 @@ environment gets ``WANDB_MODE=offline`` and ``WANDB_ERROR_REPORTING=false`` (an 
 ``WANDB_MODE=online`` made W&B's error reporting look up its server; with these, strace shows no
 ``AF_INET`` connect at all).
 
+A killed driver (SIGKILL: no close) keeps every step it logged more than ``FLUSH_S`` before: each step's
+row is committed when its last values arrive, and the transaction log is written every second (W&B's
+default, 15 s, lost a killed run's last steps).
+
 Metrics go under the names and steps of ``metrics.jsonl``; NaN and infinity are logged as they are (W&B
 keeps them as NaN/Infinity). The resolved config is the W&B run's config; files are copied into the run's
 ``files/`` folder and saved from there (a copy, not a link, so the offline run is complete on its own).
@@ -34,6 +38,9 @@ from mars_megatron.metrics.trackers import TrackerStart, WandbSpec
 
 INIT_TIMEOUT_S = 60.0
 FINISH_TIMEOUT_S = 60.0
+FLUSH_S = 1.0
+"""How often W&B writes its transaction log to disk (its default, 15 s, lost the last steps of a killed
+driver: a SIGKILL 5 s after two steps left a file with no step in it)."""
 
 
 def new_run_id() -> str:
@@ -72,6 +79,7 @@ class WandbTracker:
             silent=True,
             init_timeout=INIT_TIMEOUT_S,
             finish_timeout=FINISH_TIMEOUT_S,
+            x_transaction_log_flush_interval=FLUSH_S,
             **({"resume_from": resume.pop("resume_from")} if "resume_from" in resume else {}),
         )
         self._run = wandb.init(
@@ -90,8 +98,10 @@ class WandbTracker:
         start.state["wandb"] = {"id": run_id, "project": spec.project, "entity": spec.entity}
         self.files_dir = Path(self._run.dir)
 
-    def log(self, step: int, values: Mapping[str, int | float]) -> None:
-        self._run.log(dict(values), step=step)
+    def log(self, step: int, values: Mapping[str, int | float], last: bool) -> None:
+        # W&B holds a step's row open for more values until a later step or commit=True: commit the last
+        # values of a step, so a killed driver loses no finished step (at most FLUSH_S of them on disk)
+        self._run.log(dict(values), step=step, commit=last)
 
     def log_file(self, path: Path, folder: str) -> None:
         dest = self.files_dir / folder / path.name

@@ -29,8 +29,9 @@ STATE_FILE = "trackers.json"
 class Tracker(Protocol):
     """One experiment tracker, driven by the sink in the driver process only."""
 
-    def log(self, step: int, values: Mapping[str, int | float]) -> None:
-        """The metrics of ``step`` (floats may be NaN or infinite: each backend says how it keeps them)."""
+    def log(self, step: int, values: Mapping[str, int | float], last: bool) -> None:
+        """The metrics of ``step`` (floats may be NaN or infinite: each backend says how it keeps them);
+        ``last``: no more values of this step follow (W&B then writes the step's row at once)."""
 
     def log_file(self, path: Path, folder: str) -> None:
         """Keep a copy of ``path`` under ``folder`` ('' = top level) where the tracker keeps files."""
@@ -149,9 +150,9 @@ class GuardedTracker:
     def alive(self) -> bool:
         return self.error is None and self.tracker is not None
 
-    def log(self, step: int, values: Mapping[str, int | float]) -> None:
+    def log(self, step: int, values: Mapping[str, int | float], last: bool = True) -> None:
         if self.alive:
-            self._call(f"step {step}", lambda: self.tracker.log(step, values))  # type: ignore[union-attr]
+            self._call(f"step {step}", lambda: self.tracker.log(step, values, last))  # type: ignore[union-attr]
 
     def log_file(self, path: Path, folder: str) -> None:
         if self.alive and path.is_file():
