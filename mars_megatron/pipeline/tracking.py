@@ -8,6 +8,9 @@ the one place that reads ``logging.*`` for them.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from mars_megatron.config import ConfigError, LoggingConfig
 from mars_megatron.metrics.trackers import MlflowSpec, TensorBoardSpec, TrackerSpec, WandbSpec
@@ -36,8 +39,9 @@ def tracker_specs(logging: LoggingConfig) -> list[TrackerSpec]:
 
 
 def check_trackers(logging: LoggingConfig) -> None:
-    """Refuse, naming ``logging.backends``, a tracker whose library is not installed (and an MLflow
-    ``sqlite:`` store without SQLAlchemy), before models load or Ray starts."""
+    """Refuse, naming the field, a listed tracker whose library is not installed, a W&B folder or MLflow
+    file store that is a file, and an MLflow ``sqlite:`` store without SQLAlchemy: before models load or
+    Ray starts (a tracker failing later only warns)."""
     for name in logging.trackers:
         module, package = _LIBRARIES[name]
         if importlib.util.find_spec(module) is None:
@@ -49,6 +53,15 @@ def check_trackers(logging: LoggingConfig) -> None:
             raise ConfigError(
                 f"{name!r} needs the {package} package, which is not installed (pip install {package})", field
             )
+    folders = {
+        "logging.wandb.dir": logging.wandb.dir if "wandb" in logging.trackers else None,
+        "logging.mlflow.tracking_uri": _file_store_path(logging.mlflow.tracking_uri)
+        if "mlflow" in logging.trackers
+        else None,
+    }
+    for field, folder in folders.items():
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            raise ConfigError(f"{folder} exists and is not a folder", field)
     uri = logging.mlflow.tracking_uri
     if (
         "mlflow" in logging.trackers
@@ -61,3 +74,10 @@ def check_trackers(logging: LoggingConfig) -> None:
             "use a file:/// store or leave it null for file://RUN_DIR/mlruns",
             "logging.mlflow.tracking_uri",
         )
+
+
+def _file_store_path(uri: str | None) -> str | None:
+    """The folder of a ``file://`` tracking URI (None for any other store)."""
+    if uri is None or not uri.startswith("file://"):
+        return None
+    return url2pathname(urlparse(uri).path)

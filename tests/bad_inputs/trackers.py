@@ -1,7 +1,8 @@
 """Experiment tracker settings (``logging.backends``, ``logging.wandb.*``, ``logging.mlflow.*``): unknown
 or repeated trackers, modes that are not offline/online, W&B names holding a path, MLflow stores that are
-no local store or server, a tracker whose library is missing (refused by ``mars train``'s checks before
-anything starts), and an unreadable ``trackers.json`` on resume (a warning: new tracker runs)."""
+no local store or server, a tracker whose library is missing or whose folder is a file (refused by
+``mars train``'s checks before anything starts), and an unreadable ``trackers.json`` on resume (a
+warning: new tracker runs)."""
 
 from __future__ import annotations
 
@@ -130,6 +131,18 @@ def cases() -> list[Case]:
         ),
         f"{M}.tracking_uri",
         "SQLAlchemy",
+    )
+    add(
+        "train/wandb-dir-is-a-file",
+        lambda ws: _prepare(ws, f"{B}=[wandb]", f"{W}.dir={ws.write('f', '')}"),
+        f"{W}.dir",
+        "{ws}/f",
+    )
+    add(
+        "train/mlflow-store-is-a-file",
+        lambda ws: _prepare(ws, f"{B}=[mlflow]", f"{M}.tracking_uri=file://{ws.write('f', '')}"),
+        f"{M}.tracking_uri",
+        "{ws}/f",
     )
     add("resume/trackers-json-garbage", _corrupt_state, "{ws}/run/trackers.json", warning=True)
     return out
