@@ -327,3 +327,18 @@ def test_config_flattens_into_mlflow_params_and_names_become_mlflow_names() -> N
     assert mlflow_name("reward/solver-mean:1.5 x_y") == "reward/solver-mean:1.5 x_y"
     assert mlflow_name("reward/solver (mean)") == "reward/solver _mean_"
     assert mlflow_name("a+b") == "a_b"
+
+
+def test_an_mlflow_experiment_in_the_trash_is_restored_rather_than_the_run_lost(tmp_path: Path) -> None:
+    store = MlflowSpec((tmp_path / "store").as_uri())
+    with MetricsSink(tmp_path / "a", trackers=[store], total_steps=1, progress=False) as sink:
+        sink.log(1, metrics(1))
+    client = mlflow_client(store.tracking_uri or "")
+    client.delete_experiment(client.get_experiment_by_name("mars-megatron").experiment_id)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no tracker dropped
+        with MetricsSink(tmp_path / "b", trackers=[store], total_steps=1, progress=False) as sink:
+            sink.log(1, metrics(1))
+    experiment = client.get_experiment_by_name("mars-megatron")
+    assert experiment.lifecycle_stage == "active"
+    assert len(client.search_runs([experiment.experiment_id])) == 2

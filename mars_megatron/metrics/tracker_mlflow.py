@@ -78,6 +78,8 @@ class MlflowTracker:
         self._file_store = uri.startswith("file:")
         experiment = client.get_experiment_by_name(spec.experiment)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(spec.experiment)
+        if experiment is not None and experiment.lifecycle_stage == "deleted":  # in the store's trash
+            client.restore_experiment(experiment_id)  # a name stays taken there: no new one can be made
         previous = start.previous("mlflow", tracking_uri=uri, experiment=spec.experiment)
         params = {mlflow_name(k, self._file_store): v[:MAX_VALUE] for k, v in flatten(start.config).items()}
         if previous is not None and not start.redo:

@@ -60,16 +60,13 @@ class WandbTracker:
         root = Path(spec.dir) if spec.dir is not None else start.run_dir
         root.mkdir(parents=True, exist_ok=True)
         previous = start.previous("wandb", project=spec.project, entity=spec.entity)
-        resume: dict[str, Any]
-        if previous is None:
-            run_id = new_run_id()
-            resume = {"id": run_id}
-        elif start.redo:
-            run_id = previous["id"]
-            resume = {"resume_from": f"{run_id}?_step={start.resume_step}"}
-        else:
-            run_id = previous["id"]
-            resume = {"id": run_id, "resume": "allow"}
+        run_id = previous["id"] if previous is not None else new_run_id()
+        which: dict[str, Any] = {"id": run_id}  # a new run, or the same run going on
+        rewind: dict[str, Any] = {}
+        if previous is not None and start.redo:  # back to the checkpoint's step, same run id
+            which, rewind = {}, {"resume_from": f"{run_id}?_step={start.resume_step}"}
+        elif previous is not None:
+            which["resume"] = "allow"
         settings = wandb.Settings(
             console="off",
             x_disable_stats=True,
@@ -80,7 +77,7 @@ class WandbTracker:
             init_timeout=INIT_TIMEOUT_S,
             finish_timeout=FINISH_TIMEOUT_S,
             x_transaction_log_flush_interval=FLUSH_S,
-            **({"resume_from": resume.pop("resume_from")} if "resume_from" in resume else {}),
+            **rewind,
         )
         self._run = wandb.init(
             project=spec.project,
@@ -91,7 +88,7 @@ class WandbTracker:
             config=dict(start.config),
             settings=settings,
             reinit="create_new",
-            **resume,
+            **which,
         )
         if previous is not None:  # a resume may change settings (more steps): the newest config wins
             self._run.config.update(dict(start.config), allow_val_change=True)
