@@ -237,12 +237,12 @@ def test_a_killed_driver_keeps_every_logged_step_and_the_resume_goes_on(tmp_path
     and the run resumed from step 3 goes on in the same tracker runs."""
     import subprocess
 
+    run_sink(tmp_path / "earlier", range(1, 2))  # this process's own W&B service, whatever ran before
+    assert "WANDB_SERVICE" in os.environ
+    # the child inherits it: the driver must start its own, or this service keeps the killed run open and
+    # refuses the resume ("run ID is in use")
     run = tmp_path / "run"
-    # its own W&B service: a child inherits this process's (WANDB_SERVICE), which would keep its run open
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    done = subprocess.run(
-        [sys.executable, "-c", KILLED_DRIVER, str(run)], capture_output=True, text=True, env=env
-    )
+    done = subprocess.run([sys.executable, "-c", KILLED_DRIVER, str(run)], capture_output=True, text=True)
     assert done.returncode == -9, done.stderr[-2000:]
     [killed] = wandb_runs(run)
     assert sorted(wandb_history(killed)) == [1, 2, 3]

@@ -43,6 +43,20 @@ FLUSH_S = 1.0
 driver: a SIGKILL 5 s after two steps left a file with no step in it)."""
 
 
+_own_service: str | None = None
+"""The ``WANDB_SERVICE`` token of this process's own W&B service, once it has one."""
+
+
+def _own_service_only() -> None:
+    """Drop a W&B service token inherited from a parent process (W&B puts its service's address in
+    ``WANDB_SERVICE`` for children to share): this run must own its service, or a parent's would keep the
+    run open after this driver is killed, and the resumed run is refused ("run ID is in use": seen when
+    the tests' process had a service of its own)."""
+    token = os.environ.get("WANDB_SERVICE")
+    if token is not None and token != _own_service:
+        del os.environ["WANDB_SERVICE"]
+
+
 def new_run_id() -> str:
     """A fresh W&B run id: 8 characters of lowercase letters and digits, as W&B makes them."""
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
@@ -57,6 +71,8 @@ class WandbTracker:
             os.environ["WANDB_ERROR_REPORTING"] = "false"
         import wandb
 
+        global _own_service
+        _own_service_only()
         root = Path(spec.dir) if spec.dir is not None else start.run_dir
         root.mkdir(parents=True, exist_ok=True)
         previous = start.previous("wandb", project=spec.project, entity=spec.entity)
@@ -90,6 +106,7 @@ class WandbTracker:
             reinit="create_new",
             **which,
         )
+        _own_service = os.environ.get("WANDB_SERVICE")
         if previous is not None:  # a resume may change settings (more steps): the newest config wins
             self._run.config.update(dict(start.config), allow_val_change=True)
         start.state["wandb"] = {"id": run_id, "project": spec.project, "entity": spec.entity}
