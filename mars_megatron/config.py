@@ -774,10 +774,103 @@ class EvalConfig(Section):
             )
 
 
+_WANDB_FORBIDDEN = set("/\\#?%:")
+"""Characters W&B refuses in project and entity names (a path in a name would also go to the wrong place)."""
+_MLFLOW_SCHEMES = ("file", "sqlite", "http", "https")
+
+
+def _check_name(value: str | None, path: str, forbidden: set[str], limit: int = 128) -> None:
+    """A tracker-side name: non-empty, one line, at most ``limit`` characters, none of ``forbidden``."""
+    if value is None:
+        return
+    if not value.strip():
+        raise ConfigError("must not be empty or blank", path)
+    if len(value) > limit:
+        raise ConfigError(f"at most {limit} characters, got {len(value)}", path)
+    bad = sorted({c for c in value if c in forbidden or not c.isprintable()})
+    if bad:
+        raise ConfigError(
+            f"{_show(value)} holds {', '.join(map(repr, bad))}, which is not allowed here", path
+        )
+
+
+@dataclass
+class WandbConfig(Section):
+    project: str = _field(
+        "mars-megatron", "W&B project the run is filed under (no '/', '\\', '#', '?', '%', ':')."
+    )
+    entity: str | None = _field(None, "W&B entity (user or team); null = the account's default.")
+    mode: Literal["offline", "online"] = _field(
+        "offline",
+        "'offline' writes the run under logging.wandb.dir and never touches the network (upload later with "
+        "`wandb sync`); 'online' streams to the W&B server and needs a login.",
+    )
+    name: str | None = _field(None, "Display name of the W&B run; null = the name of logging.run_dir.")
+    dir: str | None = _field(
+        None, "Folder W&B writes its files under (it adds wandb/); null = logging.run_dir."
+    )
+
+    def validate(self) -> None:
+        _check_name(self.project, "project", _WANDB_FORBIDDEN)
+        _check_name(self.entity, "entity", _WANDB_FORBIDDEN)
+        _check_name(self.name, "name", set())
+        if self.dir is not None and not self.dir.strip():
+            raise ConfigError("must not be empty (null = logging.run_dir)", "dir")
+
+
+@dataclass
+class MlflowConfig(Section):
+    tracking_uri: str | None = _field(
+        None,
+        "Where MLflow keeps the run: null = the local file store file://RUN_DIR/mlruns (no server, no "
+        "network); else a file:///absolute/path, a sqlite:///path.db (needs the full mlflow package) or an "
+        "http(s):// tracking server.",
+    )
+    experiment: str = _field(
+        "mars-megatron", "MLflow experiment the run is filed under (created if missing)."
+    )
+    run_name: str | None = _field(None, "Name of the MLflow run; null = the name of logging.run_dir.")
+
+    def validate(self) -> None:
+        _check_name(self.experiment, "experiment", set(), limit=500)
+        _check_name(self.run_name, "run_name", set(), limit=250)
+        uri = self.tracking_uri
+        if uri is None:
+            return
+        scheme, sep, rest = uri.partition("://")
+        if not sep and uri.startswith("/"):
+            raise ConfigError(f"{_show(uri)} is a path; write it as a URI: file://{uri}", "tracking_uri")
+        if not sep or scheme not in _MLFLOW_SCHEMES:
+            raise ConfigError(
+                f"{_show(uri)} is not a tracking URI MLflow can keep a run in without more setup; write "
+                f"file:///absolute/path, sqlite:///path.db or http(s)://host:port (schemes: "
+                f"{', '.join(_MLFLOW_SCHEMES)}), or null for file://RUN_DIR/mlruns",
+                "tracking_uri",
+            )
+        if scheme == "file" and not rest.startswith("/"):
+            raise ConfigError(
+                f"{_show(uri)}: a file store needs an absolute path, file:///...", "tracking_uri"
+            )
+        if scheme in ("http", "https") and not rest.split("/")[0]:
+            raise ConfigError(f"{_show(uri)}: no host", "tracking_uri")
+        if any(not c.isprintable() or c.isspace() for c in uri):
+            raise ConfigError(f"{_show(uri)} holds whitespace or control characters", "tracking_uri")
+
+
 @dataclass
 class LoggingConfig(Section):
     run_dir: str = _field("runs/default", "Directory for logs, metrics and the resolved config of this run.")
-    tensorboard: bool = _field(False, "Also write TensorBoard event files under run_dir.")
+    tensorboard: bool = _field(
+        False,
+        "Also write TensorBoard event files under run_dir (the same as listing 'tensorboard' in backends).",
+    )
+    backends: list[Literal["tensorboard", "wandb", "mlflow"]] = _field(  # noqa: RUF009 — _field gives mutable defaults a factory
+        [],
+        "Experiment trackers that receive every logged step (the metrics.jsonl names and steps), the "
+        "resolved config and the run's files (rewards.png, eval summaries): any of 'tensorboard', 'wandb', "
+        "'mlflow'. W&B and MLflow are offline by default (logging.wandb.mode, logging.mlflow.tracking_uri). "
+        "A tracker that fails mid-run is warned about once and dropped; metrics.jsonl goes on.",
+    )
     log_interval: int = _field(1, "Log metrics every this many steps.", min=1)
     rollouts: bool = _field(
         False,
@@ -785,9 +878,26 @@ class LoggingConfig(Section):
         "policy version per segment) to run_dir/rollouts/step_NNNNNN.jsonl.",
     )
 
+    wandb: WandbConfig = field(
+        default_factory=WandbConfig,
+        metadata={"help": "Weights & Biases, when logging.backends lists 'wandb'."},
+    )
+    mlflow: MlflowConfig = field(
+        default_factory=MlflowConfig, metadata={"help": "MLflow, when logging.backends lists 'mlflow'."}
+    )
+
     def validate(self) -> None:
         if not self.run_dir:
             raise ConfigError("must not be empty", "run_dir")
+        for i, name in enumerate(self.backends):
+            if name in self.backends[:i]:
+                raise ConfigError(f"{name!r} is listed twice", f"backends[{i}]")
+
+    @property
+    def trackers(self) -> list[str]:
+        """The trackers this run logs to: ``backends``, plus TensorBoard when ``tensorboard`` is true."""
+        extra = ["tensorboard"] if self.tensorboard and "tensorboard" not in self.backends else []
+        return [*extra, *self.backends]
 
 
 @dataclass

@@ -441,14 +441,21 @@ def test_describe_config_lists_every_field() -> None:
     assert "  model.fp8: one of 'hybrid', 'e4m3', 'blockwise' or null; default null" in text
     assert "  optimizer.adam_beta1: float >= 0, < 1; default 0.9" in text
     assert "[train] " in text
-    for section in dataclasses.fields(MarsConfig):
-        for leaf in dataclasses.fields(section.type):  # type: ignore[arg-type]
-            if isinstance(leaf.type, type) and dataclasses.is_dataclass(leaf.type):  # a nested section
-                for inner in dataclasses.fields(leaf.type):
-                    assert f"  {section.name}.{leaf.name}.{inner.name}: " in text
+
+    def check(
+        section: type, prefix: str
+    ) -> None:  # nested sections (logging.wandb) get a header of their own
+        for leaf in dataclasses.fields(section):  # type: ignore[arg-type]
+            if dataclasses.is_dataclass(leaf.type):
+                assert f"[{prefix}.{leaf.name}] " in text
+                check(leaf.type, f"{prefix}.{leaf.name}")  # type: ignore[arg-type]
                 continue
-            assert f"  {section.name}.{leaf.name}: " in text
+            assert f"  {prefix}.{leaf.name}: " in text
             assert leaf.metadata["help"].split()[0] in text
+
+    for section in dataclasses.fields(MarsConfig):
+        check(section.type, section.name)  # type: ignore[arg-type]
+    assert "  logging.wandb.mode: one of 'offline', 'online'; default offline" in text
 
 
 def test_ep1_requires_etp_equal_tp() -> None:

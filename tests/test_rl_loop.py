@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from mars_megatron.metrics import read_metrics
+from mars_megatron.metrics.tracker_mlflow import mlflow_client
 from tests.test_cli import TOKENS, assert_close_to, hf_logprobs, mars, ok, read_logprobs, write_tokens
+from tests.test_trackers import assert_trackers_hold_the_run, wandb_history, wandb_runs
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
@@ -136,7 +138,8 @@ def test_a_killed_rank_and_a_killed_run_both_continue_exactly(
     rewards, losses and gradient norms of the uninterrupted run (optimizer state, schedule and data
     stream restored both times)."""
     run = tmp_path / "run"
-    proc = _train(sft_model, run)
+    trackers = "logging.backends=[wandb, mlflow]"  # offline, and through both faults
+    proc = _train(sft_model, run, trackers)
     _wait_for(run / "ckpt" / "step_000002" / "trainer_state.json", proc)
     rank = _busy_rank(proc)
     killed_at = time.monotonic()
@@ -149,7 +152,7 @@ def test_a_killed_rank_and_a_killed_run_both_continue_exactly(
     rebuilt = next(line for line in first_out.splitlines() if "trainer group rebuilt in" in line)
     print(f"a rank killed in update 3: {rebuilt}; step 3 done {step3_s:.1f} s after the kill")
     assert "died" in first_out.split("rebuilding the trainer group")[0].splitlines()[-1]
-    out = _finish(_train(sft_model, run, resume=True))
+    out = _finish(_train(sft_model, run, trackers, resume=True))
     assert "resumed from" in out and "step_000003" in out
     got = read_metrics(run / "metrics.jsonl")
     want = read_metrics(uninterrupted[0] / "metrics.jsonl")
@@ -160,6 +163,17 @@ def test_a_killed_rank_and_a_killed_run_both_continue_exactly(
             "pipeline/trained_total"]  # fmt: skip
     for a, b in zip(got[2:], want[2:], strict=True):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
+    # the trackers went on in the same runs through the rebuilt trainer group and the resume, each step
+    # once: W&B in three offline parts of one run id (steps 1-2, 3, 4; a step logged under a second before
+    # the SIGKILL may be missing there), MLflow in one run
+    state = json.loads((run / "trackers.json").read_text())
+    logs = wandb_runs(run)
+    assert len(logs) == 3 and {log.stem for log in logs} == {f"run-{state['wandb']['id']}"}
+    steps = [step for log in logs for step in wandb_history(log)]
+    assert sorted(set(steps)) == sorted(steps) and {1, 2, 4} <= set(steps) <= {1, 2, 3, 4}, steps
+    client = mlflow_client(state["mlflow"]["tracking_uri"])
+    history = client.get_metric_history(state["mlflow"]["run_id"], "reward.solver")
+    assert [(m.step, m.value) for m in history] == [(r["step"], r["reward/solver"]) for r in got]
 
 
 def test_a_dapo_like_parquet_and_an_aime_like_dataset_train_as_their_jsonl(
@@ -216,7 +230,8 @@ def test_a_separate_policy_per_role_evaluated_during_and_after_training(
     test = REPO / "examples" / "data" / "arith_test.jsonl"
     evaluation = [f"evaluation.test_file={test}", "evaluation.interval=1", "evaluation.limit=4",
                   "evaluation.samples=2"]  # fmt: skip
-    _finish(_train(sft_model, run, "algorithm.policies=per_role", "train.steps=2", *evaluation))
+    trackers = ["logging.backends=[wandb, mlflow]"]  # offline: W&B's files and MLflow's store in run
+    _finish(_train(sft_model, run, "algorithm.policies=per_role", "train.steps=2", *evaluation, *trackers))
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     for role in ("solver", "verifier", "corrector"):
@@ -233,6 +248,8 @@ def test_a_separate_policy_per_role_evaluated_during_and_after_training(
     lines = (run / "eval" / "step_000002" / "results.jsonl").read_text().splitlines()
     assert len(lines) == 4 * 2 and all(json.loads(line)["steps"] for line in lines)
     assert Image.open(run / "rewards.png").size == (800, 750)  # with the held-out panel
+    summaries = {f"eval/step_00000{s}/summary.json" for s in range(3)}
+    assert_trackers_hold_the_run(run, {"config.yaml", "rewards.png", *summaries})
 
     out = tmp_path / "eval"
     ok(mars("eval", "--checkpoint", run / "ckpt", "--config", run / "config.yaml", "--data", test,

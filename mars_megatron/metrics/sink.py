@@ -1,9 +1,9 @@
-"""Where the training driver's per-step numbers go: ``RUN_DIR/metrics.jsonl``, TensorBoard, a progress bar
-and ``RUN_DIR/rewards.png``.
+"""Where the training driver's per-step numbers go: ``RUN_DIR/metrics.jsonl``, the experiment trackers
+(TensorBoard, W&B, MLflow: :mod:`.trackers`), a progress bar and ``RUN_DIR/rewards.png``.
 
 ``metrics.jsonl`` holds one JSON object per logged step, ``{"step": N, ...}``, appended, flushed and fsynced
 line by line, so a killed run keeps everything it logged. JSON has no NaN or infinity, so a non-finite
-value is written as ``null`` (TensorBoard still receives the float, NaN included, so a diverging run shows
+value is written as ``null`` (the trackers still receive the float, NaN included, so a diverging run shows
 there). Steps must increase, which keeps the file at one line per step.
 
 Resuming from the checkpoint of step ``resume_step`` drops the lines of later steps (a run killed after its
@@ -11,6 +11,11 @@ last checkpoint logged steps that the resumed run is about to redo) by rewriting
 opens TensorBoard with ``purge_step=resume_step + 1`` so the viewer discards those steps' old events. The
 same rule holds for ``resume_step=0``: a fresh run in a directory with an old ``metrics.jsonl`` starts it
 over. Only one process (the driver, or rank 0) should own a sink for a run directory.
+
+Every tracker gets the same names and steps as ``metrics.jsonl``, the resolved config when it opens
+(``config=``; ``RUN_DIR/config.yaml`` as a file where the tracker keeps files), each evaluation's files
+(``log_eval(files=...)``) and ``rewards.png`` at close. A tracker that fails is warned about once and
+dropped (:class:`~.trackers.GuardedTracker`); ``metrics.jsonl`` is written first and never depends on one.
 
 Held-out evaluations (``evaluation.*``) go through :meth:`MetricsSink.log_eval` into ``eval.jsonl`` (one
 line per evaluation, step 0 being the model before any update) and TensorBoard; the trainer also puts them
@@ -26,7 +31,7 @@ import numbers
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -38,9 +43,21 @@ from mars_megatron.metrics.records import (
     EVAL_PREFIX,
     METRICS_FILE,
     REWARDS_PNG,
-    TENSORBOARD_DIR,
     parse_line,
 )
+from mars_megatron.metrics.trackers import (
+    GuardedTracker,
+    MlflowSpec,
+    TensorBoardSpec,
+    Tracker,
+    TrackerSpec,
+    TrackerStart,
+    WandbSpec,
+    read_state,
+    write_state,
+)
+
+CONFIG_FILE = "config.yaml"
 
 # Progress-bar postfix: role initial -> metric, e.g. "S 0.41 V 0.80 C 0.33".
 _POSTFIX = (("S", "reward/solver"), ("V", "reward/verifier"), ("C", "reward/corrector"))
@@ -58,6 +75,23 @@ def _scalar(key: str, value: Any) -> int | float:
     if isinstance(value, numbers.Real):
         return float(value)
     raise TypeError(f"metric {key!r}: {type(value).__name__} {value!r} is not a number")
+
+
+def open_tracker(spec: TrackerSpec, start: TrackerStart) -> Tracker:
+    """The tracker ``spec`` describes, its library imported only now (a run without it never loads it)."""
+    if isinstance(spec, TensorBoardSpec):
+        from mars_megatron.metrics.tracker_tensorboard import TensorBoardTracker
+
+        return TensorBoardTracker(spec, start)
+    if isinstance(spec, WandbSpec):
+        from mars_megatron.metrics.tracker_wandb import WandbTracker
+
+        return WandbTracker(spec, start)
+    if isinstance(spec, MlflowSpec):
+        from mars_megatron.metrics.tracker_mlflow import MlflowTracker
+
+        return MlflowTracker(spec, start)
+    raise TypeError(f"not a tracker spec: {spec!r}")
 
 
 def _json_value(value: int | float) -> int | float | None:
@@ -102,18 +136,22 @@ def _truncate_metrics(path: Path, keep_through: int) -> tuple[list[dict[str, Any
 
 
 class MetricsSink:
-    """Writes each logged step to ``metrics.jsonl``, TensorBoard, the progress bar and ``rewards.png``.
+    """Writes each logged step to ``metrics.jsonl``, the trackers, the progress bar and ``rewards.png``.
 
     ``total_steps`` and ``resume_step`` size and start the bar; ``plot_every`` re-draws the plot once at
     least that many steps have passed since the last drawing (0: only at ``close()``). The plot needs
-    ``reward/*`` metrics; a run without them gets no plot. Use as a context manager or call ``close()``.
+    ``reward/*`` metrics; a run without them gets no plot. ``tensorboard=True`` is the same as a
+    :class:`~.trackers.TensorBoardSpec` in ``trackers``; ``config`` (the resolved config as nested plain
+    data) goes to every tracker. Use as a context manager or call ``close()``.
     """
 
     def __init__(
         self,
         run_dir: str | Path,
         *,
-        tensorboard: bool,
+        tensorboard: bool = False,
+        trackers: Sequence[TrackerSpec] = (),
+        config: Mapping[str, Any] | None = None,
         total_steps: int,
         resume_step: int = 0,
         progress: bool = True,
@@ -135,17 +173,19 @@ class MetricsSink:
             self.records, self.dropped_lines = _truncate_metrics(self.metrics_path, resume_step)
         self.eval_path = self.run_dir / EVAL_FILE
         self.eval_records: list[dict[str, Any]] = []
+        dropped_evals = 0
         if self.eval_path.exists():
-            self.eval_records = _truncate_metrics(self.eval_path, resume_step)[0]
+            self.eval_records, dropped_evals = _truncate_metrics(self.eval_path, resume_step)
         self._eval_file: Any = None  # opened by the first log_eval: runs that evaluate nothing get no file
         self._last_step = max([resume_step, *(r["step"] for r in self.records)])
         self._plotted_step = self._last_step
         self._file = self.metrics_path.open("a", encoding="utf-8")
-        self._writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR), purge_step=resume_step + 1)
+        specs = list(trackers)
+        if tensorboard and not any(isinstance(spec, TensorBoardSpec) for spec in specs):
+            specs.insert(0, TensorBoardSpec())
+        self.trackers = self._open_trackers(
+            specs, resume_step, bool(self.dropped_lines or dropped_evals), config
+        )
         self._bar = tqdm(
             total=total_steps,
             initial=resume_step,
@@ -158,7 +198,7 @@ class MetricsSink:
         self._closed = False
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record ``metrics`` (numbers; keys are the TensorBoard tags) for ``step``."""
+        """Record ``metrics`` (numbers; the keys are what every tracker shows) for ``step``."""
         if self._closed:
             raise RuntimeError("MetricsSink.log() after close()")
         if step <= self._last_step:
@@ -168,15 +208,34 @@ class MetricsSink:
         values = {key: _scalar(key, value) for key, value in metrics.items()}
         self.records.append(self._append(self._file, step, values))
         self._last_step = step
-        # eval/* reached TensorBoard through log_eval (which also has the evaluation before step 1)
+        # eval/* reached the trackers through log_eval (which also has the evaluation before step 1)
         self._scalars(step, {k: v for k, v in values.items() if not k.startswith(EVAL_PREFIX)})
         self._advance_bar(step, self.records[-1])
         if self.plot_every and step - self._plotted_step >= self.plot_every:
             self._plot()
 
-    def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def _open_trackers(
+        self, specs: Sequence[TrackerSpec], resume_step: int, redo: bool, config: Mapping[str, Any] | None
+    ) -> list[GuardedTracker]:
+        """Start every tracker (one that fails to start is warned about and dropped), save which tracker
+        runs this run writes to, and give them the resolved config file."""
+        if not specs:
+            return []
+        state = read_state(self.run_dir)
+        start = TrackerStart(self.run_dir, resume_step, redo, dict(config or {}), state)
+        started = [
+            GuardedTracker.start(spec.name, lambda spec=spec: open_tracker(spec, start)) for spec in specs
+        ]
+        if any(not isinstance(spec, TensorBoardSpec) for spec in specs):
+            write_state(self.run_dir, state)
+        for tracker in started:
+            tracker.log_file(self.run_dir / CONFIG_FILE, "")
+        return started
+
+    def log_eval(self, step: int, metrics: Mapping[str, Any], files: Sequence[str | Path] = ()) -> None:
         """Record a held-out evaluation taken after ``step`` updates (0: before the first) in
-        ``eval.jsonl`` and TensorBoard."""
+        ``eval.jsonl`` and the trackers; ``files`` (its summary) go where the trackers keep files, under
+        their folder relative to the run directory."""
         if self._closed:
             raise RuntimeError("MetricsSink.log_eval() after close()")
         last = self.eval_records[-1]["step"] if self.eval_records else -1
@@ -186,7 +245,19 @@ class MetricsSink:
         if self._eval_file is None:
             self._eval_file = self.eval_path.open("a", encoding="utf-8")
         self.eval_records.append(self._append(self._eval_file, step, values))
-        self._scalars(step, values)
+        # the step's own line follows unless it was logged already or never comes (the evaluation before
+        # step 1): until then W&B keeps the row open, so both land in one row
+        self._scalars(step, values, last=step <= self._last_step)
+        for file in map(Path, files):
+            self._log_file(file)
+
+    def _log_file(self, path: Path) -> None:
+        try:
+            folder = str(path.resolve().parent.relative_to(self.run_dir.resolve()))
+        except ValueError:  # outside the run directory: at the top level
+            folder = ""
+        for tracker in self.trackers:
+            tracker.log_file(path, "" if folder == "." else folder)
 
     @staticmethod
     def _append(file: Any, step: int, values: Mapping[str, int | float]) -> dict[str, Any]:
@@ -196,11 +267,9 @@ class MetricsSink:
         os.fsync(file.fileno())
         return record
 
-    def _scalars(self, step: int, values: Mapping[str, int | float]) -> None:
-        if self._writer is not None:
-            for key, value in values.items():
-                self._writer.add_scalar(key, value, global_step=step)
-            self._writer.flush()
+    def _scalars(self, step: int, values: Mapping[str, int | float], last: bool = True) -> None:
+        for tracker in self.trackers:
+            tracker.log(step, values, last)
 
     def _advance_bar(self, step: int, record: Mapping[str, Any]) -> None:
         parts = [
@@ -219,8 +288,9 @@ class MetricsSink:
         if reward_keys(self.records):
             plot_rewards(self.records, self.plot_path, title=self.run_dir.name, evals=self.eval_records)
 
-    def close(self) -> None:
-        """Draw the final plot and close the file, TensorBoard writer and bar; a second call does nothing."""
+    def close(self, failed: bool = False) -> None:
+        """Draw the final plot, hand it to the trackers and close the files, the trackers (``failed``: the
+        run raised, which W&B and MLflow record) and the bar; a second call does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -231,8 +301,10 @@ class MetricsSink:
             self._file.close()
             if self._eval_file is not None:
                 self._eval_file.close()
-            if self._writer is not None:
-                self._writer.close()
+            for tracker in self.trackers:
+                if self.plot_path.exists():
+                    tracker.log_file(self.plot_path, "")
+                tracker.close(failed)
             self._bar.close()
 
     def __enter__(self) -> MetricsSink:
@@ -241,4 +313,4 @@ class MetricsSink:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        self.close(failed=exc_type is not None)

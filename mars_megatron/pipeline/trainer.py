@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 from mars_megatron import runtime_env
 from mars_megatron.agents.graph import prompt_set_of
 from mars_megatron.agents.graph_file import graph_for, policy_names
-from mars_megatron.config import ConfigError, MarsConfig, dump_config
+from mars_megatron.config import ConfigError, MarsConfig, config_to_dict, dump_config
+from mars_megatron.pipeline.tracking import check_trackers, tracker_specs
 from mars_megatron.rl.data import ProblemStream
 from mars_megatron.rl.worker import PolicyWorker
 
@@ -105,6 +106,7 @@ def prepare(
             f"{cfg.logging.run_dir} already holds a run (metrics.jsonl); pass --resume or choose another "
             "logging.run_dir"
         )
+    check_trackers(cfg.logging)
     if check_machine:
         check_this_machine(cfg)
     return RunSetup(
@@ -646,7 +648,8 @@ def _log_eval(trainer: MarsRLTrainer, sink: Any) -> dict[str, float]:
 
     evaluated = trainer.evaluate()
     if evaluated:
-        sink.log_eval(trainer.step, evaluated)
+        assert trainer.held_out is not None
+        sink.log_eval(trainer.step, evaluated, files=[trainer.held_out.summary_path(trainer.step)])
         tqdm.write(_eval_line(trainer.step, evaluated, trainer.graph.start_role))
     return evaluated
 
@@ -676,7 +679,8 @@ def train(
             # steps it went back over are dropped, as on --resume
             with MetricsSink(
                 run_dir,
-                tensorboard=cfg.logging.tensorboard,
+                trackers=tracker_specs(cfg.logging),
+                config=config_to_dict(cfg),
                 total_steps=cfg.train.steps,
                 resume_step=trainer.step,
             ) as sink:

@@ -102,6 +102,13 @@ class HeldOutEval:
         interval = self.cfg.evaluation.interval
         return bool(interval) and (step % interval == 0 or step == self.cfg.train.steps)
 
+    def summary_path(self, step: int) -> Path:
+        """The ``summary.json`` the evaluation after ``step`` updates writes."""
+        from mars_megatron.checkpoint.store import checkpoint_name
+        from mars_megatron.evaluation.results import SUMMARY
+
+        return self.root / checkpoint_name(step) / SUMMARY
+
     def run(self, engines: Mapping[str, RolloutEngine], step: int) -> dict[str, float]:
         """Evaluate with ``engines`` (graph role name -> the engine answering it) after ``step`` updates."""
         from mars_megatron.checkpoint.store import checkpoint_name

@@ -231,6 +231,7 @@ def all_cases() -> list[Case]:
         launch_flags,
         model_files,
         server,
+        trackers,
     )
 
     out: list[Case] = []
@@ -244,6 +245,7 @@ def all_cases() -> list[Case]:
         eval_flags,
         launch_flags,
         server,
+        trackers,
     ):
         out.extend(module.cases())
     ids = [c.id for c in out]
