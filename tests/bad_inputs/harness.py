@@ -230,6 +230,7 @@ def all_cases() -> list[Case]:
         eval_flags,
         launch_flags,
         model_files,
+        reward_functions,
         server,
         trackers,
     )
@@ -246,6 +247,7 @@ def all_cases() -> list[Case]:
         launch_flags,
         server,
         trackers,
+        reward_functions,
     ):
         out.extend(module.cases())
     ids = [c.id for c in out]
