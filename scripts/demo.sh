@@ -8,7 +8,9 @@
 # Extra arguments are config overrides for `mars train` (e.g. algorithm.reward=shared train.steps=20).
 # GRAPH=imo_refine or GRAPH=tool_pair runs another shipped agent graph on its tiny task instead
 # (examples/<graph>_sft.yaml, examples/<graph>_cpu.yaml). TASK=subset runs MarsRL on the subset-sum task
-# (examples/subset_sft.yaml, examples/subset_cpu.yaml), where checking is easier than solving.
+# (examples/subset_sft.yaml, examples/subset_cpu.yaml), where checking is easier than solving. TASK=byot
+# runs the sums task brought as a user brings theirs (examples/byot/byot_cpu.yaml): Parquet with other
+# column names, a reward function of the user's, W&B (offline) beside TensorBoard.
 # Ray listens on every interface; as root, the run goes into a network namespace with only loopback up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,12 +34,20 @@ case "$TASK" in
   subset)
     [ "$GRAPH" = marsrl ] || { echo "TASK=subset runs the marsrl graph, got GRAPH=$GRAPH" >&2; exit 2; }
     SFT=examples/subset_sft.yaml TRAIN=examples/subset_cpu.yaml EVAL_EVERY=15 ;;
-  *) echo "TASK must be sums or subset, got '$TASK'" >&2; exit 2 ;;
+  byot)
+    [ "$GRAPH" = marsrl ] || { echo "TASK=byot runs the marsrl graph, got GRAPH=$GRAPH" >&2; exit 2; }
+    TRAIN=examples/byot/byot_cpu.yaml ;;
+  *) echo "TASK must be sums, subset or byot, got '$TASK'" >&2; exit 2 ;;
 esac
 RUN=${RUN:-runs/demo}
 rm -rf "$RUN" && mkdir -p "$RUN"
 mars init-model --preset tiny-moe --out "$RUN/hf"
 mars sft "$SFT" --model-dir "$RUN/hf" --out "$RUN/sft"
+DATA=()
+if [ "$TASK" = byot ]; then
+  python examples/byot/make_data.py "$RUN/data"
+  DATA=(data.train_file="$RUN/data/train.parquet" evaluation.test_file="$RUN/data/test.parquet")
+fi
 mars train "$TRAIN" model.mcore_dir="$RUN/sft" logging.run_dir="$RUN/train" \
-  checkpoint.save_dir="$RUN/checkpoints" evaluation.interval="$EVAL_EVERY" "$@"
+  checkpoint.save_dir="$RUN/checkpoints" evaluation.interval="$EVAL_EVERY" "${DATA[@]}" "$@"
 echo "metrics: $RUN/train/metrics.jsonl   plot: $RUN/train/rewards.png   tensorboard: $RUN/train/tensorboard"

@@ -234,3 +234,18 @@ def test_filter_conditions(text: str, row: dict[str, Any], holds: bool) -> None:
 def test_bad_filter_conditions_say_why(text: str, why: str) -> None:
     with pytest.raises(FilterError, match=why):
         parse_condition(text)
+
+
+def test_answers_math_verify_cannot_read_are_kept_when_a_function_judges(tmp_path: Path) -> None:
+    """A code task's answer column holds test cases, and some rows none: refused for math-verify, kept as
+    JSON for a reward function (``check_answers=False``: no role of the run is judged by math-verify)."""
+    rows = [
+        {"question": "Write add.", "cases": [[1, 2, 3], [0, 0, 0]]},
+        {"question": "Write nop.", "cases": None},
+    ]
+    path = tmp_path / "code.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.warns(UserWarning):
+        assert load_problems(path, fields=FieldMap(problem="question", answer="cases")).unusable == 2
+    data = load_problems(path, fields=FieldMap(problem="question", answer="cases", check_answers=False))
+    assert [p.reference for p in data.problems] == [[[1, 2, 3], [0, 0, 0]], None]

@@ -312,6 +312,8 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     chosen = settings(args)  # every flag checked before OUT is touched
     graph = chosen.graph
     check_graph_functions(graph)
+    if graph.roles[graph.start_role].reward == "function":  # judged by it: any JSON answer will do
+        fields = dataclasses.replace(fields, check_answers=False)
     sources = _sources(args, graph)
     served = _served_names(args, sources) if args.engine == "openai" else {}
     config = {

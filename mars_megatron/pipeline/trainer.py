@@ -83,17 +83,20 @@ def prepare(
             "supports with the alltoall dispatcher",
             "parallel.moe_token_dispatcher",
         )
-    check_graph_functions(graph_for(cfg))  # each imports in a process of its own, as its workers will
+    graph = graph_for(cfg)
+    check_graph_functions(graph)  # each imports in a process of its own, as its workers will
+    # answers are read by math-verify only when some role's reward is it (a function takes any value)
+    check_answers = any(role.reward == "answer" for role in graph.roles.values())
     world = nproc or min_world_size(cfg.parallel)
     cfg.check_world_size(world)
     if cfg.data.train_file is None:
         raise ConfigError("no training problems: set data.train_file", "data.train_file")
     if not Path(cfg.data.train_file).exists():
         raise ConfigError(f"{cfg.data.train_file}: no such file or folder", "data.train_file")
-    dataset = _read_problems(cfg.data.train_file, cfg.data, "data")
+    dataset = _read_problems(cfg.data.train_file, cfg.data, "data", check_answers=check_answers)
     if not dataset.problems:
         raise ValueError(f"{dataset.summary(cfg.data.train_file)}: no usable problems")
-    eval_problems = _eval_problems(cfg, dataset.problems)
+    eval_problems = _eval_problems(cfg, dataset.problems, graph.roles[graph.start_role].reward != "function")
     resume_from = None
     if resume:
         if cfg.checkpoint.save_dir is None:
@@ -114,13 +117,15 @@ def prepare(
     )
 
 
-def _read_problems(path: str, section: Any, key: str, limit: int | None = None) -> Any:
+def _read_problems(
+    path: str, section: Any, key: str, limit: int | None = None, *, check_answers: bool = True
+) -> Any:
     """The problems of ``path`` mapped by ``section``'s fields and filter; the summary (problems kept,
     rows filtered, unusable rows by reason) goes to the log, so no row is dropped without a word."""
     from mars_megatron.problems import FieldMap, load_problems
 
     try:
-        fields = FieldMap.of(section)
+        fields = FieldMap.of(section, check_answers=check_answers)
     except ValueError as e:
         raise ConfigError(str(e), f"{key}.fields") from None
     dataset = load_problems(path, limit, fields, split=section.split, key=key)
@@ -128,7 +133,7 @@ def _read_problems(path: str, section: Any, key: str, limit: int | None = None) 
     return dataset
 
 
-def _eval_problems(cfg: MarsConfig, train: list[Any]) -> list[Any]:
+def _eval_problems(cfg: MarsConfig, train: list[Any], check_answers: bool = True) -> list[Any]:
     """``evaluation.test_file``'s problems, refused when any is also a training problem: a held-out score
     on problems the run trains on would measure memory, not the skill."""
     ev = cfg.evaluation
@@ -136,7 +141,7 @@ def _eval_problems(cfg: MarsConfig, train: list[Any]) -> list[Any]:
         return []
     if not Path(ev.test_file).exists():
         raise ConfigError(f"{ev.test_file}: no such file or folder", "evaluation.test_file")
-    problems = _read_problems(ev.test_file, ev, "evaluation", ev.limit).problems
+    problems = _read_problems(ev.test_file, ev, "evaluation", ev.limit, check_answers=check_answers).problems
     if not problems:
         raise ConfigError(f"{ev.test_file}: no usable problems", "evaluation.test_file")
     seen = {p.text.strip() for p in train}
