@@ -28,12 +28,14 @@ RUN = (
     "mars plan",
     "mars launch ",  # only --dry-run examples: the script is rendered, nothing is submitted
     "mars config",
+    "python examples/byot/make_data.py",  # the sums as Parquet (a second)
 )
 
 # Commands not run here, each with the reason and where it is tested instead.
 NOT_RUN = {
     "scripts/demo.sh": "the whole tiny MarsRL run: 7-12 min on 2 cores (tools/bench/tiny_run.py measures it)",
     "scripts/test.sh": "the whole test suite, this test included",
+    "TASK=byot scripts/demo.sh": "the tiny run as a user's task, minutes (its parts: tests/test_rl_loop.py)",
     "scripts/device_wheels.sh": "downloads from PyPI (tests/test_device_check.py, network phase)",
     "scripts/device_check.sh": "needs the GPU machine; its --cpu mode runs in tests/test_device_check.py",
     "mars score": "two gloo ranks, ~10-35 s here (tests/test_cli.py)",
@@ -107,6 +109,7 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / "tiny-moe-mcore").is_dir()
     assert (tmp_path / "ckpt" / "tiny-moe-hf" / "model.safetensors.index.json").is_file()
     assert any(c.startswith("mars plan") for c in ran)
+    assert (tmp_path / "data" / "sums" / "train.parquet").is_file()
 
 
 @pytest.mark.parametrize("prefix", sorted(NOT_RUN))
