@@ -14,6 +14,18 @@ from mars_megatron.config import ConfigError, ParallelConfig, describe_config, l
 _LAYOUT_DEFAULTS = {"tp": 1, "pp": 1, "ep": 1, "etp": None, "nproc": None, "impl": "auto"}
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type for counts such as ``--micro-batch``: 0 or less is refused at the flag (exit 2)
+    rather than reaching a rank as a ``ZeroDivisionError``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _add_layout(p: argparse.ArgumentParser) -> None:
     d = _LAYOUT_DEFAULTS
     p.add_argument("--tp", type=int, default=d["tp"], help="tensor-parallel size")
@@ -105,7 +117,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", required=True, help="HF directory or mars Megatron checkpoint")
     p.add_argument("--input", required=True, help='JSONL, one {"tokens": [ids...]} per line')
     p.add_argument("--output", required=True, help='JSONL, one {"logprobs": [...]} per line')
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument(
+        "--micro-batch",
+        type=_positive_int,
+        default=4,
+        help="sequences per forward pass (default 4; at least 1)",
+    )
     p.add_argument(
         "--routing",
         default=None,
@@ -230,7 +247,7 @@ def _score(args: argparse.Namespace) -> None:
     from mars_megatron import jobs
 
     arch = jobs.model_arch(args.model_dir)
-    seqs = jobs.read_token_lines(args.input, arch.vocab_size)
+    seqs = jobs.read_token_lines(args.input, arch.vocab_size, arch.max_position_embeddings)
     routing = jobs.read_routing(args.routing, seqs, arch) if args.routing else None
     if not Path(args.output).parent.exists():
         raise FileNotFoundError(f"{Path(args.output).parent}: output directory does not exist")
