@@ -88,6 +88,18 @@ def _check_model(model_dir: str, layout: ParallelConfig, hf_only: bool = False) 
         raise ValueError(f"{model_dir}: {e}") from None
 
 
+def _check_finite(model_dir: str) -> None:
+    """Every weight of the HF folder is finite (conversion/finite.py), before anything is written."""
+    from mars_megatron.conversion.finite import check_finite
+    from mars_megatron.conversion.hf_io import HFReader
+
+    reader = HFReader(model_dir)
+    try:
+        check_finite(reader)
+    finally:
+        reader.close()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mars", description="MarsRL multi-agent reasoning trainer")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     c.add_argument("--via-model", action="store_true", help=VIA_MODEL)
+    c.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="convert even when a weight holds NaN or inf (refused by default, naming the file and tensor)",
+    )
     _add_layout(c)
     c = conv.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     c.add_argument("src")
@@ -216,6 +233,8 @@ def _convert(args: argparse.Namespace) -> None:
     layout = _layout(args)
     if args.direction == "hf-to-mcore":
         _check_model(args.src, layout, hf_only=True)
+        if not args.allow_nonfinite:
+            _check_finite(args.src)
         if not args.via_model and direct.can_convert_directly(args.src, args.dtype):
             direct.hf_to_mcore_direct(args.src, args.dst)
             print(f"wrote {args.dst} (direct: loads into any layout{_unused_layout(args)})")
