@@ -62,6 +62,14 @@ def load_graph(name_or_path: str, *, max_steps: int | None = None) -> AgentGraph
     import yaml
 
     path = graph_path(name_or_path)
+    size = path.stat().st_size
+    if size > MAX_GRAPH_BYTES:  # before parsing: YAML reads ~4 s per MB here
+        raise GraphError(
+            f"the file is {size:,} bytes; the most a graph file may be is {MAX_GRAPH_BYTES:,} (the shipped "
+            "ones are under 4 KB)",
+            "graph",
+            path,
+        )
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
@@ -102,6 +110,9 @@ def _unknown(data: Mapping[str, Any], allowed: set[str], where: str, path: Path)
         )
 
 
+MAX_GRAPH_BYTES = 256 * 2**10
+"""Largest graph file read: a graph at the position cap (256) of 100-byte positions is 25 KB; a
+20,000-position chain (1 MB) took 5 s of YAML parsing before its refusal."""
 MAX_INPUTS = 65_536
 """Most inputs a position may take (``inputs``): above any group a run can hold (the fan-out is checked
 as a whole by :func:`~mars_megatron.agents.graph_size.check_run_size`)."""

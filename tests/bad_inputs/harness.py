@@ -230,6 +230,7 @@ def all_cases() -> list[Case]:
         launch_flags,
         model_files,
         server,
+        sizes,
     )
 
     out: list[Case] = []
@@ -242,6 +243,7 @@ def all_cases() -> list[Case]:
         eval_flags,
         launch_flags,
         server,
+        sizes,
     ):
         out.extend(module.cases())
     ids = [c.id for c in out]
