@@ -30,7 +30,13 @@ from mars_megatron.agents.graph import (
     When,
 )
 from mars_megatron.agents.graph_check import validate
-from mars_megatron.agents.graph_size import MAX_POSITIONS, check_run_size, run_size
+from mars_megatron.agents.graph_size import (
+    MAX_POSITIONS,
+    check_loop_calls,
+    check_run_size,
+    loop_calls_per_problem,
+    run_size,
+)
 
 if TYPE_CHECKING:
     from mars_megatron.config import MarsConfig
@@ -76,6 +82,9 @@ def load_graph(name_or_path: str, *, max_steps: int | None = None) -> AgentGraph
         raise GraphError(f"not valid YAML: {err}", "graph", path) from None
     graph = parse_graph(data, path)
     validate(graph, max_steps=max_steps)
+    # the graph's own loop (mars eval runs it without a run config; graph_for checks evaluation.* too)
+    calls = loop_calls_per_problem(graph, LoopBudgets.of(graph))
+    check_loop_calls(calls, graph.name, "loop.max_iterations", str(path))
     return graph
 
 
@@ -360,9 +369,10 @@ def graph_for(cfg: MarsConfig) -> AgentGraph:
         group_size=a.group_size,
         problems_per_step=cfg.data.problems_per_step,
         graph_name=graph.name,
+        # load_graph checked the graph's own loop: only an evaluation.* override can pass the cap here
         loop_field="evaluation.max_iterations"
         if cfg.evaluation.max_iterations is not None
-        else f"{graph.source}: loop.max_iterations",
+        else "evaluation.start_retries",
     )
     return graph
 

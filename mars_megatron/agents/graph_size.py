@@ -95,6 +95,19 @@ def run_size(
     )
 
 
+def check_loop_calls(calls: int, graph_name: str, field: str, source: str = "") -> None:
+    """Refuse an inference loop that may make more than :data:`MAX_LOOP_CALLS` agent calls per problem
+    sample, blaming ``field`` (of ``source``, the graph file, when the graph's own loop is at fault)."""
+    if calls > MAX_LOOP_CALLS:
+        raise GraphError(
+            f"the inference loop of graph {graph_name!r} (start_retries, max_iterations, tool max_calls; "
+            f"evaluation.* where set) may make {calls:,} agent calls per problem; the most it may make is "
+            f"{MAX_LOOP_CALLS:,}",
+            field,
+            source,
+        )
+
+
 def check_run_size(
     size: RunSize,
     *,
@@ -121,11 +134,4 @@ def check_run_size(
             f"{MAX_SAMPLES_PER_STEP:,}",
             "data.problems_per_step",
         )
-    if size.loop_calls_per_problem > MAX_LOOP_CALLS:
-        raise GraphError(
-            f"the inference loop of graph {graph_name!r} (start_retries, max_iterations, tool max_calls; "
-            "evaluation.* where set) may make "
-            f"{size.loop_calls_per_problem:,} agent calls per problem; the most it may make is "
-            f"{MAX_LOOP_CALLS:,}",
-            loop_field,
-        )
+    check_loop_calls(size.loop_calls_per_problem, graph_name, loop_field)

@@ -212,6 +212,12 @@ def cases() -> list[Case]:
         "agent calls per problem",
         "100,000",
     )
+    add(
+        "config/evaluation-loop-calls",
+        lambda ws: _graph_for(ws, f"agents.graph={_tool_graph(ws, 10)}", "evaluation.max_iterations=10000"),
+        "evaluation.max_iterations",
+        "420,084 agent calls per problem",
+    )
     # counts absurd alone: a graph file's
     add(
         "graph/inputs-10^12",
