@@ -14,6 +14,18 @@ from mars_megatron.config import ConfigError, ParallelConfig, describe_config, l
 _LAYOUT_DEFAULTS = {"tp": 1, "pp": 1, "ep": 1, "etp": None, "nproc": None, "impl": "auto"}
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type for counts such as ``--micro-batch``: 0 or less is refused at the flag (exit 2)
+    rather than reaching a rank as a ``ZeroDivisionError``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _add_layout(p: argparse.ArgumentParser) -> None:
     d = _LAYOUT_DEFAULTS
     p.add_argument("--tp", type=int, default=d["tp"], help="tensor-parallel size")
@@ -76,6 +88,18 @@ def _check_model(model_dir: str, layout: ParallelConfig, hf_only: bool = False) 
         raise ValueError(f"{model_dir}: {e}") from None
 
 
+def _check_finite(model_dir: str) -> None:
+    """Every weight of the HF folder is finite (conversion/finite.py), before anything is written."""
+    from mars_megatron.conversion.finite import check_finite
+    from mars_megatron.conversion.hf_io import HFReader
+
+    reader = HFReader(model_dir)
+    try:
+        check_finite(reader)
+    finally:
+        reader.close()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mars", description="MarsRL multi-agent reasoning trainer")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     c.add_argument("--via-model", action="store_true", help=VIA_MODEL)
+    c.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="convert even when a weight holds NaN or inf (refused by default, naming the file and tensor)",
+    )
     _add_layout(c)
     c = conv.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     c.add_argument("src")
@@ -105,7 +134,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", required=True, help="HF directory or mars Megatron checkpoint")
     p.add_argument("--input", required=True, help='JSONL, one {"tokens": [ids...]} per line')
     p.add_argument("--output", required=True, help='JSONL, one {"logprobs": [...]} per line')
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument(
+        "--micro-batch",
+        type=_positive_int,
+        default=4,
+        help="sequences per forward pass (default 4; at least 1)",
+    )
     p.add_argument(
         "--routing",
         default=None,
@@ -199,6 +233,8 @@ def _convert(args: argparse.Namespace) -> None:
     layout = _layout(args)
     if args.direction == "hf-to-mcore":
         _check_model(args.src, layout, hf_only=True)
+        if not args.allow_nonfinite:
+            _check_finite(args.src)
         if not args.via_model and direct.can_convert_directly(args.src, args.dtype):
             direct.hf_to_mcore_direct(args.src, args.dst)
             print(f"wrote {args.dst} (direct: loads into any layout{_unused_layout(args)})")
@@ -230,7 +266,7 @@ def _score(args: argparse.Namespace) -> None:
     from mars_megatron import jobs
 
     arch = jobs.model_arch(args.model_dir)
-    seqs = jobs.read_token_lines(args.input, arch.vocab_size)
+    seqs = jobs.read_token_lines(args.input, arch.vocab_size, arch.max_position_embeddings)
     routing = jobs.read_routing(args.routing, seqs, arch) if args.routing else None
     if not Path(args.output).parent.exists():
         raise FileNotFoundError(f"{Path(args.output).parent}: output directory does not exist")

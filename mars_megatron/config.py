@@ -363,7 +363,13 @@ class DataConfig(Section):
     )
     filter: list[str] = _field([], _FILTER_HELP)  # noqa: RUF009 — _field gives mutable defaults a factory
     split: str | None = _field(None, _SPLIT_HELP)
-    problems_per_step: int = _field(128, "Problems per rollout batch (MarsRL: 128).", min=1)
+    problems_per_step: int = _field(
+        128,
+        "Problems per rollout batch (MarsRL: 128). At most 1,048,576; the samples they spawn (x the graph's "
+        "fan-out x agents.group_size) are capped at 4,194,304 per step (agents/graph_size.py).",
+        min=1,
+        max=2**20,
+    )
     shuffle: bool = _field(True, "Shuffle the problems each epoch (seeded by train.seed and the epoch).")
 
     def validate(self) -> None:
@@ -386,12 +392,19 @@ class AgentsConfig(Section):
         "Prompt set of the graph (e.g. 'marsrl', 'compact' for tiny models on CPU); null = the graph's "
         "first.",
     )
-    group_size: int = _field(8, "G: samples per input (per problem for the first position).", min=1)
+    group_size: int = _field(
+        8,
+        "G: samples per input (per problem for the first position). At most 4096 (MarsRL: 8); the samples "
+        "a problem spawns (G x the graph's fan-out) are capped at 65,536 (agents/graph_size.py).",
+        min=1,
+        max=4096,
+    )
     inputs_per_agent: int = _field(
         2,
         "Outputs of its input position each later position takes (MarsRL: 2), where the graph's position "
-        "does not say.",
+        "does not say. At most 65,536 (a graph's inputs: the same).",
         min=1,
+        max=65_536,
     )
     max_steps: int | None = _field(
         None,
@@ -589,13 +602,25 @@ class PipelineConfig(Section):
         "every group that would be too stale for the next one.",
         min=0,
     )
-    rollout_workers: int = _field(1, "Rollout engines (Ray actors) per policy.", min=1)
+    rollout_workers: int = _field(
+        1,
+        "Rollout engines (Ray actors) per policy. At most 4096 (MarsRL's 235B example: 16); a run on one "
+        "machine (no Ray cluster) is also refused when its workers exceed 4 per CPU core.",
+        min=1,
+        max=4096,
+    )
     placement: Literal["none", "colocated", "disaggregated"] = _field(
         "none",
         "Devices of trainer ranks and engines (pipeline/placement.py): 'colocated' shares bundles (engines "
         "sleep through updates), 'disaggregated' gives each its own; 'none' lets Ray place them.",
     )
-    reward_workers: int = _field(1, "Reward workers (Ray actors with math-verify).", min=1)
+    reward_workers: int = _field(
+        1,
+        "Reward workers (Ray actors with math-verify). At most 4096; a run on one machine (no Ray "
+        "cluster) is also refused when its workers exceed 4 per CPU core.",
+        min=1,
+        max=4096,
+    )
     cpus_per_rank: float = _field(
         1.0,
         "CPUs each trainer rank's Ray actor holds with placement 'none' (the placed modes size their "
@@ -735,26 +760,31 @@ class EvalConfig(Section):
     start_retries: int | None = _field(
         None,
         "Inference loop: extra runs of the first step after a truncated solution (at most 1 + this many); "
-        "null = the graph's loop.start_retries (MarsRL: 3).",
+        "null = the graph's loop.start_retries (MarsRL: 3). At most 10,000, as in a graph file.",
         min=0,
+        max=10_000,
     )
     max_iterations: int | None = _field(
         None,
         "Inference loop: verdicts at most (each failed one may be followed by a correction); null = the "
-        "graph's (MarsRL: 10).",
+        "graph's (MarsRL: 10). At most 10,000, as in a graph file.",
         min=1,
+        max=10_000,
     )
     accept_after: int | None = _field(
         None,
         "Inference loop: accept after this many consecutive passing verdicts; null = the graph's "
-        "(MarsRL: 4).",
+        "(MarsRL: 4). At most 10,000, as in a graph file.",
         min=1,
+        max=10_000,
     )
     give_up_after: int | None = _field(
         None,
         "Inference loop: stop after this many consecutive failed verdicts (Wrong, unparseable or a truncated "
-        "report; corrections do not reset the count, a pass does); null = the graph's (MarsRL: 10).",
+        "report; corrections do not reset the count, a pass does); null = the graph's (MarsRL: 10). At "
+        "most 10,000, as in a graph file.",
         min=1,
+        max=10_000,
     )
     seed: int = _field(
         0,

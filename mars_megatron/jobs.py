@@ -153,8 +153,12 @@ def check_model_files(model_dir: str) -> Any:
     return arch
 
 
-def read_token_lines(path: str | Path, vocab_size: int | None = None) -> list[list[int]]:
-    """Parse ``{"tokens": [ids...]}`` lines; errors name the file and line, before any rank starts."""
+def read_token_lines(
+    path: str | Path, vocab_size: int | None = None, max_positions: int | None = None
+) -> list[list[int]]:
+    """Parse ``{"tokens": [ids...]}`` lines; errors name the file and line, before any rank starts.
+    ``max_positions`` (the model's ``max_position_embeddings``) refuses a longer line: rotary positions past
+    it were never trained, so its log-probs would be scored without meaning and without a word."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such file")
     seqs = []
@@ -176,6 +180,11 @@ def read_token_lines(path: str | Path, vocab_size: int | None = None) -> list[li
             if vocab_size is not None and max(tokens) >= vocab_size:
                 raise ValueError(
                     f"{path}:{lineno}: token id {max(tokens)} is out of range for vocab_size {vocab_size}"
+                )
+            if max_positions is not None and len(tokens) > max_positions:
+                raise ValueError(
+                    f"{path}:{lineno}: {len(tokens)} tokens, longer than the model's "
+                    f"max_position_embeddings {max_positions}"
                 )
             seqs.append(tokens)
     if not seqs:

@@ -43,5 +43,5 @@ def test_the_suite_is_large_and_every_category_has_cases() -> None:
     assert len(every) >= 400, len(every)
     assert by_category >= {
         "configs", "data lines", "model files", "checkpoints", "conversion", "eval flags", "launch flags",
-        "server requests",
+        "server requests", "sizes",
     }, by_category  # fmt: skip

@@ -444,22 +444,102 @@ def test_idle_connection_is_closed_after_the_read_timeout(stub_server: OpenAICom
     assert 0.4 < time.monotonic() - start < 3
 
 
-def test_connections_over_the_cap_are_answered_503_while_the_others_are_held() -> None:
+def test_connections_over_the_cap_are_answered_503_while_the_others_are_busy() -> None:
+    """Connections whose request is being read (headers in, body pending) are not evicted: a newcomer
+    over the cap is answered 503 at once, and the busy ones are still served."""
     with OpenAICompletionsServer(Stub(), read_timeout_s=10, max_connections=3) as server:
         port = port_of(server)
-        held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+        body = b'{"prompt": [1], "max_tokens": 1}'
+        head = b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body)
+        busy = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
         try:
-            for _ in range(2):  # accepted in order: the held three take every slot
+            for s in busy:
+                s.sendall(head)  # headers in, body pending: the request is being read
+            time.sleep(0.3)  # the handlers have parsed the headers
+            for _ in range(2):
                 reply = exchange(port, b"")
                 assert reply.startswith(b"HTTP/1.0 503 ")
                 assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "busy"
-            held[0].sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")  # the held ones are still served
-            assert held[0].recv(65536).startswith(b"HTTP/1.0 200 ")
+            busy[0].sendall(body)  # the busy ones are still served
+            assert busy[0].recv(65536).startswith(b"HTTP/1.0 200 ")
         finally:
-            for s in held:
+            for s in busy:
                 s.close()
         deadline = time.monotonic() + 3  # slots come back once the handlers see the close
         while (reply := exchange(port, b"GET /v1/models HTTP/1.0\r\n\r\n")).startswith(b"HTTP/1.0 503"):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert reply.startswith(b"HTTP/1.0 200 ")
+
+
+def test_500_idle_half_sent_requests_do_not_starve_a_well_formed_one() -> None:
+    """500 connections that send half a request line and idle take every slot long before their read
+    timeout; a well-formed request is still answered within seconds (it takes the slot of the longest
+    idle one), and every idle one beyond the slots is closed at once (evicted, or refused with 503)."""
+    with OpenAICompletionsServer(Stub(), read_timeout_s=60, max_connections=64) as server:
+        port = port_of(server)
+        idle = []
+        try:
+            for _ in range(500):
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Le")
+                idle.append(s)
+            start = time.monotonic()
+            out = post_json(server.url + "/v1/completions", {"prompt": [1], "max_tokens": 2, "logprobs": 0})
+            assert out["choices"][0]["logprobs"]["tokens"] == ["token_id:5"] * 2
+            assert time.monotonic() - start < 3
+            closed = 0
+            for s in idle[:400]:  # the oldest: none can still hold a slot (64 do, the newest)
+                s.settimeout(5)
+                received = b""
+                try:
+                    while chunk := s.recv(65536):
+                        received += chunk
+                except ConnectionResetError:
+                    pass
+                assert received == b"" or received.startswith(b"HTTP/1.0 503 ")
+                closed += 1
+            assert closed == 400
+        finally:
+            for s in idle:
+                s.close()
+
+
+class Huge(LocalServer):
+    """A server whose reply body is 300 MiB of zeros, declared in Content-Length (``declared``) or not
+    (HTTP/1.0, the body ends at the close); it counts the bytes the client let it send."""
+
+    def __init__(self, declared: bool) -> None:
+        self.sent = 0
+        script = self
+
+        class Handler(JsonHandler):
+            protocol_version = "HTTP/1.0"
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                if declared:
+                    self.send_header("Content-Length", str(300 * 2**20))
+                self.end_headers()
+                block = b"0" * 2**20
+                try:
+                    for _ in range(300):
+                        self.wfile.write(block)
+                        script.sent += len(block)
+                except OSError:
+                    pass  # the client stopped reading and closed
+
+        super().__init__(Handler)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "until-close"])
+def test_a_300_mib_response_is_refused_naming_the_url_and_the_limit(declared: bool) -> None:
+    with Huge(declared) as fake:
+        engine = OpenAIEngine(fake.url, "m", max_retries=0)
+        with pytest.raises(EngineError) as failure:
+            engine.generate(requests(GREEDY)[:1])
+    message = str(failure.value)
+    assert f"POST {fake.url}/v1/completions" in message
+    assert "67,108,864 bytes (max_response_bytes)" in message
+    assert fake.sent < 100 * 2**20  # not read to the end

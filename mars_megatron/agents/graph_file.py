@@ -18,6 +18,7 @@ from mars_megatron.agents.graph import (
     VARIABLES,
     AgentGraph,
     GraphError,
+    LoopBudgets,
     LoopSpec,
     LoopStepSpec,
     MessageRole,
@@ -34,6 +35,13 @@ from mars_megatron.agents.graph import (
     When,
 )
 from mars_megatron.agents.graph_check import validate
+from mars_megatron.agents.graph_size import (
+    MAX_POSITIONS,
+    check_loop_calls,
+    check_run_size,
+    loop_calls_per_problem,
+    run_size,
+)
 
 if TYPE_CHECKING:
     from mars_megatron.config import MarsConfig
@@ -65,12 +73,23 @@ def load_graph(name_or_path: str, *, max_steps: int | None = None) -> AgentGraph
     import yaml
 
     path = graph_path(name_or_path)
+    size = path.stat().st_size
+    if size > MAX_GRAPH_BYTES:  # before parsing: YAML reads ~4 s per MB here
+        raise GraphError(
+            f"the file is {size:,} bytes; the most a graph file may be is {MAX_GRAPH_BYTES:,} (the shipped "
+            "ones are under 4 KB)",
+            "graph",
+            path,
+        )
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         raise GraphError(f"not valid YAML: {err}", "graph", path) from None
     graph = parse_graph(data, path)
     validate(graph, max_steps=max_steps)
+    # the graph's own loop (mars eval runs it without a run config; graph_for checks evaluation.* too)
+    calls = loop_calls_per_problem(graph, LoopBudgets.of(graph))
+    check_loop_calls(calls, graph.name, "loop.max_iterations", str(path))
     return graph
 
 
@@ -105,16 +124,31 @@ def _unknown(data: Mapping[str, Any], allowed: set[str], where: str, path: Path)
         )
 
 
-def _int(value: Any, where: str, path: Path, minimum: int = 1) -> int:
+MAX_GRAPH_BYTES = 256 * 2**10
+"""Largest graph file read: a graph at the position cap (256) of 100-byte positions is 25 KB; a
+20,000-position chain (1 MB) took 5 s of YAML parsing before its refusal."""
+MAX_INPUTS = 65_536
+"""Most inputs a position may take (``inputs``): above any group a run can hold (the fan-out is checked
+as a whole by :func:`~mars_megatron.agents.graph_size.check_run_size`)."""
+MAX_TOOL_CALLS = 256
+"""Most tool calls one response may make (``tool.max_calls``; the shipped tool_pair: 1)."""
+MAX_LOOP_COUNT = 10_000
+"""Most of any loop count (``max_iterations``, ``accept_after``, ``give_up_after``, ``start_retries``;
+the shipped loops: at most 30): 10,000 verdicts per problem already take days."""
+
+
+def _int(value: Any, where: str, path: Path, minimum: int = 1, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise GraphError(f"expected an integer >= {minimum}, got {value!r}", where, path)
+    if maximum is not None and value > maximum:
+        raise GraphError(f"is {value}; the most it may be is {maximum:,}", where, path)
     return value
 
 
 def _inputs(value: Any, where: str, path: Path) -> int | Literal["all"] | None:
     if value is None or value == "all":
         return value
-    return _int(value, where, path)
+    return _int(value, where, path, maximum=MAX_INPUTS)
 
 
 def _read_template(folder: Path, name: Any, where: str, path: Path) -> str:
@@ -137,7 +171,9 @@ def _parse_tool(spec: Any, where: str, path: Path) -> ToolSpec | None:
         if not isinstance(spec.get(key), str) or not spec[key]:
             raise GraphError(f"expected a name, got {spec.get(key)!r}", f"{where}.{key}", path)
     return ToolSpec(
-        spec["name"], spec["distiller"], _int(spec.get("max_calls", 1), f"{where}.max_calls", path)
+        spec["name"],
+        spec["distiller"],
+        _int(spec.get("max_calls", 1), f"{where}.max_calls", path, maximum=MAX_TOOL_CALLS),
     )
 
 
@@ -154,6 +190,12 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
     trajectory = top.get("trajectory")
     if not isinstance(trajectory, list) or not trajectory:
         raise GraphError("expected a list of positions", "trajectory", path)
+    if len(trajectory) > MAX_POSITIONS:  # before parsing: checks of a position look at the others
+        raise GraphError(
+            f"{len(trajectory):,} positions; the most a trajectory may have is {MAX_POSITIONS}",
+            "trajectory",
+            path,
+        )
     policies = top.get("policies") or {"shared": list(roles)}
     policies = {
         str(k): tuple(v) if isinstance(v, list) else v
@@ -342,10 +384,14 @@ def _parse_loop(value: Any, path: Path) -> LoopSpec:
     return LoopSpec(
         start=loop["start"],
         steps=steps,
-        accept_after=_int(loop.get("accept_after", 4), "loop.accept_after", path),
-        give_up_after=_int(loop.get("give_up_after", 10), "loop.give_up_after", path),
-        max_iterations=_int(loop.get("max_iterations", 10), "loop.max_iterations", path),
-        start_retries=_int(loop.get("start_retries", 3), "loop.start_retries", path, minimum=0),
+        accept_after=_int(loop.get("accept_after", 4), "loop.accept_after", path, maximum=MAX_LOOP_COUNT),
+        give_up_after=_int(loop.get("give_up_after", 10), "loop.give_up_after", path, maximum=MAX_LOOP_COUNT),
+        max_iterations=_int(
+            loop.get("max_iterations", 10), "loop.max_iterations", path, maximum=MAX_LOOP_COUNT
+        ),
+        start_retries=_int(
+            loop.get("start_retries", 3), "loop.start_retries", path, minimum=0, maximum=MAX_LOOP_COUNT
+        ),
     )
 
 
@@ -353,7 +399,9 @@ def _parse_loop(value: Any, path: Path) -> LoopSpec:
 def graph_for(cfg: MarsConfig) -> AgentGraph:
     """The run's graph, loaded, validated and checked against the config's role-keyed settings
     (``agents.prompts``, ``agents.max_steps``, ``pipeline.staleness_per_role``,
-    ``algorithm.role_weights``): the one check every command runs before anything starts."""
+    ``algorithm.role_weights``) and against the size caps of what the two ask for together (samples per
+    problem and step, the loop's calls: :mod:`.graph_size`): the one check every command runs before
+    anything starts."""
     graph = load_graph(cfg.agents.graph, max_steps=cfg.agents.max_steps)
     prompts = cfg.agents.prompts
     if prompts is not None and prompts not in graph.prompt_sets:
@@ -372,6 +420,25 @@ def graph_for(cfg: MarsConfig) -> AgentGraph:
                     f"graph {graph.name!r} has no role {role!r}; its roles: {', '.join(graph.roles)}",
                     f"{where}.{role}",
                 )
+    a = cfg.agents
+    size = run_size(
+        graph,
+        group_size=a.group_size,
+        inputs_per_agent=a.inputs_per_agent,
+        max_steps=a.max_steps,
+        problems_per_step=cfg.data.problems_per_step,
+        budgets=LoopBudgets.of(graph, cfg.evaluation),
+    )
+    check_run_size(
+        size,
+        group_size=a.group_size,
+        problems_per_step=cfg.data.problems_per_step,
+        graph_name=graph.name,
+        # load_graph checked the graph's own loop: only an evaluation.* override can pass the cap here
+        loop_field="evaluation.max_iterations"
+        if cfg.evaluation.max_iterations is not None
+        else "evaluation.start_retries",
+    )
     return with_reward_functions(graph, cfg.algorithm.reward_functions, cfg.algorithm.reward_timeout_s)
 
 

@@ -108,6 +108,10 @@ class HFReader:
     def get(self, name: str) -> torch.Tensor:
         return self._read(name, "tensor")
 
+    def slice(self, name: str) -> Any:
+        """A lazy view of ``name`` (safetensors' slice): indexing it reads only the rows asked for."""
+        return self._read(name, "slice")
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._read(name, "slice").get_shape())
 

@@ -167,6 +167,34 @@ def check_this_machine(cfg: MarsConfig) -> None:
         resolve_impl(cfg.model.transformer_impl)
     except RuntimeError as e:
         raise ConfigError(str(e), "model.transformer_impl") from None
+    if not os.environ.get("RAY_ADDRESS"):  # a local Ray: every worker is a process on this machine
+        check_workers_fit(cfg, len(policy_names(cfg)), os.cpu_count() or 1)
+
+
+WORKERS_PER_CORE = 4
+"""Most rollout and reward workers a run on one machine may start per CPU core. Each is a process with
+its own interpreter, model or verifier (hundreds of MiB at least); the CPU examples start 2-3 on 2 cores.
+A Ray cluster (``RAY_ADDRESS``) is checked against its own CPUs when the run joins it."""
+
+
+def check_workers_fit(cfg: MarsConfig, policies: int, cores: int) -> None:
+    """Refuse more rollout and reward workers than :data:`WORKERS_PER_CORE` per core of this machine,
+    naming the figure and the fields: 10**5 workers would otherwise start until memory runs out."""
+    p = cfg.pipeline
+    workers = policies * p.rollout_workers + p.reward_workers
+    if workers > WORKERS_PER_CORE * cores:
+        field = (
+            "pipeline.rollout_workers"
+            if policies * p.rollout_workers >= p.reward_workers
+            else ("pipeline.reward_workers")
+        )
+        raise ConfigError(
+            f"pipeline.rollout_workers={p.rollout_workers} x {policies} policies + pipeline.reward_workers="
+            f"{p.reward_workers} = {workers:,} worker processes on this machine of {cores} CPU cores; the "
+            f"most a run on one machine may start is {WORKERS_PER_CORE} per core "
+            f"({WORKERS_PER_CORE * cores:,}). A cluster is joined through RAY_ADDRESS (`mars launch`)",
+            field,
+        )
 
 
 def _start_ray(num_cpus: int, actors: int, cpus: float) -> bool:

@@ -34,6 +34,11 @@ from mars_megatron.rollout.engine import GenerationOutput, GenerationRequest
 
 _TOKEN_ID_PREFIX = "token_id:"
 _MAX_BACKOFF_S = 30.0
+MAX_RESPONSE_BYTES = 64 * 2**20
+"""Default bound of one response body: a completion of 32k tokens with their ids and log-probs is about
+3 MiB, so 64 MiB leaves room for long contexts and still stops a server (or a man in the middle) from
+filling the trainer's memory with one reply."""
+_MAX_ERROR_BYTES = 64 * 2**10
 
 
 class EngineError(RuntimeError):
@@ -95,6 +100,8 @@ class OpenAIEngine:
         max_retries: retries after the first attempt, on connection errors, 429 and 5xx only.
         max_concurrency: most requests in flight at once.
         backoff_s: wait before the first retry; doubled on each further retry (capped at 30 s).
+        max_response_bytes: largest response body accepted (:data:`MAX_RESPONSE_BYTES`); a larger one is
+            refused naming the URL and the limit, after reading at most one byte past it.
     """
 
     def __init__(
@@ -107,6 +114,7 @@ class OpenAIEngine:
         max_retries: int = 3,
         max_concurrency: int = 8,
         backoff_s: float = 0.5,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -116,6 +124,9 @@ class OpenAIEngine:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if backoff_s < 0:
             raise ValueError(f"backoff_s must be >= 0, got {backoff_s}")
+        if max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {max_response_bytes}")
+        self.max_response_bytes = max_response_bytes
         self.url = check_endpoint(endpoint).rstrip("/") + "/v1/completions"
         self.model = model
         self.timeout_s = timeout_s
@@ -169,7 +180,7 @@ class OpenAIEngine:
             http_request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
             try:
                 with _OPENER.open(http_request, timeout=self.timeout_s) as reply:
-                    raw = reply.read()
+                    raw = self._read_bounded(reply)
             except urllib.error.HTTPError as e:
                 if 300 <= e.code < 400:
                     location = e.headers.get("Location") if e.headers is not None else None
@@ -195,6 +206,24 @@ class OpenAIEngine:
                 except ValueError as e:
                     raise EngineError(f"POST {self.url} returned invalid JSON: {raw[:200]!r}") from e
         raise EngineError(f"POST {self.url} failed after {self.max_retries + 1} attempts: {last_failure}")
+
+    def _read_bounded(self, reply: Any) -> bytes:
+        """The response body, refused when its declared or actual size passes ``max_response_bytes``
+        (never more than one byte past the limit is read)."""
+        limit = self.max_response_bytes
+        declared = reply.headers.get("Content-Length") if reply.headers is not None else None
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise EngineError(
+                f"POST {self.url}: the response body is {int(declared):,} bytes (Content-Length), over the "
+                f"limit of {limit:,} bytes (max_response_bytes)"
+            )
+        raw = reply.read(limit + 1)
+        if len(raw) > limit:
+            raise EngineError(
+                f"POST {self.url}: the response body is over the limit of {limit:,} bytes "
+                "(max_response_bytes); not read further"
+            )
+        return raw
 
     def _parse(self, request_id: str, response: dict[str, Any]) -> GenerationOutput:
         try:
@@ -224,7 +253,7 @@ class OpenAIEngine:
 def _error_message(error: urllib.error.HTTPError) -> str:
     """The server's error message: OpenAI's ``{"error": {"message"}}``, vLLM's ``{"message"}``, or text."""
     try:
-        raw = error.read().decode(errors="replace")
+        raw = error.read(_MAX_ERROR_BYTES).decode(errors="replace")  # an error page is read in part
     except OSError:
         return error.reason or ""
     try:

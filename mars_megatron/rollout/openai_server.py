@@ -21,8 +21,9 @@ threads but engine calls are serialised by a lock (engines are not thread-safe),
 No client can starve the others: ``max_tokens`` has an upper bound (``max_tokens_limit``), a request
 without a usable ``Content-Length`` is answered 400/411/413 before any body is read, every connection
 has a read timeout (``read_timeout_s``) so idle ones are closed, at most ``max_connections`` are served
-at once (the next is answered 503 and closed), and non-finite numbers (``NaN``, ``Infinity``) and
-out-of-range sampling values are refused with 400 naming the field.
+at once (a newcomer takes the slot of the connection idle longest before its request's headers, or is
+answered 503 and closed when every connection is busy with a request), and non-finite numbers (``NaN``,
+``Infinity``) and out-of-range sampling values are refused with 400 naming the field.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ _BUSY_REPLY = (
     b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
     b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
 )
+_EVICT_WAIT_S = 2.0  # the accept loop's wait for an evicted connection's thread to free its slot
 _UNSUPPORTED = {"stream": False, "echo": False, "n": 1, "best_of": 1, "suffix": None}
 
 
@@ -292,18 +294,58 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
     """A threading server that serves at most ``max_connections`` connections at once.
 
     Each connection holds a thread until it closes; without a cap, idle connections exhaust threads.
-    Over the cap the connection is answered 503 from the accept loop (non-blocking, a fresh socket's
-    send buffer takes the short reply) and closed, without starting a thread.
+    At the cap, a new connection takes the slot of the connection that has waited longest for its next
+    request (connected, or between keep-alive requests, without a complete request line and headers):
+    that one is shut down. Idle or half-sent requests therefore cannot keep a well-formed one out (500
+    of them used to: every slot held until the read timeout, every newcomer answered 503); a connection
+    whose request is being read or answered is never evicted. With no such connection the newcomer is
+    answered 503 from the accept loop (non-blocking, a fresh socket's send buffer takes the short reply)
+    and closed, without starting a thread.
     """
 
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog: bursts of connections wait for accept, not for a SYN retry
 
     def __init__(self, address: tuple[str, int], handler: type[_Handler], max_connections: int) -> None:
         super().__init__(address, handler)
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._waiting: dict[Any, float] = {}
+        """Connections waiting for a request line and headers -> since when (monotonic)."""
+        self._waiting_lock = threading.Lock()
+
+    def awaiting_request(self, connection: Any, waiting: bool) -> None:
+        """Mark ``connection`` as waiting for its next request's headers (evictable) or not."""
+        with self._waiting_lock:
+            if waiting:
+                self._waiting[connection] = time.monotonic()
+            else:
+                self._waiting.pop(connection, None)
+
+    def _evict_idle(self) -> bool:
+        """Shut down the connection that has waited longest for its request; False if none waits."""
+        with self._waiting_lock:
+            if not self._waiting:
+                return False
+            connection = min(self._waiting, key=self._waiting.__getitem__)
+            del self._waiting[connection]
+        try:
+            connection.shutdown(
+                socket.SHUT_RDWR
+            )  # its handler's read returns: the thread ends, the slot frees
+        except OSError:
+            pass
+        return True
+
+    def _acquire_slot(self) -> bool:
+        if self._slots.acquire(blocking=False):
+            return True
+        while self._evict_idle():
+            if self._slots.acquire(timeout=_EVICT_WAIT_S):
+                return True
+        return False
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        if not self._acquire_slot():
             logger.warning("refusing %s: %s", client_address, "too many connections")
             try:
                 request.setblocking(False)
@@ -322,6 +364,7 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.awaiting_request(request, False)
             self._slots.release()
 
 
@@ -337,6 +380,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.app.read_timeout_s
         self._unread_input = False  # set when replying before the body was read: drain before closing
         super().setup()
+
+    def handle_one_request(self) -> None:
+        # Until its request line and headers are in, the connection may be evicted for a newcomer.
+        self.server.awaiting_request(self.connection, True)  # type: ignore[attr-defined]
+        try:
+            super().handle_one_request()
+        except OSError:  # evicted (shut down) or reset while waiting: nothing to answer
+            self.close_connection = True
+        finally:
+            self.server.awaiting_request(self.connection, False)  # type: ignore[attr-defined]
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # reads the headers: evictable until they are in
+        self.server.awaiting_request(self.connection, False)  # type: ignore[attr-defined]
+        return ok
 
     def do_GET(self) -> None:
         if not self._check_auth():

@@ -250,9 +250,16 @@ class _TorchForMegatron(types.ModuleType):
 _PROXY: _TorchForMegatron | None = None
 
 
+_NEVER_IMPORTED = ("megatron.core.inference.text_generation_server",)
+"""megatron-core packages this project never runs, left out of the eager import: Megatron's own Flask text
+server (mars serves through rollout/openai_server.py) logs "Could not import flask" when imported without
+Flask, which every CPU rank printed on start."""
+
+
 def _megatron_modules_using_cuda_factories() -> list[str]:
     """megatron-core modules whose source creates tensors on a CUDA device (imported and patched eagerly,
-    so a module first imported later, e.g. a checkpoint strategy, is covered too)."""
+    so a module first imported later, e.g. a checkpoint strategy, is covered too); the packages of
+    :data:`_NEVER_IMPORTED` are left out."""
     import megatron.core
 
     root = Path(megatron.core.__file__).parent
@@ -262,7 +269,9 @@ def _megatron_modules_using_cuda_factories() -> list[str]:
         text = path.read_text(errors="ignore")
         if any(n in text for n in needles):
             rel = path.relative_to(root.parent.parent).with_suffix("")
-            names.append(".".join(rel.parts).removesuffix(".__init__"))
+            name = ".".join(rel.parts).removesuffix(".__init__")
+            if not name.startswith(_NEVER_IMPORTED):
+                names.append(name)
     return names
 
 

@@ -232,6 +232,7 @@ def all_cases() -> list[Case]:
         model_files,
         reward_functions,
         server,
+        sizes,
         trackers,
     )
 
@@ -248,6 +249,7 @@ def all_cases() -> list[Case]:
         server,
         trackers,
         reward_functions,
+        sizes,
     ):
         out.extend(module.cases())
     ids = [c.id for c in out]
