@@ -207,6 +207,7 @@ class _Process:
             return
         if not self.conn.poll(START_TIMEOUT_S):
             self.load_error = f"its process did not start in {START_TIMEOUT_S:g} s"
+            self.kill()
             return
         try:
             kind, message = self.conn.recv()
@@ -301,15 +302,15 @@ def _close(pool: FunctionPool) -> None:
 
 
 class FunctionPools:
-    """The pools of every function a reward worker has been asked to run, by target."""
+    """The pools of every function a reward worker has been asked to run, by target and time limit."""
 
     def __init__(self) -> None:
-        self.pools: dict[str, FunctionPool] = {}
+        self.pools: dict[tuple[str, float], FunctionPool] = {}
 
     def get(self, target: str, timeout_s: float) -> FunctionPool:
-        pool = self.pools.get(target)
-        if pool is None or pool.timeout_s != timeout_s:
-            pool = self.pools[target] = FunctionPool(target, timeout_s)
+        pool = self.pools.get((target, timeout_s))
+        if pool is None:
+            pool = self.pools[(target, timeout_s)] = FunctionPool(target, timeout_s)
         return pool
 
     def close(self) -> None:
