@@ -188,7 +188,7 @@ def _parser() -> argparse.ArgumentParser:
 
     from mars_megatron.evaluation.command import add_arguments as add_eval_arguments
 
-    p = sub.add_parser("eval", help="evaluate the V–C reasoning system on a JSONL of problems")
+    p = sub.add_parser("eval", help="evaluate the V–C reasoning system on a set of problems")
     add_eval_arguments(p)
 
     from mars_megatron.launch.plan_command import add_arguments as add_plan_arguments
@@ -218,8 +218,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _init_model(args: argparse.Namespace) -> None:
+    from mars_megatron.config import output_place_problem
     from mars_megatron.models.presets import init_model
 
+    problem = output_place_problem(args.out)
+    if problem:
+        raise ValueError(f"--out {problem}")
     out = init_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
     print(f"wrote {args.preset} to {out}")
 

@@ -21,12 +21,41 @@ import operator
 import re
 import textwrap
 import types
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
+
+from mars_megatron.yaml_file import parse_yaml, read_yaml
+
+SYSTEM_FOLDERS = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/dev",
+                  "/proc", "/sys", "/run", "/var")  # fmt: skip
+"""Folders no run writes into (nor into anything under them, /var/tmp aside): a run folder gets its
+files written, replaced and pruned (old checkpoints are deleted), so one pointed at a system folder by a
+typo or a hostile config would damage the machine."""
+
+
+def output_place_problem(path: str | Path) -> str | None:
+    """Why ``path`` may not be a folder a command writes its outputs into, or None: the filesystem root,
+    a system folder or one inside it, the home folder itself. Judged where the path resolves (so
+    ``/tmp/../etc`` and symlinks count as what they point to)."""
+    text = str(path)
+    if "\x00" in text:
+        return "holds a NUL character"
+    resolved = Path(text).expanduser().resolve()
+    if resolved == Path("/"):
+        return f"{text!r} is the filesystem root; choose a folder of its own (e.g. runs/NAME)"
+    if resolved == Path.home().resolve():
+        return f"{text!r} is the home folder itself; choose a folder of its own inside it"
+    for folder in SYSTEM_FOLDERS:
+        if resolved.is_relative_to(folder) and not resolved.is_relative_to("/var/tmp"):
+            return (
+                f"{text!r} resolves to {str(resolved)!r}, inside the system folder {folder}; choose a "
+                "folder of your own"
+            )
+    return None
 
 
 class ConfigError(ValueError):
@@ -707,6 +736,9 @@ class CheckpointConfig(Section):
     keep_last: int = _field(2, "Keep only this many most recent checkpoints in save_dir.", min=1)
 
     def validate(self) -> None:
+        problem = output_place_problem(self.save_dir) if self.save_dir is not None else None
+        if problem:
+            raise ConfigError(problem, "save_dir")
         if self.save_interval and self.save_dir is None:
             raise ConfigError(
                 f"is {self.save_interval} but save_dir is null, so nothing is saved", "save_interval"
@@ -919,6 +951,9 @@ class LoggingConfig(Section):
     def validate(self) -> None:
         if not self.run_dir:
             raise ConfigError("must not be empty", "run_dir")
+        problem = output_place_problem(self.run_dir)
+        if problem:
+            raise ConfigError(problem, "run_dir")
         for i, name in enumerate(self.backends):
             if name in self.backends[:i]:
                 raise ConfigError(f"{name!r} is listed twice", f"backends[{i}]")
@@ -1138,67 +1173,25 @@ def _build(cls: type[S], data: Mapping[Any, Any], path: str) -> S:
         raise err.within(path) from None
 
 
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 does, and refuses a key given
-    twice in one mapping (PyYAML keeps the last silently: a second ``lr:`` further down would win)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, Hashable):
-                continue  # the base class refuses it ("found unhashable key")
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _yaml_error(err: yaml.YAMLError) -> str:
-    mark = getattr(err, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return f"invalid YAML{where}: {getattr(err, 'problem', None) or err}"
+MAX_CONFIG_BYTES = 2**20
+"""Largest config file read (1 MiB; the shipped ones are under 8 KB)."""
 
 
 def _parse_yaml(text: str) -> Any:
-    """``text`` as YAML; every way it can fail is a ValueError with a message (ConfigError's text).
-
-    PyYAML raises more than YAMLError: ValueError for an int of over 4300 digits (Python's limit on
-    int-string conversion) and RecursionError for deeply nested brackets."""
-    try:
-        return yaml.load(text, Loader=_YamlLoader)
-    except yaml.YAMLError as err:
-        raise ValueError(_yaml_error(err)) from None
-    except RecursionError:
-        raise ValueError("invalid YAML: nested too deeply") from None
-    except ValueError as err:
-        raise ValueError(f"invalid YAML: {err}") from None
+    """``text`` as YAML (:func:`~mars_megatron.yaml_file.parse_yaml`: duplicate keys and alias bombs
+    refused); ValueError with the message."""
+    return parse_yaml(text)
 
 
 def _read_yaml(path: Path) -> dict[Any, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        data = read_yaml(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise ConfigError("config file not found", source=str(path)) from None
+    except ValueError as err:  # not UTF-8, UTF-16, too large, invalid YAML, duplicate keys, an alias bomb
+        raise ConfigError(str(err), source=str(path)) from None
     except OSError as err:
         raise ConfigError(f"cannot read config file: {err.strerror or err}", source=str(path)) from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"not UTF-8 text (byte {err.start})", source=str(path)) from None
-    try:
-        data = _parse_yaml(text)
-    except ValueError as err:
-        raise ConfigError(str(err), source=str(path)) from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"expected a mapping of sections, got {type(data).__name__}", source=str(path))
     return data or {}

@@ -177,7 +177,7 @@ def test_files_and_keys_are_checked(tmp_path: Path) -> None:
     with pytest.raises(GraphError, match=r"agents\.graph: file .* not found"):
         load_graph(str(tmp_path / "missing.yaml"))
     path.write_text("roles: [unclosed\n")
-    with pytest.raises(GraphError, match="not valid YAML"):
+    with pytest.raises(GraphError, match="invalid YAML"):
         load_graph(str(path))
 
 

@@ -253,7 +253,7 @@ def test_merge_keys_may_repeat_and_are_not_duplicates(tmp_path: Path) -> None:
 def test_file_that_is_not_utf8(tmp_path: Path) -> None:
     path = tmp_path / "cfg.yaml"
     path.write_bytes(b"train:\n  steps: 2 # \xe9\n")
-    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 20\)"):
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 20 is 0xe9\)"):
         load_config(path)
 
 

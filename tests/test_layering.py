@@ -28,6 +28,7 @@ LAYERS: tuple[str, ...] = (
     "deadline",  # waits that say what they waited for (DeadlineError)
     "reaper",  # a replaced worker's process ended for sure (SIGKILL on its node)
     "json_file",
+    "yaml_file",  # configs and graph files: duplicate keys, alias bombs, UTF-16 refused
     "row_filter",  # data.filter's conditions: the config checks them, the data loader applies them
     "metrics",
     "runtime_env",  # the numerics and thread pins every process takes before torch runs

@@ -42,6 +42,7 @@ from mars_megatron.agents.graph_size import (
     loop_calls_per_problem,
     run_size,
 )
+from mars_megatron.yaml_file import decode_text, read_yaml
 
 if TYPE_CHECKING:
     from mars_megatron.config import MarsConfig
@@ -70,21 +71,13 @@ def shipped_graphs() -> list[str]:
 def load_graph(name_or_path: str, *, max_steps: int | None = None) -> AgentGraph:
     """Read and validate a graph (:func:`validate`); ``max_steps`` (``agents.max_steps``) is checked
     against its trajectory. Every error names the file and the field."""
-    import yaml
-
     path = graph_path(name_or_path)
-    size = path.stat().st_size
-    if size > MAX_GRAPH_BYTES:  # before parsing: YAML reads ~4 s per MB here
-        raise GraphError(
-            f"the file is {size:,} bytes; the most a graph file may be is {MAX_GRAPH_BYTES:,} (the shipped "
-            "ones are under 4 KB)",
-            "graph",
-            path,
-        )
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        raise GraphError(f"not valid YAML: {err}", "graph", path) from None
+    try:  # at most MAX_GRAPH_BYTES (YAML reads ~4 s per MB here); UTF-8; no duplicate keys or alias bombs
+        data = read_yaml(path, MAX_GRAPH_BYTES)
+    except ValueError as err:
+        raise GraphError(str(err), "graph", path) from None
+    except OSError as err:
+        raise GraphError(f"cannot read it: {err.strerror or err}", "graph", path) from None
     graph = parse_graph(data, path)
     validate(graph, max_steps=max_steps)
     # the graph's own loop (mars eval runs it without a run config; graph_for checks evaluation.* too)
@@ -124,6 +117,9 @@ def _unknown(data: Mapping[str, Any], allowed: set[str], where: str, path: Path)
         )
 
 
+MAX_PROMPT_BYTES = 2**20
+"""Largest prompt file read (1 MiB): a template is a few hundred words, and a prompt reaches every
+request, log line and checkpoint of a run."""
 MAX_GRAPH_BYTES = 256 * 2**10
 """Largest graph file read: a graph at the position cap (256) of 100-byte positions is 25 KB; a
 20,000-position chain (1 MB) took 5 s of YAML parsing before its refusal."""
@@ -157,7 +153,24 @@ def _read_template(folder: Path, name: Any, where: str, path: Path) -> str:
     file = folder / name
     if not file.is_file():
         raise GraphError(f"prompt file {str(file)!r} not found", where, path)
-    text = file.read_text(encoding="utf-8")
+    resolved = file.resolve()
+    if not resolved.is_relative_to(folder.resolve()):  # a symlink to /etc/passwd, /proc/self/environ...
+        raise GraphError(
+            f"prompt file {str(file)!r} resolves to {str(resolved)!r}, outside its prompt folder", where, path
+        )
+    with resolved.open("rb") as f:
+        data = f.read(MAX_PROMPT_BYTES + 1)
+    if len(data) > MAX_PROMPT_BYTES:
+        raise GraphError(
+            f"prompt file {str(file)!r} is over {MAX_PROMPT_BYTES // 1024} KiB (prompts are templates of a "
+            "few hundred words; the shipped ones are under 4 KB)",
+            where,
+            path,
+        )
+    try:
+        text = decode_text(data)
+    except ValueError as err:
+        raise GraphError(f"prompt file {str(file)!r}: {err}", where, path) from None
     # A text file's last line ends with a newline that is not part of the template.
     return text[:-1] if text.endswith("\n") else text
 
@@ -183,8 +196,10 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
     top = _mapping(data, "graph", path)
     _unknown(top, _TOP_KEYS, "", path)
     folders = _parse_prompt_sets(top.get("prompts"), path)
+    for name in folders:
+        path_name(name, f"prompts.{name}", path)
     roles = {
-        str(name): _parse_role(str(name), spec, folders, path)
+        path_name(name, f"roles.{name}", path): _parse_role(str(name), spec, folders, path)
         for name, spec in _mapping(top.get("roles"), "roles", path).items()
     }
     trajectory = top.get("trajectory")
@@ -198,14 +213,14 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
         )
     policies = top.get("policies") or {"shared": list(roles)}
     policies = {
-        str(k): tuple(v) if isinstance(v, list) else v
+        path_name(k, f"policies.{k}", path): tuple(v) if isinstance(v, list) else v
         for k, v in _mapping(policies, "policies", path).items()
     }
     balance = top.get("balance") or []
     if not isinstance(balance, list):
         raise GraphError(f"expected a list of roles, got {balance!r}", "balance", path)
     return AgentGraph(
-        name=str(top.get("name") or path.parent.name),
+        name=path_name(top.get("name") or path.parent.name, "name", path),
         roles=roles,
         positions=tuple(_parse_position(spec, f"trajectory[{i}]", path) for i, spec in enumerate(trajectory)),
         loop=_parse_loop(top.get("loop"), path),
@@ -214,6 +229,23 @@ def parse_graph(data: Any, path: Path) -> AgentGraph:
         balance=tuple(balance),
         source=str(path),
     )
+
+
+_PATH_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def path_name(value: Any, where: str, source: str | Path) -> str:
+    """A name that becomes part of a path or a metric key (a role, a policy: checkpoint folders are named
+    after them; a prompt set; the graph): letters, digits, '_', '.', '-', starting with a letter or digit,
+    at most 64. So ``../../x``, an absolute path, an empty name or one with a newline never reach a path."""
+    if not isinstance(value, str) or not _PATH_NAME.fullmatch(value) or value in (".", ".."):
+        raise GraphError(
+            f"{str(value)[:80]!r} is not a name: letters, digits, '_', '.' and '-', starting with a letter "
+            "or digit, at most 64 (it names folders and metrics)",
+            where,
+            source,
+        )
+    return value
 
 
 def _parse_prompt_sets(value: Any, path: Path) -> dict[str, Path]:
@@ -228,6 +260,14 @@ def _parse_prompt_sets(value: Any, path: Path) -> dict[str, Path]:
             raise GraphError(f"expected a folder beside the graph file, got {folder!r}", where, path)
         if not (path.parent / folder).is_dir():
             raise GraphError(f"folder {str(path.parent / folder)!r} not found", where, path)
+        resolved = (path.parent / folder).resolve()
+        if not resolved.is_relative_to(path.parent.resolve()):  # a symlink out of the graph's folder
+            raise GraphError(
+                f"folder {str(path.parent / folder)!r} resolves to {str(resolved)!r}, outside the graph "
+                "file's folder",
+                where,
+                path,
+            )
         folders[str(set_name)] = path.parent / folder
     return folders
 

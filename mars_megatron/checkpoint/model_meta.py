@@ -48,6 +48,19 @@ def read_meta(mcore_dir: str | Path) -> tuple[Qwen3Arch, dict[str, Any]]:
         raise CheckpointError(f"{path}: holds a JSON {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
+    weights = meta.get("weights", "model")
+    inside = (Path(mcore_dir) / str(weights)).resolve()
+    if (
+        not isinstance(weights, str)
+        or not weights
+        or "/" in weights
+        or "\\" in weights
+        or weights in (".", "..")
+        or not inside.is_relative_to(Path(mcore_dir).resolve())
+    ):  # the weights are a folder of this checkpoint, never another one's (a resealed manifest passes)
+        raise CheckpointError(
+            f"{path}: field 'weights' is {str(weights)[:100]!r}; it must name a folder inside {mcore_dir}"
+        )
     arch_fields = dict(meta["arch"])
     arch_fields["moe_layers"] = tuple(arch_fields.get("moe_layers", ()))
     return Qwen3Arch(**arch_fields), meta

@@ -167,6 +167,10 @@ class CheckpointStore:
         found = []
         for entry in self.root.iterdir():
             match = _NAME.match(entry.name)
+            if match and entry.is_symlink():  # linked to another step: it would be loaded as this one
+                raise CheckpointError(
+                    f"{entry}: a symlink (to {entry.resolve()}); a checkpoint is a plain folder"
+                )
             if match and (entry / STATE_FILE).is_file():
                 found.append((int(match.group(1)), entry))
         return sorted(found)
@@ -197,6 +201,8 @@ class CheckpointStore:
             path = self.root / path
         if not path.is_dir():
             raise CheckpointError(f"{path}: resume checkpoint does not exist or is not a directory")
+        if path.is_symlink():  # a step folder linked to another step: resuming would load that one
+            raise CheckpointError(f"{path}: a symlink (to {path.resolve()}); a checkpoint is a plain folder")
         if not (path / STATE_FILE).is_file():
             raise CheckpointError(
                 f"{path}: not a complete checkpoint (no {STATE_FILE}; an interrupted save leaves none)"

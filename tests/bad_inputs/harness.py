@@ -233,6 +233,7 @@ def all_cases() -> list[Case]:
         reward_functions,
         server,
         sizes,
+        task_files,
         trackers,
     )
 
@@ -250,6 +251,7 @@ def all_cases() -> list[Case]:
         trackers,
         reward_functions,
         sizes,
+        task_files,
     ):
         out.extend(module.cases())
     ids = [c.id for c in out]
