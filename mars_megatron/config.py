@@ -731,7 +731,11 @@ class PipelineConfig(Section):
 
 @dataclass
 class CheckpointConfig(Section):
-    save_dir: str | None = _field(None, "Directory for Megatron distributed checkpoints; null = never save.")
+    save_dir: str | None = _field(
+        None,
+        "Directory for Megatron distributed checkpoints (old ones are pruned in it: never the filesystem root, "
+        "a system folder or the home folder itself); null = never save.",
+    )
     save_interval: int = _field(0, "Save every this many steps; 0 = only at the end of training.", min=0)
     keep_last: int = _field(2, "Keep only this many most recent checkpoints in save_dir.", min=1)
 
@@ -921,7 +925,11 @@ class MlflowConfig(Section):
 
 @dataclass
 class LoggingConfig(Section):
-    run_dir: str = _field("runs/default", "Directory for logs, metrics and the resolved config of this run.")
+    run_dir: str = _field(
+        "runs/default",
+        "Directory for logs, metrics and the resolved config of this run; never the filesystem root, a system "
+        "folder (/etc, /usr, /var, ...) or the home folder itself (judged where it resolves).",
+    )
     tensorboard: bool = _field(
         False,
         "Also write TensorBoard event files under run_dir (the same as listing 'tensorboard' in backends).",
