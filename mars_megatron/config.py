@@ -733,8 +733,8 @@ class PipelineConfig(Section):
 class CheckpointConfig(Section):
     save_dir: str | None = _field(
         None,
-        "Directory for Megatron distributed checkpoints (old ones are pruned in it: never the filesystem root, "
-        "a system folder or the home folder itself); null = never save.",
+        "Directory for Megatron distributed checkpoints (old ones are pruned in it: never the filesystem "
+        "root, a system folder or the home folder itself); null = never save.",
     )
     save_interval: int = _field(0, "Save every this many steps; 0 = only at the end of training.", min=0)
     keep_last: int = _field(2, "Keep only this many most recent checkpoints in save_dir.", min=1)
@@ -927,8 +927,8 @@ class MlflowConfig(Section):
 class LoggingConfig(Section):
     run_dir: str = _field(
         "runs/default",
-        "Directory for logs, metrics and the resolved config of this run; never the filesystem root, a system "
-        "folder (/etc, /usr, /var, ...) or the home folder itself (judged where it resolves).",
+        "Directory for logs, metrics and the resolved config of this run; never the filesystem root, a "
+        "system folder (/etc, /usr, /var, ...) or the home folder itself (judged where it resolves).",
     )
     tensorboard: bool = _field(
         False,
