@@ -51,6 +51,9 @@ class RunSetup:
     resume_from: Path | None
     eval_problems: list[Any] = field(default_factory=list)
     """Held-out problems of ``evaluation.test_file`` (empty when training evaluates nothing)."""
+    data_summary: list[str] = field(default_factory=list)
+    """One line per data file read (problems kept, rows filtered, unusable rows by reason), printed when
+    the run starts: no row is dropped without a word, and a refused run prints nothing."""
 
 
 def prepare(
@@ -96,7 +99,9 @@ def prepare(
     dataset = _read_problems(cfg.data.train_file, cfg.data, "data", check_answers=check_answers)
     if not dataset.problems:
         raise ValueError(f"{dataset.summary(cfg.data.train_file)}: no usable problems")
-    eval_problems = _eval_problems(cfg, dataset.problems, graph.roles[graph.start_role].reward != "function")
+    eval_problems, eval_summary = _eval_problems(
+        cfg, dataset.problems, graph.roles[graph.start_role].reward != "function"
+    )
     resume_from = None
     if resume:
         if cfg.checkpoint.save_dir is None:
@@ -112,8 +117,9 @@ def prepare(
     check_trackers(cfg.logging)
     if check_machine:
         check_this_machine(cfg)
+    summary = [dataset.summary(f"data: {cfg.data.train_file}"), *eval_summary]
     return RunSetup(
-        model_dir, str(tokenizer_dir(model_dir)), dataset.problems, world, resume_from, eval_problems
+        model_dir, str(tokenizer_dir(model_dir)), dataset.problems, world, resume_from, eval_problems, summary
     )
 
 
@@ -121,27 +127,28 @@ def _read_problems(
     path: str, section: Any, key: str, limit: int | None = None, *, check_answers: bool = True
 ) -> Any:
     """The problems of ``path`` mapped by ``section``'s fields and filter; the summary (problems kept,
-    rows filtered, unusable rows by reason) goes to the log, so no row is dropped without a word."""
+    rows filtered, unusable rows by reason) is in the dataset (:class:`RunSetup`'s ``data_summary``)."""
     from mars_megatron.problems import FieldMap, load_problems
 
     try:
         fields = FieldMap.of(section, check_answers=check_answers)
     except ValueError as e:
         raise ConfigError(str(e), f"{key}.fields") from None
-    dataset = load_problems(path, limit, fields, split=section.split, key=key)
-    print(dataset.summary(f"{key}: {path}"), flush=True)
-    return dataset
+    return load_problems(path, limit, fields, split=section.split, key=key)
 
 
-def _eval_problems(cfg: MarsConfig, train: list[Any], check_answers: bool = True) -> list[Any]:
-    """``evaluation.test_file``'s problems, refused when any is also a training problem: a held-out score
-    on problems the run trains on would measure memory, not the skill."""
+def _eval_problems(
+    cfg: MarsConfig, train: list[Any], check_answers: bool = True
+) -> tuple[list[Any], list[str]]:
+    """``evaluation.test_file``'s problems (and its summary line), refused when any is also a training
+    problem: a held-out score on problems the run trains on would measure memory, not the skill."""
     ev = cfg.evaluation
     if not ev.interval or ev.test_file is None:
-        return []
+        return [], []
     if not Path(ev.test_file).exists():
         raise ConfigError(f"{ev.test_file}: no such file or folder", "evaluation.test_file")
-    problems = _read_problems(ev.test_file, ev, "evaluation", ev.limit, check_answers=check_answers).problems
+    dataset = _read_problems(ev.test_file, ev, "evaluation", ev.limit, check_answers=check_answers)
+    problems = dataset.problems
     if not problems:
         raise ConfigError(f"{ev.test_file}: no usable problems", "evaluation.test_file")
     seen = {p.text.strip() for p in train}
@@ -152,7 +159,7 @@ def _eval_problems(cfg: MarsConfig, train: list[Any], check_answers: bool = True
             f"{', ...' if len(shared) > 5 else ''}): held-out problems must not be trained on",
             "evaluation.test_file",
         )
-    return problems
+    return problems, [dataset.summary(f"evaluation: {ev.test_file}")]
 
 
 def check_this_machine(cfg: MarsConfig) -> None:
@@ -699,6 +706,8 @@ def train(
 
     graph_for(cfg)  # a graph that cannot run fails here, before models are converted or Ray starts
     setup = prepare(cfg, nproc=nproc, resume=resume)
+    for line in setup.data_summary:
+        print(line, flush=True)
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
