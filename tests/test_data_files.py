@@ -249,3 +249,16 @@ def test_answers_math_verify_cannot_read_are_kept_when_a_function_judges(tmp_pat
         assert load_problems(path, fields=FieldMap(problem="question", answer="cases")).unusable == 2
     data = load_problems(path, fields=FieldMap(problem="question", answer="cases", check_answers=False))
     assert [p.reference for p in data.problems] == [[[1, 2, 3], [0, 0, 0]], None]
+
+
+def test_the_usual_names_and_filter_columns_are_read_beside_the_mapped_ones(tmp_path: Path) -> None:
+    """Only some fields mapped: the others' usual columns (qid, answer) are still read from a table, and
+    so is a column only the filter names (written without spaces)."""
+    rows = [
+        {"qid": f"q{i}", "prompt": f"{i}+1?", "answer": str(i + 1), "level": i, "blob": "x"} for i in range(4)
+    ]
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    data = load_problems(path, fields=FieldMap(problem="prompt", filter=("level>=2",)))
+    assert [(p.problem_id, p.reference) for p in data.problems] == [("q2", "3"), ("q3", "4")]
+    assert data.filtered == 2

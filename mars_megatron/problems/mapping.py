@@ -67,14 +67,18 @@ class FieldMap:
     def conditions(self) -> list[Condition]:
         return [parse_condition(c) for c in self.filter]
 
-    def top_columns(self) -> set[str] | None:
-        """The top-level columns a table must have (read only those); None: the default names decide
-        per row, so every column is read."""
-        paths = [self.problem, self.answer, self.id, *self.extra]
-        paths += [c.split()[0] for c in self.filter]
-        if self.problem is None or (self.answer is None and self.check_answers):
-            return None
-        return {str(parse_path(p)[0]) for p in paths if p is not None}
+    def top_columns(self) -> set[str]:
+        """The top-level columns a table is read with (only those: a wide table's other columns are never
+        read): each mapped path's first name, and the usual names of every field left to them."""
+        paths = [p for p in (self.problem, self.answer, self.id, *self.extra) if p is not None]
+        wanted = {str(parse_path(p)[0]) for p in paths} | {str(c.path[0]) for c in self.conditions()}
+        if self.problem is None:
+            wanted.update(PROBLEM_KEYS)
+        if self.answer is None:
+            wanted.update(ANSWER_KEYS)
+        if self.id is None:
+            wanted.add(ID_KEY)
+        return wanted
 
     def named(self) -> dict[str, str]:
         """``{field: path}`` of every path the mapping names (for the schema check's message)."""
