@@ -236,18 +236,19 @@ class FunctionPool:
         self.counts: dict[str, int] = dict.fromkeys(REASONS, 0)
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
-        self._proc: _Process | None = None
+        self._held: list[_Process] = []
+        """The live process (at most one), in a list the finalizer shares without holding the pool."""
         self._warned: set[str] = set()
-        self._finalizer = weakref.finalize(self, _close, self)
+        self._finalizer = weakref.finalize(self, _close, self._held)
 
     def score(self, requests: Sequence[RewardRequest]) -> list[Outcome]:
         with self._lock:
             return [self._one(r) for r in requests]
 
     def _one(self, request: RewardRequest) -> Outcome:
-        if self._proc is None:
-            self._proc = _Process(self._ctx, self.target)
-        proc = self._proc
+        if not self._held:
+            self._held.append(_Process(self._ctx, self.target))
+        proc = self._held[0]
         proc.wait_ready()
         if proc.load_error:  # the same answer for every output until the run is fixed: no retry storm
             return self._failed(Outcome(0.0, reason="load_error", message=proc.load_error))
@@ -268,9 +269,9 @@ class FunctionPool:
         return self._failed(outcome) if outcome.reason else outcome
 
     def _replace(self, outcome: Outcome) -> Outcome:
-        if self._proc is not None:
-            self._proc.kill()
-        self._proc = None
+        for proc in self._held:
+            proc.kill()
+        self._held.clear()
         return self._failed(outcome)
 
     def _failed(self, outcome: Outcome) -> Outcome:
@@ -290,15 +291,15 @@ class FunctionPool:
         self._finalizer()
 
 
-def _close(pool: FunctionPool) -> None:
-    if pool._proc is not None:
+def _close(held: list[_Process]) -> None:
+    for proc in held:
         try:
-            pool._proc.conn.send(None)
+            proc.conn.send(None)
         except (OSError, ValueError):
             pass
-        pool._proc.process.join(timeout=2.0)
-        pool._proc.kill()
-        pool._proc = None
+        proc.process.join(timeout=2.0)
+        proc.kill()
+    held.clear()
 
 
 class FunctionPools:
