@@ -218,12 +218,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _init_model(args: argparse.Namespace) -> None:
-    from mars_megatron.config import output_place_problem
+    from mars_megatron.config import check_output_place
     from mars_megatron.models.presets import init_model
 
-    problem = output_place_problem(args.out)
-    if problem:
-        raise ValueError(f"--out {problem}")
+    check_output_place(args.out, "--out")
     out = init_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
     print(f"wrote {args.preset} to {out}")
 

@@ -58,6 +58,13 @@ def output_place_problem(path: str | Path) -> str | None:
     return None
 
 
+def check_output_place(path: str | Path, what: str) -> None:
+    """:func:`output_place_problem` as a ValueError starting with ``what`` (the flag: ``--out``)."""
+    problem = output_place_problem(path)
+    if problem:
+        raise ValueError(f"{what} {problem}")
+
+
 class ConfigError(ValueError):
     """A bad configuration value. ``str(err)`` is ``[source: ]dotted.path: message``."""
 
@@ -1185,12 +1192,6 @@ MAX_CONFIG_BYTES = 2**20
 """Largest config file read (1 MiB; the shipped ones are under 8 KB)."""
 
 
-def _parse_yaml(text: str) -> Any:
-    """``text`` as YAML (:func:`~mars_megatron.yaml_file.parse_yaml`: duplicate keys and alias bombs
-    refused); ValueError with the message."""
-    return parse_yaml(text)
-
-
 def _read_yaml(path: Path) -> dict[Any, Any]:
     try:
         data = read_yaml(path, MAX_CONFIG_BYTES)
@@ -1214,7 +1215,7 @@ def _apply_override(raw: dict[Any, Any], text: str) -> str:
             f"malformed override {_show(text, 120)}: expected dotted.key=value, e.g. parallel.tp=2"
         )
     try:
-        value = _parse_yaml(value_text)
+        value = parse_yaml(value_text)
     except ValueError as err:
         raise ConfigError(str(err), ".".join(parts), f"override {_show(text, 120)}") from None
     node = raw

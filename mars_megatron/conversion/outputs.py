@@ -11,12 +11,10 @@ __all__ = ["check_assets", "check_loadable", "check_output_dir"]
 
 
 def check_output_dir(out_dir: str | Path) -> Path:
-    from mars_megatron.config import output_place_problem
+    from mars_megatron.config import check_output_place
 
     out = Path(out_dir)
-    problem = output_place_problem(out)  # the root, a system folder, the home folder itself
-    if problem:
-        raise ValueError(f"output directory {problem}")
+    check_output_place(out, "output directory")  # the root, a system folder, the home folder itself
     if out.exists():
         raise FileExistsError(f"{out}: output directory already exists; choose a new path or remove it")
     if not out.parent.exists():

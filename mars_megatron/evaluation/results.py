@@ -60,12 +60,10 @@ class OutputDir:
     """Owns OUT: prepares it (fresh or resumed), appends results, writes the summary."""
 
     def __init__(self, path: str | Path, config: dict[str, Any], *, resume: bool) -> None:
-        from mars_megatron.config import output_place_problem
+        from mars_megatron.config import check_output_place
 
         self.path = Path(path)
-        problem = output_place_problem(self.path)  # the root, a system folder, the home folder itself
-        if problem:
-            raise ValueError(f"--out {problem}")
+        check_output_place(self.path, "--out")  # the root, a system folder, the home folder itself
         self.records: list[dict] = []
         self.dropped_lines = 0
         if self.path.exists() and not self.path.is_dir():
