@@ -341,11 +341,14 @@ def check_function(target: str, timeout_s: float = 60.0) -> str | None:
 def check_graph_functions(graph: Any) -> None:
     """Every reward function ``graph``'s roles name, imported as a worker will (:func:`check_function`):
     a ValueError naming where it was declared, the function and why, before anything starts."""
+    checked: dict[str, str | None] = {}  # one import per function, however many roles it judges
     for role in graph.roles.values():
         spec = role.function
         if role.reward != "function" or spec is None:
             continue
-        error = check_function(spec.target)
+        if spec.target not in checked:
+            checked[spec.target] = check_function(spec.target)
+        error = checked[spec.target]
         if error is not None:
             raise ValueError(
                 f"{spec.source}: reward function {spec.target} of role {role.name!r} cannot be loaded: "
