@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -472,18 +473,28 @@ def test_connections_over_the_cap_are_answered_503_while_the_others_are_busy() -
         assert reply.startswith(b"HTTP/1.0 200 ")
 
 
+@contextlib.contextmanager
+def half_sent_requests(port: int, n: int) -> Iterator[list[socket.socket]]:
+    """``n`` connections to ``port`` that each send half a request line and idle (closed on exit), oldest
+    first: the flood the server must not be starved by (also the bad-input suite's case)."""
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Le")
+            idle.append(s)
+        yield idle
+    finally:
+        for s in idle:
+            s.close()
+
+
 def test_500_idle_half_sent_requests_do_not_starve_a_well_formed_one() -> None:
     """500 connections that send half a request line and idle take every slot long before their read
     timeout; a well-formed request is still answered within seconds (it takes the slot of the longest
     idle one), and every idle one beyond the slots is closed at once (evicted, or refused with 503)."""
     with OpenAICompletionsServer(Stub(), read_timeout_s=60, max_connections=64) as server:
-        port = port_of(server)
-        idle = []
-        try:
-            for _ in range(500):
-                s = socket.create_connection(("127.0.0.1", port), timeout=10)
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Le")
-                idle.append(s)
+        with half_sent_requests(port_of(server), 500) as idle:
             start = time.monotonic()
             out = post_json(server.url + "/v1/completions", {"prompt": [1], "max_tokens": 2, "logprobs": 0})
             assert out["choices"][0]["logprobs"]["tokens"] == ["token_id:5"] * 2
@@ -500,9 +511,6 @@ def test_500_idle_half_sent_requests_do_not_starve_a_well_formed_one() -> None:
                 assert received == b"" or received.startswith(b"HTTP/1.0 503 ")
                 closed += 1
             assert closed == 400
-        finally:
-            for s in idle:
-                s.close()
 
 
 class Huge(LocalServer):

@@ -17,7 +17,6 @@ used to slip through checks of model files and ``mars score``.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from typing import Any
 
@@ -121,14 +120,10 @@ def _flood(ws: Workspace) -> HttpReply:
     is returned when it is not served within 3 s (starved: 503, or 599 for no answer); when it is served,
     the fate of the oldest idle connection (closed by the server) is the refusal this case judges."""
     from tests.bad_inputs.server import GOOD_BYTES, _exchange, _post
+    from tests.test_rollout_openai import half_sent_requests
 
     port = int(ws.fixtures.server.url.rsplit(":", 1)[1])
-    idle = []
-    try:
-        for _ in range(500):
-            s = socket.create_connection(("127.0.0.1", port), timeout=10)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Le")
-            idle.append(s)
+    with half_sent_requests(port, 500) as idle:
         start = time.monotonic()
         reply = _exchange(ws, _post(GOOD_BYTES))
         took = time.monotonic() - start
@@ -144,9 +139,6 @@ def _flood(ws: Workspace) -> HttpReply:
         if left not in (b"",) and not left.startswith(b"HTTP/1.0 503"):
             return HttpReply(200, f"the oldest idle connection got {left[:60]!r}")
         return HttpReply(408, f"served in {took:.2f} s; the idle half-sent requests were closed")
-    finally:
-        for s in idle:
-            s.close()
 
 
 def _huge_reply(ws: Workspace) -> Any:
